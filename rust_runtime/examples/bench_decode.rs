@@ -1,0 +1,54 @@
+//! Decode timing without Python: `cargo run --release --example bench_decode -- BUNDLE [threads] [none|int8]`
+//! (set the thread count with CANDLE_NUM_THREADS / RAYON_NUM_THREADS too, before the first op).
+use rust_runtime::{Model, Quantize};
+use std::time::Instant;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(|s| s.as_str()) == Some("gemv") {
+        gemv_bench();
+        return Ok(());
+    }
+    let dir = args.get(1).ok_or("usage: bench_decode BUNDLE [threads] [none|int8]")?;
+    let threads: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(1);
+    let q = Quantize::parse(args.get(3).map(|s| s.as_str()))?;
+    let model = Model::load(std::path::Path::new(dir), q, threads)?;
+    let prompt: Vec<u32> = (5..21).collect();
+    for _ in 0..3 {
+        let mut cache = model.new_cache();
+        let t0 = Instant::now();
+        let mut logits = model.forward(&mut cache, &prompt, false)?;
+        let t1 = Instant::now();
+        let n = 128;
+        for _ in 0..n {
+            let tok = rust_runtime::sampling::argmax(&logits).unwrap_or(0);
+            logits = model.forward(&mut cache, &[tok as u32], false)?;
+        }
+        let t2 = Instant::now();
+        println!(
+            "{} threads={threads}: prefill {} tokens {:.1} ms, decode {:.0} tok/s",
+            q.name(),
+            prompt.len(),
+            (t1 - t0).as_secs_f64() * 1e3,
+            n as f64 / (t2 - t1).as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+#[allow(dead_code)]
+pub fn gemv_bench() {
+    use rust_runtime::kernels::gemv_serial;
+    for &(rows, k) in &[(32000usize, 512usize), (2560, 512), (1024, 512), (512, 1280), (512, 512)] {
+        let w: Vec<f32> = (0..rows * k).map(|i| (i % 13) as f32 * 0.1).collect();
+        let x: Vec<f32> = (0..k).map(|i| (i % 7) as f32).collect();
+        let mut y = vec![0f32; rows];
+        let reps = (200_000_000 / (rows * k)).max(5);
+        let t = Instant::now();
+        for _ in 0..reps {
+            gemv_serial(&w, &x, &mut y, k);
+        }
+        let dt = t.elapsed().as_secs_f64() / reps as f64;
+        println!("gemv {rows}x{k}: {:.1} us, {:.1} GB/s", dt * 1e6, (rows * k * 4) as f64 / dt / 1e9);
+    }
+}

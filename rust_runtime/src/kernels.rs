@@ -1,0 +1,588 @@
+//! Small f32 kernels for the token loop: a batch-1 GEMV (AVX-512 / AVX2+FMA picked at run time,
+//! so a portable build is as fast as a `target-cpu=native` one), dot products, RMSNorm, SiLU,
+//! RoPE, and the split of a row range over candle's barrier thread pool.
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimdLevel {
+    Avx512,
+    Avx2Fma,
+    Generic,
+}
+
+pub fn simd_level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::env::var("SHALIK_RUST_SIMD").as_deref() == Ok("generic") {
+                return SimdLevel::Generic;
+            }
+            if std::env::var("SHALIK_RUST_SIMD").as_deref() != Ok("avx2")
+                && std::arch::is_x86_feature_detected!("avx512f")
+            {
+                return SimdLevel::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+            {
+                return SimdLevel::Avx2Fma;
+            }
+        }
+        SimdLevel::Generic
+    })
+}
+
+// ---------------------------------------------------------------- dot products / GEMV
+
+/// Portable dot product with 16 independent partial sums (vectorizes at any target level).
+#[inline(always)]
+fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 16];
+    let mut ca = a.chunks_exact(16);
+    let mut cb = b.chunks_exact(16);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for j in 0..16 {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    let mut s = 0f32;
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        s += x * y;
+    }
+    // pairwise reduction of the partial sums
+    let mut w = 8;
+    while w > 0 {
+        for j in 0..w {
+            acc[j] += acc[j + w];
+        }
+        w /= 2;
+    }
+    acc[0] + s
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    const PF_ROWS: usize = 8;
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm512_setzero_ps();
+        let mut acc1 = _mm512_setzero_ps();
+        let mut i = 0;
+        while i + 32 <= n {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(pa.add(i + 16)),
+                _mm512_loadu_ps(pb.add(i + 16)),
+                acc1,
+            );
+            i += 32;
+        }
+        if i + 16 <= n {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+            i += 16;
+        }
+        if i < n {
+            let mask: __mmask16 = ((1u32 << (n - i)) - 1) as __mmask16;
+            acc1 = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(mask, pa.add(i)),
+                _mm512_maskz_loadu_ps(mask, pb.add(i)),
+                acc1,
+            );
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+    }
+
+    /// y[r] = w[r, :] · x for every r < y.len(); `w` is row-major with row length `k`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn gemv_avx512(w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
+        let rows = y.len();
+        let px = x.as_ptr();
+        let pw = w.as_ptr();
+        let k16 = k & !15;
+        let tail = k - k16;
+        let mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;
+        let mut r = 0;
+        while r + 4 <= rows {
+            let p0 = pw.add(r * k);
+            let p1 = p0.add(k);
+            let p2 = p1.add(k);
+            let p3 = p2.add(k);
+            let mut a0 = _mm512_setzero_ps();
+            let mut a1 = _mm512_setzero_ps();
+            let mut a2 = _mm512_setzero_ps();
+            let mut a3 = _mm512_setzero_ps();
+            // prefetch the same columns of the rows PF_ROWS ahead (~16 KiB for k = 512)
+            let pf = if r + 4 + PF_ROWS <= rows { pw.add((r + PF_ROWS) * k) } else { p0 };
+            let mut i = 0;
+            while i < k16 {
+                _mm_prefetch::<_MM_HINT_T0>(pf.add(i) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(pf.add(k + i) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(pf.add(2 * k + i) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(pf.add(3 * k + i) as *const i8);
+                let xv = _mm512_loadu_ps(px.add(i));
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p0.add(i)), xv, a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p1.add(i)), xv, a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(p2.add(i)), xv, a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(p3.add(i)), xv, a3);
+                i += 16;
+            }
+            if tail > 0 {
+                let xv = _mm512_maskz_loadu_ps(mask, px.add(i));
+                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p0.add(i)), xv, a0);
+                a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p1.add(i)), xv, a1);
+                a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p2.add(i)), xv, a2);
+                a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p3.add(i)), xv, a3);
+            }
+            *y.get_unchecked_mut(r) = _mm512_reduce_add_ps(a0);
+            *y.get_unchecked_mut(r + 1) = _mm512_reduce_add_ps(a1);
+            *y.get_unchecked_mut(r + 2) = _mm512_reduce_add_ps(a2);
+            *y.get_unchecked_mut(r + 3) = _mm512_reduce_add_ps(a3);
+            r += 4;
+        }
+        while r < rows {
+            *y.get_unchecked_mut(r) = dot_avx512(&w[r * k..(r + 1) * k], x);
+            r += 1;
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 8)),
+                _mm256_loadu_ps(pb.add(i + 8)),
+                acc1,
+            );
+            i += 16;
+        }
+        let mut s = hsum256(_mm256_add_ps(acc0, acc1));
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemv_avx2(w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
+        let rows = y.len();
+        let px = x.as_ptr();
+        let pw = w.as_ptr();
+        let k8 = k & !7;
+        let mut r = 0;
+        while r + 4 <= rows {
+            let p0 = pw.add(r * k);
+            let p1 = p0.add(k);
+            let p2 = p1.add(k);
+            let p3 = p2.add(k);
+            let mut a0 = _mm256_setzero_ps();
+            let mut a1 = _mm256_setzero_ps();
+            let mut a2 = _mm256_setzero_ps();
+            let mut a3 = _mm256_setzero_ps();
+            let pf = if r + 4 + PF_ROWS <= rows { pw.add((r + PF_ROWS) * k) } else { p0 };
+            let mut i = 0;
+            while i < k8 {
+                if i % 16 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(i) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(k + i) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(2 * k + i) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(3 * k + i) as *const i8);
+                }
+                let xv = _mm256_loadu_ps(px.add(i));
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(i)), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p1.add(i)), xv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(p2.add(i)), xv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(p3.add(i)), xv, a3);
+                i += 8;
+            }
+            let mut s = [hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)];
+            while i < k {
+                let xi = *px.add(i);
+                s[0] += *p0.add(i) * xi;
+                s[1] += *p1.add(i) * xi;
+                s[2] += *p2.add(i) * xi;
+                s[3] += *p3.add(i) * xi;
+                i += 1;
+            }
+            y[r..r + 4].copy_from_slice(&s);
+            r += 4;
+        }
+        while r < rows {
+            y[r] = dot_avx2(&w[r * k..(r + 1) * k], x);
+            r += 1;
+        }
+    }
+}
+
+/// a · b over the common length.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU feature was detected at run time.
+        SimdLevel::Avx512 => unsafe { x86::dot_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2Fma => unsafe { x86::dot_avx2(a, b) },
+        _ => dot_generic(a, b),
+    }
+}
+
+/// Single-threaded y = W x for the rows covered by `y`: `w` holds exactly `y.len()` rows of
+/// length `k` (row-major), `x` has length `k`.
+pub fn gemv_serial(w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
+    assert!(w.len() >= y.len() * k && x.len() >= k, "gemv: shape mismatch");
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected at run time; lengths checked above.
+        SimdLevel::Avx512 => unsafe { x86::gemv_avx512(w, x, y, k) },
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2Fma => unsafe { x86::gemv_avx2(w, x, y, k) },
+        _ => {
+            for (r, out) in y.iter_mut().enumerate() {
+                *out = dot_generic(&w[r * k..(r + 1) * k], &x[..k]);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- threads
+
+/// How a model splits work. `threads == 1`: everything runs on the calling thread (so two
+/// Python threads generating at once really run in parallel). `threads > 1`: the model owns a
+/// rayon pool of that size; a whole forward runs inside it (`install`, one hand-off per call)
+/// and row ranges are split with rayon's work stealing, so a worker that the OS has descheduled
+/// (2 shared cores!) costs little: the thread that is running takes the remaining chunks.
+/// (candle's own spin-barrier pool is kept at 1 thread by the Python module: a spinning barrier
+/// waiting on a preempted worker made 2-thread decode 20× slower on a loaded 2-core VM.)
+#[derive(Clone)]
+pub struct Par {
+    pub threads: usize,
+    pool: Option<std::sync::Arc<rayon::ThreadPool>>,
+}
+
+impl std::fmt::Debug for Par {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Par {{ threads: {} }}", self.threads)
+    }
+}
+
+impl Par {
+    pub fn new(threads: usize) -> crate::error::Result<Self> {
+        let threads = threads.max(1);
+        let pool = if threads > 1 {
+            let p = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("rust_runtime-{i}"))
+                .build()
+                .map_err(|e| crate::error::Error::format(format!("cannot start {threads} compute threads: {e}")))?;
+            Some(std::sync::Arc::new(p))
+        } else {
+            None
+        };
+        Ok(Par { threads, pool })
+    }
+
+    /// Run `f` inside this model's pool (or inline with one thread).
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+
+    /// Run `f` over `0..n_units` split into ranges, possibly on several threads. Call only from
+    /// inside `install`. `f` must only write to memory owned by its own units.
+    pub fn run(&self, n_units: usize, f: impl Fn(Range<usize>) + Sync + Send) {
+        if n_units == 0 {
+            return;
+        }
+        if self.pool.is_none() || n_units == 1 {
+            f(0..n_units);
+            return;
+        }
+        use rayon::prelude::*;
+        let chunks = n_units.min(self.threads * 4);
+        (0..chunks).into_par_iter().for_each(|c| f(c * n_units / chunks..(c + 1) * n_units / chunks));
+    }
+
+    /// Like `run` with one unit per item and a fallible body; the first error wins.
+    pub fn try_each<E: Send>(&self, n: usize, f: impl Fn(usize) -> Result<(), E> + Sync + Send) -> Result<(), E> {
+        if self.pool.is_none() || n <= 1 {
+            return (0..n).try_for_each(f);
+        }
+        use rayon::prelude::*;
+        (0..n).into_par_iter().try_for_each(f)
+    }
+}
+
+/// A raw pointer that may be shared between threads that write disjoint ranges.
+#[derive(Clone, Copy)]
+pub struct SyncPtr(pub *mut f32);
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+/// y = W x with W (rows × k) row-major, split over threads in blocks of rows.
+pub fn gemv(par: &Par, w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
+    let rows = y.len();
+    assert!(w.len() >= rows * k && x.len() >= k, "gemv: shape mismatch");
+    // ~32 KiB of weights per unit (at least 16 rows): enough work to amortise a chunk grab.
+    let rows_per_unit = ((8192 / k.max(1)).max(16) + 3) & !3;
+    let n_units = rows.div_ceil(rows_per_unit);
+    if par.threads <= 1 || n_units < 2 * par.threads {
+        gemv_serial(&w[..rows * k], x, y, k);
+        return;
+    }
+    let yp = SyncPtr(y.as_mut_ptr());
+    par.run(n_units, |units| {
+        let yp = yp;
+        let r0 = units.start * rows_per_unit;
+        let r1 = (units.end * rows_per_unit).min(rows);
+        // SAFETY: units are disjoint, so the row ranges [r0, r1) are disjoint and in bounds.
+        let ys = unsafe { std::slice::from_raw_parts_mut(yp.0.add(r0), r1 - r0) };
+        gemv_serial(&w[r0 * k..r1 * k], x, ys, k);
+    });
+}
+
+// ---------------------------------------------------------------- elementwise
+
+/// HF LlamaRMSNorm in f32: x * rsqrt(mean(x²) + eps) * weight. The mean is accumulated in f64.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let n = x.len();
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let var = (ss / n as f64) as f32;
+    let inv = 1.0f32 / (var + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = w * (v * inv);
+    }
+}
+
+/// e^x in f32 without libm (Cephes' expf polynomial, ≤ 2 ulp on [-87, 88]); written
+/// branch-free so loops over it vectorize. e^x for x < -87.3 (including -inf) is 0, NaN stays NaN.
+#[inline(always)]
+pub fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding and subtracting rounds to an integer
+    let xc = x.clamp(-87.3, 88.3);
+    let n = (xc * LOG2E + ROUND) - ROUND;
+    let r = xc - n * C1 - n * C2;
+    let mut p = 1.987_569_2e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let y = p * r * r + r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let v = y * scale;
+    if x < -87.3 {
+        0.0
+    } else if x.is_nan() {
+        x
+    } else {
+        v
+    }
+}
+
+/// out[i] = silu(gate[i]) * up[i].
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = (g / (1.0 + exp_approx(-g))) * u;
+    }
+}
+
+/// Rotate-half RoPE (GPT-NeoX / Hugging Face layout) of one head vector in place:
+/// out[i] = x[i]·cos[i] − x[i+h]·sin[i], out[i+h] = x[i+h]·cos[i] + x[i]·sin[i], h = len/2.
+#[inline]
+pub fn rope_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    let (a, b) = x.split_at_mut(half);
+    for i in 0..half {
+        let (x1, x2) = (a[i], b[i]);
+        a[i] = x1 * cos[i] - x2 * sin[i];
+        b[i] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/// max(x) (NaN ignored) and whether x holds a NaN or +inf, in one vectorizable pass.
+pub fn max_and_bad(x: &[f32]) -> (f32, bool) {
+    let mut m = [f32::NEG_INFINITY; 16];
+    let mut bad = [false; 16];
+    let mut c = x.chunks_exact(16);
+    for ch in &mut c {
+        for j in 0..16 {
+            let v = ch[j];
+            m[j] = if v > m[j] { v } else { m[j] };
+            bad[j] |= !(v < f32::INFINITY);
+        }
+    }
+    let mut mm = f32::NEG_INFINITY;
+    let mut b = false;
+    for &v in c.remainder() {
+        mm = if v > mm { v } else { mm };
+        b |= !(v < f32::INFINITY);
+    }
+    for j in 0..16 {
+        mm = if m[j] > mm { m[j] } else { mm };
+        b |= bad[j];
+    }
+    (mm, b)
+}
+
+/// Σ e^(x[i] − m), accumulated in 16 f32 lanes and summed in f64.
+pub fn sum_exp_shifted(x: &[f32], m: f32) -> f64 {
+    let mut acc = [0f32; 16];
+    let mut c = x.chunks_exact(16);
+    for ch in &mut c {
+        for j in 0..16 {
+            acc[j] += exp_approx(ch[j] - m);
+        }
+    }
+    let mut s: f64 = c.remainder().iter().map(|&v| exp_approx(v - m) as f64).sum();
+    for a in acc {
+        s += a as f64;
+    }
+    s
+}
+
+/// In-place softmax over `x` (max-subtracted).
+pub fn softmax_inplace(x: &mut [f32]) {
+    let (m, _) = max_and_bad(x);
+    let mut s = 0f32;
+    for v in x.iter_mut() {
+        *v = exp_approx(*v - m);
+        s += *v;
+    }
+    let inv = 1.0 / s;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(w: &[f32], x: &[f32], rows: usize, k: usize) -> Vec<f32> {
+        (0..rows).map(|r| (0..k).map(|i| w[r * k + i] as f64 * x[i] as f64).sum::<f64>() as f32).collect()
+    }
+
+    #[test]
+    fn gemv_matches_naive_for_odd_shapes() {
+        for &(rows, k) in &[(1, 1), (3, 7), (5, 16), (7, 33), (64, 64), (130, 250), (17, 1280)] {
+            let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
+            let x: Vec<f32> = (0..k).map(|i| ((i * 104729 % 1000) as f32 / 500.0) - 1.0).collect();
+            let want = naive(&w, &x, rows, k);
+            let mut y = vec![0f32; rows];
+            gemv_serial(&w, &x, &mut y, k);
+            for (a, b) in y.iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{rows}x{k}: {a} vs {b}");
+            }
+            let mut y2 = vec![0f32; rows];
+            let par = Par::new(2).unwrap();
+            par.install(|| gemv(&par, &w, &x, &mut y2, k));
+            assert_eq!(y, y2, "{rows}x{k}: threaded gemv differs");
+            assert!((dot(&w[..k], &x) - want[0]).abs() <= 1e-4 * (1.0 + want[0].abs()));
+            assert!((dot_generic(&w[..k], &x) - want[0]).abs() <= 1e-4 * (1.0 + want[0].abs()));
+        }
+    }
+
+    #[test]
+    fn rope_is_rotate_half_and_matches_candle_nn() {
+        use candle_core::{Device, Tensor};
+        // (b=1, h=2, t=3, d=8) against candle_nn::rotary_emb::rope (the rotate-half variant)
+        let (h, t, d) = (2usize, 3usize, 8usize);
+        let xs: Vec<f32> = (0..h * t * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let cos: Vec<f32> = (0..t * d / 2).map(|i| (i as f32 * 0.11).cos()).collect();
+        let sin: Vec<f32> = (0..t * d / 2).map(|i| (i as f32 * 0.11).sin()).collect();
+        let xt = Tensor::from_vec(xs.clone(), (1, h, t, d), &Device::Cpu).unwrap();
+        let ct = Tensor::from_vec(cos.clone(), (t, d / 2), &Device::Cpu).unwrap();
+        let st = Tensor::from_vec(sin.clone(), (t, d / 2), &Device::Cpu).unwrap();
+        let want: Vec<f32> = candle_nn::rotary_emb::rope(&xt, &ct, &st).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let interleaved: Vec<f32> =
+            candle_nn::rotary_emb::rope_i(&xt, &ct, &st).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let mut got = xs.clone();
+        for hh in 0..h {
+            for tt in 0..t {
+                let o = (hh * t + tt) * d;
+                rope_half(&mut got[o..o + d], &cos[tt * d / 2..(tt + 1) * d / 2], &sin[tt * d / 2..(tt + 1) * d / 2]);
+            }
+        }
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        // and it is not the interleaved variant
+        assert!(got.iter().zip(&interleaved).any(|(a, b)| (a - b).abs() > 1e-3));
+    }
+
+    #[test]
+    fn exp_approx_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let got = exp_approx(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.001_37;
+        }
+        assert!(worst < 3e-7, "relative error {worst}");
+        assert_eq!(exp_approx(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_approx(-1000.0), 0.0);
+        assert_eq!(exp_approx(0.0), 1.0);
+        assert!(exp_approx(f32::NAN).is_nan());
+        let v = [1.0f32, f32::NEG_INFINITY, 3.0, 2.5];
+        let (m, bad) = max_and_bad(&v);
+        assert_eq!((m, bad), (3.0, false));
+        assert!(max_and_bad(&[1.0, f32::NAN]).1);
+        assert!(max_and_bad(&[1.0, f32::INFINITY]).1);
+        let big: Vec<f32> = (0..100).map(|i| i as f32 * 0.1).collect();
+        let want: f64 = big.iter().map(|&v| ((v - 9.9) as f64).exp()).sum();
+        assert!((sum_exp_shifted(&big, 9.9) - want).abs() < 1e-6 * want);
+    }
+
+    #[test]
+    fn rms_norm_and_softmax() {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let w = [1.0f32, 0.5, 2.0, 1.0];
+        let mut out = [0f32; 4];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        let ms: f32 = x.iter().map(|v| v * v).sum::<f32>() / 4.0;
+        let inv = 1.0 / (ms + 1e-5).sqrt();
+        for i in 0..4 {
+            assert!((out[i] - x[i] * inv * w[i]).abs() < 1e-6);
+        }
+        let mut s = [1.0f32, 2.0, 3.0];
+        softmax_inplace(&mut s);
+        assert!((s.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(s[2] > s[1] && s[1] > s[0]);
+    }
+}

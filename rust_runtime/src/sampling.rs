@@ -1,0 +1,460 @@
+//! Sampling exactly as DESIGN.md "Serving" defines it, in this order:
+//! repetition penalty (over prompt + generated ids: a positive logit is divided by it, a negative
+//! one multiplied), presence/frequency penalties (over generated ids only:
+//! `logit -= presence·[count>0] + frequency·count`), then temperature 0 → greedy (ties to the lower
+//! id), else divide by the temperature, top_k (0 = off, ties at the k-th value kept), top_p (the
+//! smallest set whose probability reaches top_p, never empty), and a draw from a generator seeded
+//! per call. Probabilities are exp((z - max) / T), so a tiny temperature cannot overflow; sums
+//! are accumulated in f64.
+
+use crate::error::{Error, Result};
+use crate::kernels;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f64,
+    pub top_k: usize,
+    pub top_p: f64,
+    pub presence_penalty: f64,
+    pub frequency_penalty: f64,
+    pub repetition_penalty: f64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Build from the Python-facing values, refusing anything non-finite or out of range.
+    pub fn new(
+        temperature: f64,
+        top_k: i64,
+        top_p: f64,
+        presence_penalty: f64,
+        frequency_penalty: f64,
+        repetition_penalty: f64,
+    ) -> Result<Self> {
+        if !temperature.is_finite() || temperature < 0.0 {
+            return Err(Error::arg(format!(
+                "temperature is {temperature}; expected a finite number >= 0 (0 = greedy)"
+            )));
+        }
+        if top_k < 0 {
+            return Err(Error::arg(format!("top_k is {top_k}; expected an integer >= 0 (0 = off)")));
+        }
+        if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
+            return Err(Error::arg(format!("top_p is {top_p}; expected 0 < top_p <= 1 (1 = off)")));
+        }
+        if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
+            return Err(Error::arg(format!(
+                "repetition_penalty is {repetition_penalty}; expected a finite number > 0 (1 = off)"
+            )));
+        }
+        for (name, v) in [("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)] {
+            if !v.is_finite() {
+                return Err(Error::arg(format!("{name} is {v}; expected a finite number (0 = off)")));
+            }
+        }
+        Ok(SamplingParams {
+            temperature,
+            top_k: top_k as usize,
+            top_p,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+        })
+    }
+}
+
+/// Which ids the penalties look at.
+pub struct PenaltyState {
+    /// ids seen in prompt + generated (repetition penalty), as a flag per id and a list
+    seen: Vec<bool>,
+    seen_list: Vec<u32>,
+    /// generated-only counts (presence / frequency)
+    counts: Vec<u32>,
+    gen_list: Vec<u32>,
+}
+
+impl PenaltyState {
+    pub fn new(vocab: usize) -> Self {
+        PenaltyState { seen: vec![false; vocab], seen_list: vec![], counts: vec![0; vocab], gen_list: vec![] }
+    }
+    pub fn add_prompt(&mut self, id: u32) {
+        if let Some(s) = self.seen.get_mut(id as usize) {
+            if !*s {
+                *s = true;
+                self.seen_list.push(id);
+            }
+        }
+    }
+    pub fn add_generated(&mut self, id: u32) {
+        self.add_prompt(id);
+        if let Some(c) = self.counts.get_mut(id as usize) {
+            if *c == 0 {
+                self.gen_list.push(id);
+            }
+            *c += 1;
+        }
+    }
+
+    /// Apply the repetition, presence and frequency penalties to `logits` in place.
+    pub fn apply(&self, p: &SamplingParams, logits: &mut [f32]) {
+        if p.repetition_penalty != 1.0 {
+            for &id in &self.seen_list {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    let v = *l as f64;
+                    *l = if v > 0.0 { v / p.repetition_penalty } else { v * p.repetition_penalty } as f32;
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for &id in &self.gen_list {
+                let c = self.counts[id as usize];
+                if let Some(l) = logits.get_mut(id as usize) {
+                    let pen = p.presence_penalty * ((c > 0) as u8 as f64) + p.frequency_penalty * c as f64;
+                    *l = (*l as f64 - pen) as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Refuse logits the model should never produce: any NaN or +inf, or all -inf. Returns the max.
+pub fn check_logits(logits: &[f32]) -> Result<f32> {
+    if logits.is_empty() {
+        return Err(Error::Numerical("the model returned no logits".into()));
+    }
+    let (m, bad) = kernels::max_and_bad(logits);
+    if bad {
+        let i = logits.iter().position(|v| !(*v < f32::INFINITY)).unwrap_or(0);
+        return Err(Error::Numerical(format!(
+            "the model produced a non-finite logit ({}) for token {i}; refusing to sample",
+            logits[i]
+        )));
+    }
+    if m == f32::NEG_INFINITY {
+        return Err(Error::Numerical("every logit is -inf; nothing can be sampled".into()));
+    }
+    Ok(m)
+}
+
+/// log softmax(logits)[id] (logits already checked, `max` = their maximum).
+pub fn log_prob_with_max(logits: &[f32], id: usize, max: f32) -> f64 {
+    let s = kernels::sum_exp_shifted(logits, max);
+    (logits[id] - max) as f64 - s.ln()
+}
+
+/// log softmax(logits)[id].
+pub fn log_prob(logits: &[f32], id: usize) -> f64 {
+    let (m, _) = kernels::max_and_bad(logits);
+    log_prob_with_max(logits, id, m)
+}
+
+/// Greedy: the largest value, ties to the lowest index. None when everything is -inf/NaN.
+pub fn argmax(x: &[f32]) -> Option<usize> {
+    let (m, _) = kernels::max_and_bad(x);
+    if m == f32::NEG_INFINITY || m.is_nan() {
+        return None;
+    }
+    x.iter().position(|&v| v == m)
+}
+
+pub fn make_rng(seed: Option<u64>) -> StdRng {
+    match seed {
+        Some(s) => StdRng::seed_from_u64(s),
+        None => StdRng::from_rng(&mut rand::rng()),
+    }
+}
+
+/// Choose the next token from raw model logits (penalties, temperature, top_k, top_p, draw).
+pub fn sample(raw: &[f32], p: &SamplingParams, pen: &PenaltyState, rng: &mut StdRng) -> Result<u32> {
+    check_logits(raw)?;
+    let mut z = raw.to_vec();
+    pen.apply(p, &mut z);
+    if p.temperature == 0.0 {
+        // top_k / top_p keep the maximum, so greedy is the argmax after the penalties.
+        return argmax(&z)
+            .map(|i| i as u32)
+            .ok_or_else(|| Error::Numerical("every logit is -inf after the penalties".into()));
+    }
+    let n = z.len();
+    if p.top_k > 0 && p.top_k < n {
+        let mut tmp = z.clone();
+        let kth = {
+            let (_, kth, _) = tmp.select_nth_unstable_by(p.top_k - 1, |a, b| b.total_cmp(a));
+            *kth
+        };
+        for v in z.iter_mut() {
+            if *v < kth {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let (m, _) = kernels::max_and_bad(&z);
+    if m == f32::NEG_INFINITY {
+        return Err(Error::Numerical("every logit is -inf after the penalties".into()));
+    }
+    // softmax((z - m) / T): the shifted values are <= 0, so no temperature can overflow
+    let inv_t = (1.0 / p.temperature) as f32;
+    for v in z.iter_mut() {
+        *v = kernels::exp_approx((*v - m) * inv_t);
+    }
+    let mut probs = z;
+    let total: f64 = probs.iter().map(|&q| q as f64).sum();
+    if p.top_p < 1.0 {
+        top_p_filter(&mut probs, total, p.top_p);
+    }
+    let total: f64 = probs.iter().map(|&q| q as f64).sum();
+    let target = rng.random::<f64>() * total;
+    let mut acc = 0.0f64;
+    let mut last = None;
+    for (i, &q) in probs.iter().enumerate() {
+        if q > 0.0 {
+            acc += q as f64;
+            last = Some(i);
+            if acc > target {
+                return Ok(i as u32);
+            }
+        }
+    }
+    last.map(|i| i as u32).ok_or_else(|| Error::Numerical("no token left to sample".into()))
+}
+
+/// Zero every weight outside the smallest set (by descending weight, ties to the lower id)
+/// whose share of `total` reaches `top_p`. The most likely token is always kept.
+pub fn top_p_filter(weights: &mut [f32], total: f64, top_p: f64) {
+    let mut cand: Vec<(u32, f32)> =
+        weights.iter().enumerate().filter(|(_, &q)| q > 0.0).map(|(i, &q)| (i as u32, q)).collect();
+    if cand.is_empty() {
+        return;
+    }
+    let goal = top_p * total;
+    let desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    // Sort only a growing prefix: the nucleus is usually far smaller than the vocabulary.
+    let mut k = 64.min(cand.len());
+    let keep = loop {
+        if k < cand.len() {
+            cand.select_nth_unstable_by(k - 1, desc);
+        }
+        cand[..k].sort_unstable_by(desc);
+        let mut acc = 0.0f64;
+        let mut found = None;
+        for (j, &(_, q)) in cand[..k].iter().enumerate() {
+            acc += q as f64;
+            if acc >= goal {
+                found = Some(j + 1);
+                break;
+            }
+        }
+        match found {
+            Some(n) => break n,
+            None if k == cand.len() => break k, // rounding: the whole support
+            None => k = (k * 4).min(cand.len()),
+        }
+    };
+    let keep = keep.max(1);
+    let mut mask = vec![false; weights.len()];
+    for &(i, _) in &cand[..keep] {
+        mask[i as usize] = true;
+    }
+    for (q, &keep) in weights.iter_mut().zip(&mask) {
+        if !keep {
+            *q = 0.0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn penalties(rep: f64, pres: f64, freq: f64) -> SamplingParams {
+        SamplingParams { repetition_penalty: rep, presence_penalty: pres, frequency_penalty: freq, ..Default::default() }
+    }
+
+    #[test]
+    fn s1_repetition_penalty_pushes_negative_logits_down() {
+        let mut st = PenaltyState::new(3);
+        st.add_prompt(0);
+        st.add_prompt(1);
+        let mut z = vec![2.0f32, -2.0, 0.5];
+        st.apply(&penalties(1.5, 0.0, 0.0), &mut z);
+        assert!((z[0] - 4.0 / 3.0).abs() < 1e-6);
+        assert_eq!(z[1], -3.0);
+        assert_eq!(z[2], 0.5);
+        let mut z = vec![2.0f32, -2.0, 0.5];
+        st.apply(&penalties(1.0, 0.0, 0.0), &mut z);
+        assert_eq!(z, vec![2.0, -2.0, 0.5]);
+    }
+
+    #[test]
+    fn s4_presence_frequency_count_generated_only() {
+        let mut st = PenaltyState::new(10);
+        for _ in 0..3 {
+            st.add_prompt(7);
+        }
+        for id in [5, 5, 9] {
+            st.add_generated(id);
+        }
+        let mut z = vec![0.0f32; 10];
+        st.apply(&penalties(1.0, 1.0, 0.5), &mut z);
+        assert_eq!(z[5], -2.0);
+        assert_eq!(z[9], -1.5);
+        assert_eq!(z[7], 0.0);
+        assert!(z.iter().enumerate().all(|(i, &v)| [5, 9].contains(&i) || v == 0.0));
+        let mut z = vec![0.0f32; 10];
+        st.apply(&penalties(1.0, 0.0, 0.0), &mut z);
+        assert!(z.iter().all(|&v| v == 0.0));
+        // the repetition penalty does look at the prompt
+        let mut z = vec![1.0f32; 10];
+        st.apply(&penalties(2.0, 0.0, 0.0), &mut z);
+        assert_eq!(z[7], 0.5);
+        assert_eq!(z[0], 1.0);
+    }
+
+    #[test]
+    fn s3_temperature_zero_is_greedy_with_ties_to_lower_id() {
+        let pen = PenaltyState::new(4);
+        let p = SamplingParams { temperature: 0.0, ..Default::default() };
+        for seed in 1..=5 {
+            let mut rng = make_rng(Some(seed));
+            assert_eq!(sample(&[1.0, 3.0, 3.0, -1.0], &p, &pen, &mut rng).unwrap(), 1);
+        }
+        // tiny temperature: no inf / NaN, still the argmax (ties → either of the tied)
+        let p = SamplingParams { temperature: 1e-7, ..Default::default() };
+        let logits: Vec<f32> = (0..512).map(|i| ((i * 7919) % 997) as f32 / 100.0).collect();
+        let best = argmax(&logits).unwrap() as u32;
+        for seed in 1..=5 {
+            let mut rng = make_rng(Some(seed));
+            assert_eq!(sample(&logits, &p, &pen, &mut rng).unwrap(), best);
+        }
+        // penalties still apply before the argmax
+        let mut pen = PenaltyState::new(4);
+        pen.add_generated(1);
+        let p = SamplingParams { temperature: 0.0, presence_penalty: 1.0, ..Default::default() };
+        assert_eq!(sample(&[1.0, 3.0, 3.0, -1.0], &p, &pen, &mut make_rng(Some(0))).unwrap(), 2);
+    }
+
+    /// A reproducible pseudo-normal 4096-way logit vector.
+    fn logits_4096(seed: u64) -> Vec<f32> {
+        let mut rng = make_rng(Some(seed));
+        (0..4096)
+            .map(|_| {
+                let u1: f64 = rng.random::<f64>().max(1e-12);
+                let u2: f64 = rng.random();
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn s2_tiny_top_p_keeps_the_top_token() {
+        let pen = PenaltyState::new(4096);
+        let logits = logits_4096(0);
+        let logits16: Vec<f32> = logits.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        for l in [&logits, &logits16] {
+            let best = argmax(l).unwrap() as u32;
+            for top_p in [1e-8, 1e-4, 1e-3] {
+                let p = SamplingParams { temperature: 0.8, top_p, ..Default::default() };
+                for seed in 0..20 {
+                    assert_eq!(sample(l, &p, &pen, &mut make_rng(Some(seed))).unwrap(), best, "top_p {top_p}");
+                }
+            }
+            // top_p 1.0 disables the filter: 20 draws are not all the argmax
+            let p = SamplingParams { temperature: 0.8, top_p: 1.0, ..Default::default() };
+            let draws: Vec<u32> = (0..20).map(|s| sample(l, &p, &pen, &mut make_rng(Some(s))).unwrap()).collect();
+            assert!(draws.iter().any(|&d| d != best));
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_top_p() {
+        // weights need not be normalised: 1, 4, 3, 2 out of 10
+        let mut w = vec![1.0f32, 4.0, 3.0, 2.0];
+        top_p_filter(&mut w, 10.0, 0.7);
+        assert_eq!(w, vec![0.0, 4.0, 3.0, 0.0]);
+        let mut w = vec![1.0f32, 4.0, 3.0, 2.0];
+        top_p_filter(&mut w, 10.0, 0.71);
+        assert_eq!(w, vec![0.0, 4.0, 3.0, 2.0]);
+        // ties broken towards the lower id
+        let mut w = vec![0.25f32; 4];
+        top_p_filter(&mut w, 1.0, 0.5);
+        assert_eq!(w, vec![0.25, 0.25, 0.0, 0.0]);
+        // large flat distribution: exercises the growing-prefix path
+        let n = 5000;
+        let mut w: Vec<f32> = (0..n).map(|i| 1.0 + (i % 7) as f32).collect();
+        let total: f64 = w.iter().map(|&q| q as f64).sum();
+        let orig = w.clone();
+        top_p_filter(&mut w, total, 0.9);
+        let kept: f64 = w.iter().map(|&q| q as f64).sum::<f64>() / total;
+        assert!(kept >= 0.9);
+        let min_kept = w.iter().zip(&orig).filter(|(q, _)| **q > 0.0).map(|(_, o)| *o).fold(f32::MAX, f32::min);
+        let max_dropped = w.iter().zip(&orig).filter(|(q, _)| **q == 0.0).map(|(_, o)| *o).fold(0.0, f32::max);
+        assert!(min_kept >= max_dropped);
+        // dropping the smallest kept token would fall below top_p
+        assert!(kept - (min_kept as f64) / total < 0.9);
+    }
+
+    #[test]
+    fn top_k_keeps_k_best_and_ties() {
+        let pen = PenaltyState::new(5);
+        let p = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
+        let l = [0.0f32, 5.0, 1.0, 4.9, -3.0];
+        for seed in 0..50 {
+            let t = sample(&l, &p, &pen, &mut make_rng(Some(seed))).unwrap();
+            assert!(t == 1 || t == 3, "{t}");
+        }
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let pen = PenaltyState::new(4096);
+        let l = logits_4096(3);
+        let p = SamplingParams { temperature: 1.0, top_p: 0.95, top_k: 100, ..Default::default() };
+        let a: Vec<u32> = (0..10).map(|_| 0).scan(make_rng(Some(42)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
+        let b: Vec<u32> = (0..10).map(|_| 0).scan(make_rng(Some(42)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
+        let c: Vec<u32> = (0..10).map(|_| 0).scan(make_rng(Some(43)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn bad_logits_and_params_are_errors() {
+        let pen = PenaltyState::new(3);
+        let p = SamplingParams::default();
+        let mut rng = make_rng(Some(0));
+        assert!(sample(&[f32::NAN, 1.0, 0.0], &p, &pen, &mut rng).is_err());
+        assert!(sample(&[f32::NEG_INFINITY; 3], &p, &pen, &mut rng).is_err());
+        let g = SamplingParams { temperature: 0.0, ..Default::default() };
+        assert!(sample(&[f32::NEG_INFINITY; 3], &g, &pen, &mut rng).is_err());
+        assert!(SamplingParams::new(f64::NAN, 0, 1.0, 0.0, 0.0, 1.0).is_err());
+        assert!(SamplingParams::new(-1.0, 0, 1.0, 0.0, 0.0, 1.0).is_err());
+        assert!(SamplingParams::new(1.0, -1, 1.0, 0.0, 0.0, 1.0).is_err());
+        assert!(SamplingParams::new(1.0, 0, 0.0, 0.0, 0.0, 1.0).is_err());
+        assert!(SamplingParams::new(1.0, 0, 1.5, 0.0, 0.0, 1.0).is_err());
+        assert!(SamplingParams::new(1.0, 0, 1.0, f64::NAN, 0.0, 1.0).is_err());
+        assert!(SamplingParams::new(1.0, 0, 1.0, 0.0, 0.0, 0.0).is_err());
+        assert!(SamplingParams::new(0.0, 0, 1e-8, 0.0, 0.0, 1.0).is_ok());
+    }
+
+    #[test]
+    fn log_prob_is_normalised() {
+        let l = [1.0f32, 2.0, 3.0];
+        let s: f64 = (0..3).map(|i| log_prob(&l, i).exp()).sum();
+        assert!((s - 1.0).abs() < 1e-6, "{s}");
+        let want = 2.0f64 - (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
+        assert!((log_prob(&l, 1) - want).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,112 @@
+"""The Rust backend: a Shalik bundle served by the ``rust_runtime`` extension (no torch, no Python in
+the token loop when ``generate``/``stream`` are used; one Rust call per step through ``Sequence``).
+
+Build the extension once with ``pip install ./rust_runtime`` (see rust_runtime/README.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+import numpy as np
+
+from serve.backends.base import BackendError, check_ids
+
+try:  # the extension is optional: serve works with the onnx backend without it
+    import rust_runtime as _rr
+except ImportError as _e:  # pragma: no cover - exercised only where the extension is absent
+    _rr = None
+    _IMPORT_ERROR: ImportError | None = _e
+else:
+    _IMPORT_ERROR = None
+
+BUILD_HINT = (
+    "the Rust backend needs the rust_runtime extension, which is not importable here "
+    "({err}). Build and install it from the repository root with: pip install ./rust_runtime "
+    "(needs a Rust toolchain; see rust_runtime/README.md), or use backend='onnx'."
+)
+
+
+def _as_backend_error(e: ValueError) -> BackendError:
+    return e if isinstance(e, BackendError) else BackendError(str(e))
+
+
+class RustSequence:
+    """One sequence's KV cache, held in Rust. Implements serve.backends.base.Sequence."""
+
+    def __init__(self, seq, backend: "RustBackend"):
+        self._seq = seq
+        self._backend = backend
+
+    @property
+    def position(self) -> int:
+        return self._seq.position
+
+    def prefill(self, ids: Seq[int], all_logits: bool = False) -> np.ndarray:
+        b = self._backend
+        ids = check_ids(ids, b.vocab_size, self._seq.position, b.max_position_embeddings)
+        try:
+            return self._seq.prefill(ids, all_logits)
+        except ValueError as e:
+            raise _as_backend_error(e) from e
+
+    def decode(self, token_id: int) -> np.ndarray:
+        b = self._backend
+        (tid,) = check_ids([token_id], b.vocab_size, self._seq.position, b.max_position_embeddings)
+        try:
+            return self._seq.decode(tid)
+        except ValueError as e:
+            raise _as_backend_error(e) from e
+
+    def reset(self) -> None:
+        self._seq.reset()
+
+
+class RustBackend:
+    """Weights in Rust (f32, or q8_0 with ``quantize="int8"``) plus a factory of KV caches."""
+
+    name = "rust"
+
+    def __init__(self, path: str | Path, quantize: str | None = None, threads: int | None = None):
+        if _rr is None:
+            raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR
+        if quantize not in (None, "none", "int8"):
+            raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
+        self.path = Path(path)
+        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize)
+        self.vocab_size: int = self.model.vocab_size
+        self.max_position_embeddings: int = self.model.max_position_embeddings
+        self.quantize: str = self.model.quantize
+        self.threads: int = self.model.threads
+        self.eot_id: int | None = self.model.eot_id
+
+    def new_sequence(self) -> RustSequence:
+        return RustSequence(self.model.new_sequence(), self)
+
+    # ---- extras beyond the Backend protocol: the whole token loop in Rust
+
+    def logits(self, ids: Seq[int]) -> np.ndarray:
+        ids = check_ids(ids, self.vocab_size, 0, self.max_position_embeddings)
+        try:
+            return self.model.logits(ids)
+        except ValueError as e:
+            raise _as_backend_error(e) from e
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenize(text)
+
+    def detokenize(self, ids: Seq[int]) -> str:
+        return self.model.decode([int(i) for i in ids])
+
+    def generate(self, ids: Seq[int], max_new_tokens: int, **sampling) -> list[tuple[int, float]]:
+        """[(token id, log-prob)] from rust_runtime.Model.generate (same keyword arguments)."""
+        ids = check_ids(ids, self.vocab_size, 0, self.max_position_embeddings)
+        return self.model.generate(ids, max_new_tokens, **sampling)
+
+    def stream(self, ids: Seq[int], max_new_tokens: int, **sampling) -> Iterator[tuple[int, float]]:
+        ids = check_ids(ids, self.vocab_size, 0, self.max_position_embeddings)
+        return self.model.stream(ids, max_new_tokens, **sampling)
+
+    def __repr__(self) -> str:
+        return f"RustBackend({self.model!r})"

@@ -1,0 +1,328 @@
+"""Corpus reading, shards, the cache and every bad-input path (issue 2); case T5."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import fast_config
+from train.config import ConfigError, load_config, parse_value
+from train.corpus import DataError, ReadReport, iter_documents, list_input_files, parse_hf_spec
+from train.data import mix_report, prepare, repeat_factors
+from train.shards import ShardError, ShardWriter, dtype_for_vocab, open_shard, read_header, write_shard
+from train.textutil import detect_language, is_val, nfc, split_value
+from train.tokenizer import load_tokenizer
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+def test_reads_jsonl_txt_and_gz(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "আমি বাংলায় গান গাই", "source": "s1", "license": "CC0"},
+                                       {"text": "Hello there", "title": "t"}])
+    (tmp_path / "b.txt").write_text("First document\nline two\n\n\nSecond document\n")
+    with gzip.open(tmp_path / "c.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("gzipped text")
+    docs = list(iter_documents(list_input_files([str(tmp_path)])))
+    assert [d.text for d in docs] == ["আমি বাংলায় গান গাই", "Hello there", "First document\nline two",
+                                      "Second document", "gzipped text"]
+    assert [d.lang for d in docs] == ["bn", "en", "en", "en", "en"]
+    assert docs[0].source == "s1" and docs[0].license == "CC0" and docs[1].source == "a"
+    assert docs[1].title == "t"
+
+
+def test_nfc_applied_and_joiners_kept(tmp_path):
+    raw = "\u09DF \u0995\u09C7\u09BE র\u200d্যাব ক্\u200cষ"
+    write_jsonl(tmp_path / "a.jsonl", [{"text": raw}])
+    (doc,) = iter_documents(list_input_files([str(tmp_path / "a.jsonl")]))
+    assert doc.text == unicodedata.normalize("NFC", raw)
+    assert "\u09AF\u09BC" in doc.text and "\u09DF" not in doc.text  # nukta letters decompose under NFC
+    assert "\u0995\u09CB" in doc.text  # but e-kar + aa-kar compose to o-kar
+    assert "\u200d" in doc.text and "\u200c" in doc.text
+
+
+def test_language_by_script():
+    assert detect_language("আমি বাংলায় গান গাই") == "bn"
+    assert detect_language("Hello world") == "en"
+    assert detect_language("বাংলা mixed with a lot of English words here") == "en"
+    assert detect_language("বাংলা ভাষা একটি ইন্দো-আর্য ভাষা, in English") == "bn"  # 17 Bengali letters vs 9 Latin
+    assert detect_language("12345 !!!") == "en"
+
+
+def test_split_is_stable_and_hash_based():
+    text = nfc("আমি বাংলায় গান গাই")
+    v = split_value(text)
+    assert v == split_value(text) and 0 <= v < 1
+    import hashlib
+
+    assert v == int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32
+    assert is_val(text, v + 1e-9) and not is_val(text, v)
+
+
+def test_invalid_utf8_skipped_with_offset_or_strict_error(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "fine"}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    report = ReadReport()
+    docs = list(iter_documents([str(good), str(bad)], report=report))
+    assert [d.text for d in docs] == ["fine"]
+    assert len(report.skipped) == 1 and str(bad) in report.skipped[0] and "byte offset 28" in report.skipped[0]
+    with pytest.raises(DataError, match="byte offset 28"):
+        list(iter_documents([str(bad)], strict=True))
+
+
+def test_bad_gzip_and_bad_json_lines(tmp_path):
+    (tmp_path / "x.jsonl.gz").write_bytes(b"not gzip at all")
+    write_jsonl(tmp_path / "y.jsonl", [{"text": "a"}])
+    with open(tmp_path / "y.jsonl", "a") as f:
+        f.write("{broken json\n[1, 2]\n")
+    report = ReadReport()
+    docs = list(iter_documents(list_input_files([str(tmp_path)]), report=report))
+    assert [d.text for d in docs] == ["a"]
+    assert any("x.jsonl.gz" in m and "gzip" in m for m in report.skipped)
+    assert any("y.jsonl:2" in m and "not valid JSON" in m for m in report.skipped)
+    assert any("y.jsonl:3" in m and '"text"' in m for m in report.skipped)
+
+
+@pytest.mark.parametrize("paths,match", [
+    ([""], "empty"), (["  "], "empty"), ([], "no data paths"), (["does/not/exist"], "does not exist"),
+    (["hf:"], "non-empty NAME"),
+])
+def test_bad_paths(paths, match):
+    with pytest.raises(DataError, match=match):
+        list_input_files(paths)
+
+
+def test_folder_without_documents(tmp_path):
+    (tmp_path / "README.md").write_text("nothing here")
+    with pytest.raises(DataError, match="holds no documents"):
+        list_input_files([str(tmp_path)])
+
+
+def test_unsupported_file(tmp_path):
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(DataError, match="unsupported"):
+        list_input_files([str(tmp_path / "x.csv")])
+
+
+def test_hf_spec_parsing():
+    assert parse_hf_spec("hf:wikimedia/wikipedia:20231101.bn:train") == ("wikimedia/wikipedia", "20231101.bn", "train")
+    assert parse_hf_spec("hf:name") == ("name", None, "train")
+    assert parse_hf_spec("hf:name::validation") == ("name", None, "validation")
+
+
+def test_hf_local_dataset_folder_same_code_path(tmp_path):
+    pytest.importorskip("datasets")
+    ds = tmp_path / "my_dataset"
+    ds.mkdir()
+    write_jsonl(ds / "train.jsonl", [{"text": "বাংলা ভাষা একটি ইন্দো-আর্য ভাষা", "license": "CC-BY-SA-3.0"},
+                                     {"text": "An English line"}])
+    docs = list(iter_documents(list_input_files([f"hf:{ds}"])))
+    assert [d.lang for d in docs] == ["bn", "en"]
+    assert docs[0].license == "CC-BY-SA-3.0" and docs[0].origin == f"hf:{ds}"
+
+
+# ----------------------------------------------------------------------------------------------- T5 shards
+
+def test_t5_uint32_when_vocab_needs_it(tmp_path):
+    p = tmp_path / "s.bin"
+    write_shard(p, [0, 65535, 65536, 69999], vocab_size=70000)
+    h = read_header(p)
+    assert h["dtype"] == np.dtype("<u4") and h["tokens"] == 4 and h["vocab_size"] == 70000
+    assert open_shard(p).tolist() == [0, 65535, 65536, 69999]
+
+
+def test_t5_vocab_65536_fits_uint16(tmp_path):
+    p = tmp_path / "s.bin"
+    write_shard(p, [0, 65535], vocab_size=65536)
+    assert read_header(p)["dtype"] == np.dtype("<u2")
+    assert open_shard(p).tolist() == [0, 65535]
+    assert dtype_for_vocab(65537) == np.dtype(np.uint32)
+
+
+def test_t5_writer_refuses_ids_outside_vocab(tmp_path):
+    with pytest.raises(ValueError, match="65536 is outside"):
+        write_shard(tmp_path / "s.bin", [1, 65536], vocab_size=65536)
+
+
+def test_truncated_or_foreign_shard(tmp_path):
+    p = tmp_path / "s.bin"
+    write_shard(p, list(range(100)), vocab_size=1000)
+    data = p.read_bytes()
+    p.write_bytes(data[:-10])
+    with pytest.raises(ShardError, match="expected"):
+        open_shard(p)
+    p.write_bytes(b"x" * 300)
+    with pytest.raises(ShardError, match="not a Shalik token shard"):
+        open_shard(p)
+
+
+def test_shard_writer_streams(tmp_path):
+    p = tmp_path / "s.bin"
+    with ShardWriter(p, 300) as w:
+        w.write([1, 2])
+        w.write(np.array([3], dtype=np.int32))
+    assert open_shard(p).tolist() == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------- prepare
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prep")
+    cfg = fast_config(tmp, tmp / "cache")
+    return cfg, prepare(cfg, log=lambda m: None)
+
+
+def test_shards_decode_back_to_the_documents(prepared):
+    cfg, prep = prepared
+    tok = load_tokenizer(prep.tokenizer_dir)
+    docs = list(iter_documents(list_input_files(cfg.data.paths)))
+    val_bn = sorted((split_value(d.text), d.text) for d in docs if d.lang == "bn" and is_val(d.text, 0.05))
+    ids = open_shard(prep.shard_dir / "val-bn.bin").tolist()
+    pieces = []
+    cur: list[int] = []
+    for i in ids:
+        if i == 0:
+            if cur:
+                pieces.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(i)
+    pieces.append(tok.decode(cur))
+    assert ids[0] == 0
+    assert pieces == [t for _, t in val_bn]
+
+
+def test_train_shards_hold_every_train_document(prepared):
+    cfg, prep = prepared
+    tok = load_tokenizer(prep.tokenizer_dir)
+    ids = np.concatenate([open_shard(prep.shard_dir / s) for s in prep.index["splits"]["train"]["shards"]])
+    texts = set(tok.decode(list(map(int, part))) for part in np.split(ids, np.where(ids == 0)[0])[1:] if True)
+    docs = [d for d in iter_documents(list_input_files(cfg.data.paths)) if not is_val(d.text, 0.05)]
+    for d in docs[:: max(len(docs) // 15, 1)]:
+        assert tok.decode(tok.encode(d.text, add_special_tokens=False).ids) in texts or d.text in texts
+
+
+def test_index_fields_and_token_mix(prepared):
+    _cfg, prep = prepared
+    idx = prep.index
+    for key in ("format_version", "dtype", "eot_id", "tokenizer_sha256", "inputs", "splits", "languages",
+                "target_mix", "token_mix", "sources"):
+        assert key in idx
+    assert idx["dtype"] == "uint16" and idx["eot_id"] == 0
+    assert idx["token_mix"]["bn"] == pytest.approx(0.7, abs=0.03)
+    assert set(idx["splits"]["val"]["files"]) == {"bn", "en"}
+    assert all(i["sha256"] and i["bytes"] > 0 for i in idx["inputs"])
+    lic = {s["source"]: s["license"] for s in idx["sources"]}
+    assert lic["bnwiki-2023"] == "CC-BY-SA-3.0" and lic["100-english-novels"] == "public-domain"
+    assert 0.9 < idx["languages"]["bn"]["bengali_letters_share"] <= 1.0
+    assert idx["languages"]["en"]["bengali_letters_share"] < 0.05
+
+
+def test_cache_hit_is_reused_and_said(prepared):
+    cfg, prep = prepared
+    msgs: list[str] = []
+    again = prepare(cfg, log=msgs.append)
+    assert again.shard_dir == prep.shard_dir
+    assert any("cache hit" in m and "tokenizer" in m for m in msgs)
+    assert any("cache hit" in m and "shards" in m for m in msgs)
+
+
+def test_changed_mix_changes_fingerprint(prepared, tmp_path):
+    cfg, prep = prepared
+    cfg2 = load_config("tiny", [])
+    cfg2.data = cfg.data.__class__(**{**cfg.data.__dict__, "mix": {"bn": 0.5, "en": 0.5}})
+    cfg2.tokenizer, cfg2.model = cfg.tokenizer, cfg.model
+    other = prepare(cfg2, log=lambda m: None)
+    assert other.shard_dir != prep.shard_dir and other.tokenizer_dir == prep.tokenizer_dir
+    assert other.index["token_mix"]["bn"] == pytest.approx(0.5, abs=0.03)
+
+
+def test_missing_language_is_an_error(tmp_path):
+    d = tmp_path / "only-en"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"text": f"English document number {i} with words"} for i in range(30)])
+    cfg = fast_config(tmp_path, tmp_path / "cache", **{"data.paths": [str(d)]})
+    with pytest.raises(DataError, match=r"bn \(Bangla\).*no such documents"):
+        prepare(cfg, log=lambda m: None)
+
+
+def test_repeat_factors_meet_the_target():
+    f = repeat_factors({"bn": 1000, "en": 1000}, {"bn": 0.7, "en": 0.3})
+    share = f["bn"] * 1000 / (f["bn"] * 1000 + f["en"] * 1000)
+    assert share == pytest.approx(0.7) and min(f.values()) == pytest.approx(1.0)
+    capped = repeat_factors({"bn": 10, "en": 10000}, {"bn": 0.9, "en": 0.1})
+    assert capped["bn"] == pytest.approx(4.0) and capped["en"] < 1.0
+
+
+def test_fertility_trap_warning():
+    idx = {"languages": {"bn": {"docs": 1, "chars_per_token": 1.4, "repeat_factor": 1.0},
+                         "en": {"docs": 1, "chars_per_token": 3.9, "repeat_factor": 1.0}},
+           "splits": {"train": {"natural": {"bn": {"tokens": 10}, "en": {"tokens": 10}}}},
+           "char_mix": {"bn": 0.5, "en": 0.5}, "token_mix": {"bn": 0.5, "en": 0.5}, "target_mix": {"bn": 0.7, "en": 0.3}}
+    text = "\n".join(mix_report(idx))
+    assert "FERTILITY TRAP" in text and "1.40" in text
+    idx["languages"]["bn"]["chars_per_token"] = 3.5
+    assert "FERTILITY TRAP" not in "\n".join(mix_report(idx))
+
+
+def test_prepare_cli_prints_shard_dir(prepared, capsys):
+    cfg, prep = prepared
+    from train.data import main
+
+    args = ["prepare", "--config", "tiny", "--data", *cfg.data.paths]
+    for k, v in (("data.cache_dir", cfg.data.cache_dir), ("data.val_fraction", cfg.data.val_fraction),
+                 ("tokenizer.vocab_size", cfg.tokenizer.vocab_size)):
+        args += ["--set", f"{k}={json.dumps(v)}"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip() == str(prep.shard_dir)
+
+
+def test_prepare_cli_bad_path(capsys):
+    from train.data import main
+
+    assert main(["prepare", "--data", "no/such/folder"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+def test_config_presets_and_overrides():
+    cfg = load_config("tiny", ["train.lr=3e-2", "data.mix={bn=0.6, en=0.4}", "run.name=my-run"])
+    assert cfg.train.lr == 3e-2 and cfg.data.mix == {"bn": 0.6, "en": 0.4} and cfg.run.name == "my-run"
+    assert load_config("small", []).run.name == "small"
+    assert load_config("base-400m", []).model.hidden_size == 1024
+
+
+@pytest.mark.parametrize("override,match", [
+    ("nosuch.key=1", r"unknown section \[nosuch\]; valid sections are: run, data, tokenizer, model, train"),
+    ("train.nosuch=1", r"unknown key train.nosuch; valid keys of \[train\] are: micro_batch_size"),
+    ("train.lr=fast", "expected a number"),
+    ("train.max_steps=1.5", "expected an integer"),
+    ("data.mix={bn=0.7, fr=0.3}", r"\['fr'\] are not in data.languages"),
+    ("model.num_attention_heads=5", "divisible"),
+    ("justtext", "expected section.key=value"),
+])
+def test_config_errors_name_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny", [override])
+
+
+def test_config_unknown_preset():
+    with pytest.raises(ConfigError, match="presets are: base-400m, small, tiny"):
+        load_config("huge", [])
+
+
+def test_parse_value():
+    assert parse_value("3e-4") == 3e-4 and parse_value("true") is True and parse_value("[1, 2]") == [1, 2]
+    assert parse_value("plain-name") == "plain-name" and parse_value('"quoted"') == "quoted"

@@ -1,0 +1,283 @@
+"""The script-aware tokenizer: cases T1–T5 of bugs.md, round trips, fertility, AutoTokenizer."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, pre_tokenizers
+
+from tests.conftest import shared_path
+from train.tokenizer import (
+    SPLIT_PATTERN,
+    TokenizerAdapter,
+    fertility,
+    load_any_tokenizer,
+    load_tokenizer,
+    new_tokenizer,
+    sample_quotas,
+    token_char_counts,
+)
+
+PROBES = {
+    "বাংলা": ["বাংলা"],
+    "আমি বাংলায় গান গাই": ["আমি", " বাংলায়", " গান", " গাই"],
+    "কিন্তু": ["কিন্তু"],
+    "সংস্কৃতি": ["সংস্কৃতি"],
+    "ক্ষমা": ["ক্ষমা"],
+}
+
+
+def pre_tokens(tok, text: str) -> list[tuple[str, tuple[int, int]]]:
+    """Pre-tokens with offsets into the NFC text, using the pre-tokenizer stored in tokenizer.json
+    (the ByteLevel step maps bytes to printable characters, so read the words back through the offsets)."""
+    norm = tok.normalizer.normalize_str(text)
+    return [(norm[a:b], (a, b)) for _piece, (a, b) in tok.pre_tokenizer.pre_tokenize_str(norm)]
+
+
+# ----------------------------------------------------------------------------------------------- T1
+
+@pytest.mark.parametrize("word,expected", PROBES.items())
+def test_t1_bangla_words_are_single_pre_tokens(fixture_tok, word, expected):
+    tok = load_tokenizer(fixture_tok)
+    pieces = pre_tokens(tok, word)
+    assert [p for p, _ in pieces] == expected
+    for p, (a, _b) in pieces:
+        first = p.lstrip(" ")[:1]
+        assert unicodedata.category(first) not in ("Mn", "Mc"), f"pre-token {p!r} starts with a mark"
+
+
+def test_t1_gpt2_pattern_would_cut_bangla():
+    """The control: GPT-2's letters-only pattern splits বাংলা at its vowel signs; our check must reject it."""
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raw = [w for w, _ in gpt2.pre_tokenize_str("বাংলা")]
+    assert len(raw) > 1
+    ours = new_tokenizer().pre_tokenizer
+    assert len(ours.pre_tokenize_str("বাংলা")) == 1
+
+
+def test_t1_no_boundary_between_consonant_and_vowel_sign(fixture_tok):
+    tok = load_tokenizer(fixture_tok)
+    text = "আমি বাংলায় গান গাই। কিন্তু সংস্কৃতি, ক্ষমা! রবীন্দ্রনাথ ঠাকুর ১৮৬১ সালে জন্মগ্রহণ করেন।"
+    norm = tok.normalizer.normalize_str(text)
+    for _p, (a, _b) in pre_tokens(tok, text):
+        if a > 0:
+            assert unicodedata.category(norm[a]) not in ("Mn", "Mc"), f"boundary before a mark at {a}: {norm[a]!r}"
+
+
+def test_t1_frequent_word_is_one_token(fixture_tok):
+    """বাংলা, frequent in the fixture corpus, is one token where it occurs: after a space (GPT-2's Ġ
+    convention: a word and its leading space are one pre-token). Word-initial without a space it is rarer
+    and may take more tokens at vocab 1000."""
+    tok = load_tokenizer(fixture_tok)
+    assert len(tok.encode(" বাংলা", add_special_tokens=False).ids) == 1
+    n_ami = len(tok.encode("আমি", add_special_tokens=False).ids)
+    assert len(tok.encode("আমি বাংলা", add_special_tokens=False).ids) == n_ami + 1
+
+
+# ----------------------------------------------------------------------------------------------- T2
+
+@pytest.mark.parametrize("s,joiner", [("র\u200d্যাব", "\u200d"), ("ক্\u200cষ", "\u200c")])
+def test_t2_zwj_zwnj_kept_and_not_split(fixture_tok, s, joiner):
+    tok = load_tokenizer(fixture_tok)
+    assert joiner in tok.normalizer.normalize_str(s)
+    ids = tok.encode(s, add_special_tokens=False).ids
+    assert tok.decode(ids).encode("utf-8") == s.encode("utf-8")
+    assert [p for p, _ in pre_tokens(tok, s)] == [s]
+
+
+def test_t2_letters_marks_regex_alone_would_split_at_zwj():
+    split = pre_tokenizers.Split(Regex(r" ?[\p{L}\p{M}]+|\s+|[^\s\p{L}\p{M}]+"), behavior="isolated")
+    assert [w for w, _ in split.pre_tokenize_str("র\u200d্যাব")] == ["র", "\u200d", "্যাব"]
+
+
+# ----------------------------------------------------------------------------------------------- T3
+
+@pytest.mark.parametrize("a,b", [
+    ("\u09DC", "\u09A1\u09BC"), ("\u09DD", "\u09A2\u09BC"), ("\u09DF", "\u09AF\u09BC"),
+    ("\u0995\u09C7\u09BE", "\u0995\u09CB"), ("আমি বাংলা\u09DF", "আমি বাংলা\u09AF\u09BC"),
+])
+def test_t3_canonically_equivalent_spellings_tokenize_alike(fixture_tok, a, b):
+    tok = load_tokenizer(fixture_tok)
+    assert tok.encode(a, add_special_tokens=False).ids == tok.encode(b, add_special_tokens=False).ids
+
+
+def test_t3_nfc_decomposes_nukta_letters_and_composes_o_kar(fixture_tok):
+    tok = load_tokenizer(fixture_tok)
+    assert tok.normalizer.normalize_str("\u09DF") == "\u09AF\u09BC"
+    assert tok.normalizer.normalize_str("\u0995\u09C7\u09BE") == "\u0995\u09CB"
+    assert json.loads((fixture_tok / "tokenizer.json").read_text())["normalizer"]["type"] == "NFC"
+
+
+# ----------------------------------------------------------------------------------------------- T4
+
+T4 = ["hello", " hello", "x != y and a.b == c", " there is this someone 'you' who has the ability of 'sensing things",
+      "আমি , তুমি ?", "a  b", "😀"]
+
+
+@pytest.mark.parametrize("s", T4)
+def test_t4_exact_round_trip(fixture_tok, s):
+    tok = load_tokenizer(fixture_tok)
+    ids = tok.encode(s, add_special_tokens=False).ids
+    assert tok.decode(ids) == s
+    pieces = b"".join(_token_bytes(tok, i) for i in ids)
+    assert pieces.decode("utf-8") == tok.decode(ids)
+
+
+def test_t4_prefix_space_matters(fixture_tok):
+    tok = load_tokenizer(fixture_tok)
+    assert tok.encode("hello", add_special_tokens=False).ids != tok.encode(" hello", add_special_tokens=False).ids
+
+
+def test_t4_autotokenizer_loads_folder_without_cleanup(fixture_tok):
+    transformers = pytest.importorskip("transformers")
+    at = transformers.AutoTokenizer.from_pretrained(str(fixture_tok))
+    for s in T4:
+        ids = at.encode(s, add_special_tokens=False)
+        assert ids == load_tokenizer(fixture_tok).encode(s, add_special_tokens=False).ids
+        assert at.decode(ids) == s
+    assert at.eos_token == "<|endoftext|>" and at.convert_tokens_to_ids("<|endoftext|>") == 0
+    assert at.pad_token == "<|pad|>" and at.pad_token_id == 1
+
+
+def _token_bytes(tok, i: int) -> bytes:
+    from train.tokenizer import _bytes_to_unicode
+
+    inv = {c: b for b, c in _bytes_to_unicode().items()}
+    return bytes(inv[c] for c in tok.id_to_token(i))
+
+
+# ----------------------------------------------------------------------------------------------- round trips
+
+MIXED = st.lists(st.sampled_from([
+    "আমি", "বাংলা", "\u200d", "\u200c", "্", "র", "য", "\u09DF", "\u09AF\u09BC", "\u09DC", "ড\u09BC", "১২৩", "।",
+    " ", "  ", "\n", "Hello", " world", "!", "😀", "🇧🇩", "ক্ষ", "ঁ", "ং", "ৎ", "\t", "'", "“", "é", "ﬁ",
+]), max_size=30).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=MIXED)
+def test_round_trip_generated(fixture_tok, text):
+    tok = _cached(fixture_tok)
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == unicodedata.normalize("NFC", text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=40))
+def test_round_trip_any_unicode(fixture_tok, text):
+    tok = _cached(fixture_tok)
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == unicodedata.normalize("NFC", text)
+
+
+_CACHE: dict = {}
+
+
+def _cached(path):
+    if path not in _CACHE:
+        _CACHE[path] = load_tokenizer(path)
+    return _CACHE[path]
+
+
+def test_round_trip_on_corpus_documents(fixture_tok, mini_corpus):
+    from train.corpus import iter_documents, list_input_files
+
+    tok = load_tokenizer(fixture_tok)
+    docs = list(iter_documents(list_input_files([str(mini_corpus)])))
+    assert len(docs) > 50
+    bad = [d.title for d in docs if tok.decode(tok.encode(d.text, add_special_tokens=False).ids) != d.text]
+    assert bad == []
+
+
+# ----------------------------------------------------------------------------------------------- fertility
+
+def test_fertility_hand_counted():
+    """A fake tokenizer with one token per whitespace-separated word: counts are checkable by hand."""
+    from train.corpus import Document
+
+    words = lambda t: t.split()  # noqa: E731
+    ad = TokenizerAdapter("words", "test", encode=lambda t: list(range(len(words(t)))),
+                          decode=lambda ids: "x", vocab_size=10)
+    text = unicodedata.normalize("NFC", "আমি বাংলায় গান গাই")
+    docs = [Document(text, "bn", "s"), Document("hello big world", "en", "s")]
+    res = fertility(ad, docs)
+    # আমি (3) + space + ব া ং ল া য ় (7, NFC keeps য় decomposed) + space + গান (3) + space + গাই (3) = 19 code
+    # points, 4 tokens, 4 words; UTF-8: 16 Bangla code points × 3 bytes + 3 spaces = 51 bytes
+    assert res["bn"]["chars"] == 19 and res["bn"]["tokens"] == 4
+    assert res["bn"]["chars_per_token"] == pytest.approx(19 / 4)
+    assert res["bn"]["bytes_per_token"] == pytest.approx(51 / 4)
+    assert res["bn"]["tokens_per_word"] == pytest.approx(1.0)
+    assert res["bn"]["roundtrip_failures"] == 1
+    assert res["en"]["chars_per_token"] == pytest.approx(15 / 3)
+
+
+def test_fertility_of_real_tokenizer_counts_code_points(fixture_tok):
+    from train.corpus import Document
+
+    tok = load_tokenizer(fixture_tok)
+    ad = load_any_tokenizer(fixture_tok)
+    text = "বাংলা বাংলা বাংলা"
+    n = len(tok.encode(text, add_special_tokens=False).ids)
+    res = fertility(ad, [Document(text, "bn", "s")])
+    assert res["bn"]["tokens"] == n and res["bn"]["chars"] == 17
+    assert res["bn"]["roundtrip_failures"] == 0
+
+
+def test_token_char_counts_sum_to_code_points(fixture_tok):
+    tok = load_tokenizer(fixture_tok)
+    counts = token_char_counts(tok)
+    text = "আমি বাংলায় গান গাই 😀 ক্ষমা, hello!"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert sum(counts[i] for i in ids) == len(text)
+    assert counts[0] == 0 and counts[1] == 0
+
+
+def test_sample_quotas_keep_ratio():
+    assert sample_quotas({"bn": 7_000_000, "en": 9_000_000}, {"bn": 0.6, "en": 0.4}, 20_000_000) == \
+        {"bn": 7_000_000, "en": 4_666_666}
+    assert sample_quotas({"bn": 100, "en": 100}, {"bn": 0.5, "en": 0.5}, 50) == {"bn": 25, "en": 25}
+
+
+def test_split_pattern_is_the_stored_one(fixture_tok):
+    tj = json.loads((fixture_tok / "tokenizer.json").read_text())
+    split = tj["pre_tokenizer"]["pretokenizers"][0]
+    assert split["type"] == "Split" and split["pattern"]["Regex"] == SPLIT_PATTERN
+    assert [t["content"] for t in tj["added_tokens"]] == ["<|endoftext|>", "<|pad|>"]
+    assert [t["id"] for t in tj["added_tokens"]] == [0, 1]
+
+
+# ----------------------------------------------------------------------------------------------- anchors
+
+@pytest.mark.parametrize("name,kind", [("gpt2", "vocab.json+merges.txt"), ("llama2", "sentencepiece"),
+                                       ("mistral-v0.3", "sentencepiece"), ("gpt-neox-20b", "tokenizer.json"),
+                                       ("bnlp-bangla-spm", "sentencepiece"), ("bangla-bert-base", "wordpiece")])
+def test_anchor_formats_detected(name, kind):
+    ad = load_any_tokenizer(shared_path("anchor_tokenizers", name))
+    assert ad.kind == kind
+    if name == "gpt2":
+        assert ad.encode("Hello world") == [15496, 995]
+    if name == "llama2":
+        assert ad.encode("Hello world") == [15043, 3186]
+    if name == "gpt-neox-20b":
+        assert ad.encode("Hello world") == [12092, 1533]
+
+
+def test_fertility_cli_json(fixture_tok, mini_corpus, capsys):
+    from train.tokenizer import main
+
+    assert main(["fertility", "--tokenizer", str(fixture_tok), "--data", str(mini_corpus), "--split", "all",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ours = next(v for k, v in out.items() if "(ours)" in k)
+    assert ours["bn"]["chars_per_token"] > 1.5 and ours["en"]["roundtrip_failures"] == 0
+    assert ours["bn"]["docs"] + ours["en"]["docs"] == 96
+
+
+def test_fertility_cli_bad_tokenizer(tmp_path, mini_corpus, capsys):
+    from train.tokenizer import main
+
+    (tmp_path / "junk.txt").write_text("nothing")
+    assert main(["fertility", "--tokenizer", str(tmp_path), "--data", str(mini_corpus), "--split", "all"]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err

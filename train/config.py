@@ -1,0 +1,341 @@
+"""Configuration: TOML presets in ``configs/``, ``--set section.key=value`` overrides, validation.
+
+Sections and defaults are those of DESIGN.md (``[run] [data] [tokenizer] [model] [train]``); the
+``[model]`` keys are Hugging Face ``LlamaConfig`` names. ``load_config`` returns a :class:`Config` whose
+every key is filled in; ``to_toml`` writes it back (``runs/NAME/config.toml``).
+
+Errors are :class:`ConfigError` (a ``ValueError``) naming the file, section or key and listing the valid
+choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+import tomli_w
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = PROJECT_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration file, section, key or value that is not valid."""
+
+
+@dataclass
+class RunSection:
+    name: str = ""
+    out_dir: str = "runs"
+    seed: int = 1337
+
+
+@dataclass
+class DataSection:
+    paths: list[str] = field(default_factory=lambda: ["data/sample"])
+    languages: list[str] = field(default_factory=lambda: ["bn", "en"])
+    mix: dict[str, float] = field(default_factory=lambda: {"bn": 0.7, "en": 0.3})
+    val_fraction: float = 0.01
+    strict: bool = False
+    cache_dir: str = "cache"
+
+
+@dataclass
+class TokenizerSection:
+    path: str = ""
+    vocab_size: int = 32000
+    sample_chars: int = 20_000_000
+    sample_weights: dict[str, float] = field(default_factory=lambda: {"bn": 0.6, "en": 0.4})
+    min_frequency: int = 2
+
+
+@dataclass
+class ModelSection:
+    hidden_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    intermediate_size: int = 1280
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+
+
+@dataclass
+class TrainSection:
+    micro_batch_size: int = 8
+    seq_len: int = 512
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_tokens: int = 32768
+    ckpt_every: int = 500
+    keep_last: int = 3
+    log_every: int = 10
+    compile: bool = False
+    dtype: str = "auto"
+    device: str = "auto"
+    max_nonfinite: int = 5
+    preflight: bool = True
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunSection,
+    "data": DataSection,
+    "tokenizer": TokenizerSection,
+    "model": ModelSection,
+    "train": TrainSection,
+}
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict, section → key → value."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def sha256(self, sections: tuple[str, ...] | None = None) -> str:
+        """sha256 of the canonical JSON of the given sections (all when None)."""
+        d = self.to_dict()
+        if sections is not None:
+            d = {k: d[k] for k in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def preset_names() -> list[str]:
+    """Names of the presets in ``configs/`` (``tiny``, ``small``, ``base-400m``, …)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A preset name in ``configs/`` or a path to a TOML file → the file's path.
+
+    Raises ConfigError when neither exists, listing the presets.
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".toml" and p.is_file():
+        return p
+    preset = CONFIG_DIR / f"{name_or_path}.toml"
+    if preset.is_file():
+        return preset
+    if p.is_file():
+        return p
+    raise ConfigError(
+        f"config {name_or_path!r}: no such preset in {CONFIG_DIR} and no such TOML file; "
+        f"presets are: {', '.join(preset_names())}"
+    )
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override value as TOML (``3e-4``, ``true``, ``[1,2]``, ``{bn=0.7,en=0.3}``, ``"x"``);
+    anything that is not valid TOML is taken as a bare string (``--set run.name=my-run``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    """Check ``value`` against the type of the key's default and convert int → float where needed."""
+    where = f"{section}.{key}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(default, list):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        if default and isinstance(default[0], float):
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"{where}: expected a list of numbers, got {value!r}")
+            return [float(v) for v in value]
+        if not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        return list(value)
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table like {{bn=0.7, en=0.3}}, got {value!r}")
+        out = {}
+        for k, v in value.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"{where}.{k}: expected a non-negative number, got {v!r}")
+            out[str(k)] = float(v)
+        return out
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{origin}: unknown section [{section}]; valid sections are: {', '.join(SECTIONS)}")
+    sec = getattr(cfg, section)
+    names = [f.name for f in fields(sec)]
+    if key not in names:
+        raise ConfigError(f"{origin}: unknown key {section}.{key}; valid keys of [{section}] are: {', '.join(names)}")
+    setattr(sec, key, _coerce(section, key, value, getattr(sec, key)))
+
+
+def load_config(name_or_path: str | None = "small", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a preset or TOML file, apply ``section.key=value`` overrides, validate and fill defaults.
+
+    ``run.name`` defaults to the preset's file stem. Raises :class:`ConfigError`.
+    """
+    cfg = Config()
+    stem = "custom"
+    if name_or_path:
+        path = resolve_config_path(name_or_path)
+        stem = path.stem
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path}: not valid TOML: {e}") from None
+        for section, table in raw.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section]; valid sections are: "
+                                  f"{', '.join(SECTIONS)}")
+            for key, value in table.items():
+                _apply(cfg, section, key, value, str(path))
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+        lhs, rhs = item.split("=", 1)
+        section, key = lhs.strip().split(".", 1)
+        _apply(cfg, section, key, parse_value(rhs.strip()), f"--set {item}")
+    if not cfg.run.name:
+        cfg.run.name = stem
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-key checks (positive sizes, heads divide hidden, mix names match languages…)."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "max_position_embeddings"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}: expected a positive integer, got {getattr(m, key)}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
+                          f"({m.num_attention_heads})")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError("model: head_dim = hidden_size / num_attention_heads must be even for rotary embeddings")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+                          f"model.num_key_value_heads ({m.num_key_value_heads})")
+    for key in ("micro_batch_size", "seq_len", "grad_accum", "eval_every", "ckpt_every", "keep_last", "log_every",
+                "max_nonfinite"):
+        if getattr(t, key) <= 0:
+            raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(t, key)}")
+    if t.max_steps < 0:
+        raise ConfigError(f"train.max_steps: expected >= 0, got {t.max_steps}")
+    if t.seq_len > m.max_position_embeddings:
+        raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings "
+                          f"({m.max_position_embeddings})")
+    if not (0 < t.lr) or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"train.lr / train.min_lr: expected 0 <= min_lr <= lr and lr > 0, got {t.lr} / {t.min_lr}")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {t.betas}")
+    if t.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"train.dtype: expected auto, float32, bfloat16 or float16, got {t.dtype!r}")
+    if not (t.device in ("auto", "cpu") or t.device.startswith("cuda")):
+        raise ConfigError(f"train.device: expected auto, cpu or cuda[:N], got {t.device!r}")
+    if not d.paths or any(not str(p).strip() for p in d.paths):
+        raise ConfigError(f"data.paths: expected at least one non-empty path, got {d.paths!r}")
+    if not d.languages or any(lang not in ("bn", "en") for lang in d.languages):
+        raise ConfigError(f"data.languages: expected a non-empty subset of ['bn', 'en'], got {d.languages!r}")
+    if not (0 < d.val_fraction < 1):
+        raise ConfigError(f"data.val_fraction: expected a number in (0, 1), got {d.val_fraction}")
+    for name, table in (("data.mix", d.mix), ("tokenizer.sample_weights", cfg.tokenizer.sample_weights)):
+        extra = sorted(set(table) - set(d.languages))
+        if extra:
+            raise ConfigError(f"{name}: languages {extra} are not in data.languages {d.languages}")
+        if sum(table.get(lang, 0.0) for lang in d.languages) <= 0:
+            raise ConfigError(f"{name}: the weights of {d.languages} must not all be zero")
+    tok = cfg.tokenizer
+    if tok.vocab_size < 300:
+        raise ConfigError(f"tokenizer.vocab_size: expected at least 300 (256 bytes + specials), got {tok.vocab_size}")
+    if tok.sample_chars <= 0 or tok.min_frequency < 1:
+        raise ConfigError("tokenizer.sample_chars and tokenizer.min_frequency must be positive")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML text (every key present)."""
+    return tomli_w.dumps(cfg.to_dict())
+
+
+def config_from_dict(d: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a :class:`Config` from :meth:`Config.to_dict` output (e.g. a run's ``config.toml``)."""
+    cfg = Config()
+    for section, table in d.items():
+        for key, value in table.items():
+            _apply(cfg, section, key, value, "config")
+    validate(cfg)
+    return cfg
+
+
+def resolve_path(p: str | Path) -> Path:
+    """A relative data path is taken from the working directory, or else from the project root
+    (so the default ``data/sample`` works from anywhere)."""
+    path = Path(p).expanduser()
+    if path.is_absolute() or path.exists():
+        return path
+    alt = PROJECT_ROOT / path
+    return alt if alt.exists() else path
+
+
+def add_config_args(parser) -> None:
+    """The shared ``--config``, ``--data`` and ``--set`` command-line options."""
+    parser.add_argument("--config", default="small",
+                        help="a preset in configs/ (%s) or a TOML file (default: %%(default)s)" % ", ".join(preset_names()))
+    parser.add_argument("--data", nargs="+", metavar="PATH", default=None,
+                        help="text inputs: folders, .jsonl/.txt[.gz] files, or hf:NAME[:CONFIG][:SPLIT] "
+                             "(default: the config's data.paths, data/sample)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config key; the value is parsed as TOML (repeatable)")
+
+
+def config_from_args(args) -> Config:
+    """Build the config from parsed ``add_config_args`` options (``--data`` overrides ``data.paths``)."""
+    overrides = list(args.overrides)
+    if getattr(args, "data", None):
+        overrides.append("data.paths=" + json.dumps(list(args.data)))
+    return load_config(args.config, overrides)

@@ -1,0 +1,348 @@
+"""A Llama-style decoder in PyTorch whose parameter names are Hugging Face ``LlamaForCausalLM``'s.
+
+Architecture (Touvron et al. 2023, "Llama 2"; transformers' ``modeling_llama.py``): token embedding →
+``num_hidden_layers`` × [RMSNorm → grouped-query self-attention with rotary embeddings → residual, RMSNorm →
+SwiGLU MLP → residual] → RMSNorm → lm_head (optionally tied to the embedding). No biases, no dropout.
+
+* RMSNorm reduces in float32 whatever the input dtype (an fp16 ``x.pow(2).mean()`` overflows past 256² and
+  returns zeros: case TR6), then multiplies the weight in the input dtype, as transformers does.
+* Rotary embeddings use the Hugging Face rotate-half layout: ``inv_freq = 1 / theta^(2i/d)``, ``emb =
+  cat(freqs, freqs)``, ``q·cos + rotate_half(q)·sin`` with ``rotate_half(x) = cat(-x2, x1)``. cos/sin are computed
+  from ``position_ids`` in the graph (no table frozen at a traced length); q and k are never modified in place.
+* Attention goes through ``F.scaled_dot_product_attention``. Without a cache or mask it uses ``is_causal``;
+  with a cache or an attention mask it builds a boolean mask (key ≤ query position, key not padding). A query
+  always sees itself, so a fully padded row never becomes NaN (case TR8) in any backend.
+* KV cache: ``forward(..., past_key_values=[(k, v)] * L)`` with k, v ``[batch, num_key_value_heads, past, head_dim]``
+  returns the presents ``[batch, kv, past + seq, head_dim]`` — the ONNX I/O of DESIGN.md. K/V are cached before
+  the GQA repeat; q head h reads kv head ``h // (num_attention_heads // num_key_value_heads)``.
+* Init: normal(0, initializer_range) for embeddings and projections, with the residual projections (o_proj,
+  down_proj) scaled by 1/sqrt(2·num_hidden_layers) (GPT-2, Radford et al. 2019); norms at 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ModelConfig:
+    """Model hyper-parameters, with Hugging Face ``LlamaConfig`` names."""
+
+    vocab_size: int
+    hidden_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    intermediate_size: int = 1280
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """Build from a dict that may hold extra keys (an HF config.json, say); ``rope_theta`` is read from the
+        top level or from ``rope_parameters`` — never silently defaulted when a file gives one."""
+        keys = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in d.items() if k in keys}
+        rp = d.get("rope_parameters") or {}
+        if "rope_theta" not in kw and isinstance(rp, dict) and "rope_theta" in rp:
+            kw["rope_theta"] = rp["rope_theta"]
+        return cls(**kw)
+
+    def hf_config(self, torch_dtype: str = "float32", eot_id: int = 0, pad_id: int = 1) -> dict:
+        """``config.json`` for ``transformers.LlamaConfig``: every key explicit (LlamaConfig's defaults differ:
+        rms_norm_eps 1e-6, tie_word_embeddings false), rope_theta at the top level and in rope_parameters."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": eot_id,
+            "eos_token_id": eot_id,
+            "pad_token_id": pad_id,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+        }
+
+
+class RMSNorm(nn.Module):
+    """y = w · x / sqrt(mean(x²) + eps), the mean taken in float32 or wider (Zhang & Sennrich 2019)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = _upcast(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """cat(-x2, x1) over the last dimension (the GPT-NeoX / Hugging Face rotary layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin ``[batch, seq, head_dim]`` for ``position_ids`` ``[batch, seq]`` (RoFormer, Su et al. 2021)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.to(torch.float32)[:, :, None] * self.inv_freq.to(torch.float32)[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q, k ``[batch, heads, seq, head_dim]`` by cos/sin ``[batch, seq, head_dim]``; returns new tensors."""
+    cos, sin = cos[:, None], sin[:, None]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[b, kv, t, d]`` → ``[b, kv·n_rep, t, d]`` so query head h reads kv head ``h // n_rep``."""
+    if n_rep == 1:
+        return x
+    b, kv, t, d = x.shape
+    return x[:, :, None].expand(b, kv, n_rep, t, d).reshape(b, kv * n_rep, t, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, k, cos, sin)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        present = (k, v)
+        rep = self.n_heads // self.n_kv
+        kr, vr = repeat_kv(k, rep), repeat_kv(v, rep)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+        return self.o_proj(out), present
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x)) (Shazeer 2020)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, past):
+        h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, present
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack (``model.*`` in Hugging Face names)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+def build_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len, device) -> torch.Tensor:
+    """Boolean mask ``[batch, 1, q_len, past+q_len]``: True where query i may attend key j.
+
+    Key j is visible when j ≤ past + i (causal) and ``attention_mask[:, j] == 1`` (not padding); the query's own
+    position is always visible, so no row is empty. ``past_len`` may be symbolic (export keeps it so). Without
+    an attention_mask the batch dimension is 1 and broadcasts.
+    """
+    q_pos = torch.arange(q_len, device=device) + past_len
+    kv_len = q_len + past_len
+    k_pos = torch.arange(kv_len, device=device)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    keep = causal[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask[:, None, None, :].to(torch.bool)
+    return keep | (k_pos[None, :] == q_pos[:, None])[None, None]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over :class:`LlamaModel`; ``state_dict()`` keys equal transformers' ``LlamaForCausalLM``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tie_weights(self) -> None:
+        """Re-point lm_head at the embedding (after a load that may have broken the tie)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, σ) weights, residual projections σ/sqrt(2L), norms 1 (GPT-2 / Llama init)."""
+        std = self.config.initializer_range
+        resid_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, 0.0, resid_std)
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, std)
+            else:
+                nn.init.ones_(p)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters counted once (a tied matrix once); ``non_embedding`` leaves out the token embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.model.embed_tokens.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N_matmul + 12·L·hidden·seq (PaLM, Chowdhery et al. 2022, appendix B),
+        where N_matmul counts every matmul weight including the lm_head (tied or not) and no embedding lookup."""
+        c = self.config
+        n_matmul = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+        if c.tie_word_embeddings:
+            n_matmul += c.vocab_size * c.hidden_size
+        return 6.0 * n_matmul + 12.0 * c.num_hidden_layers * c.hidden_size * seq_len
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, KVCache | None]:
+        """Logits ``[batch, seq, vocab]`` (float32 in autocast too) and, with ``use_cache`` or a past, the
+        presents.
+
+        input_ids int64 ``[batch, seq]``; attention_mask int/bool ``[batch, past + seq]`` (1 = real token);
+        position_ids int64 ``[batch, seq]`` (default: ``cumsum(mask) - 1`` clipped at 0, or ``past + arange``);
+        past_key_values: one (k, v) per layer, ``[batch, kv_heads, past, head_dim]``.
+        """
+        b, s = input_ids.shape
+        past_len = past_key_values[0][0].shape[2] if past_key_values is not None else 0
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
+            else:
+                position_ids = (torch.arange(s, device=input_ids.device) + past_len)[None].expand(b, s)
+        mask = None
+        if past_key_values is not None or attention_mask is not None:
+            mask = build_attention_mask(attention_mask, b, s, past_len, input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(position_ids, x.dtype)
+        presents: KVCache = []
+        for i, layer in enumerate(self.model.layers):
+            past = past_key_values[i] if past_key_values is not None else None
+            x, present = layer(x, cos, sin, mask, past)
+            presents.append(present)
+        logits = _upcast(self.lm_head(self.model.norm(x)))
+        return logits, (presents if (use_cache or past_key_values is not None) else None)
+
+    @torch.no_grad()
+    def generate_greedy(self, ids: list[int], max_new_tokens: int, eot_id: int | None = None) -> list[int]:
+        """Greedy continuation with the KV cache (ties → lowest id); stops at ``eot_id`` or the context."""
+        device = self.lm_head.weight.device
+        room = self.config.max_position_embeddings - len(ids)
+        max_new_tokens = max(0, min(max_new_tokens, room))
+        if max_new_tokens == 0:
+            return []
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        logits, past = self(x, use_cache=True)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            nxt = int(torch.argmax(logits[0, -1]).item())
+            if eot_id is not None and nxt == eot_id:
+                break
+            out.append(nxt)
+            if len(out) == max_new_tokens:
+                break
+            logits, past = self(torch.tensor([[nxt]], device=device), past_key_values=past)
+        return out
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of ``logits [b, s, V]`` against ``labels [b, s]`` (already shifted; -100 = ignored), in
+    nats; ``reduction`` "sum" (for token-normalised accumulation), "mean" or "none"."""
+    return F.cross_entropy(_upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1), ignore_index=-100,
+                           reduction=reduction)
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """float32 for reduced precision; float32 and float64 stay as they are."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()

@@ -1,0 +1,55 @@
+"""Small text helpers shared by the data and tokenizer steps: NFC, language by script, the val split.
+
+* NFC (``unicodedata.normalize``) keeps ZWJ U+200D and ZWNJ U+200C, which change how Bangla conjuncts render
+  (র‍্য). The Bengali nukta letters U+09DC, U+09DD, U+09DF are composition exclusions: NFC *decomposes* them to
+  base + U+09BC, while e.g. U+0995 U+09C7 U+09BE composes to U+0995 U+09CB.
+* Language by script (DESIGN.md): ``bn`` when most of a text's letters lie in the Bengali block
+  U+0980–U+09FF, else ``en``.
+* Split (DESIGN.md): a document is in ``val`` when the first 8 hex digits of ``sha256(NFC text)`` read as an
+  integer, divided by 2**32, fall below ``val_fraction``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+
+# Letters (Unicode category L*) of the Bengali block; vowel signs, virama and nukta are marks (M*), not letters.
+_BENGALI_LETTER = re.compile("[\u0985-\u098c\u098f\u0990\u0993-\u09a8\u09aa-\u09b0\u09b2\u09b6-\u09b9\u09bd"
+                             "\u09ce\u09dc\u09dd\u09df-\u09e1\u09f0\u09f1\u09fc]")
+# Python's \w minus digits and underscore: str.isalpha() characters (all L* categories).
+_LETTER = re.compile(r"[^\W\d_]")
+
+
+def nfc(text: str) -> str:
+    """NFC-normalise ``text`` (ZWJ/ZWNJ are kept; nukta letters decompose, see the module doc)."""
+    return unicodedata.normalize("NFC", text)
+
+
+def bengali_letter_share(text: str) -> float:
+    """Share of ``text``'s letters that are Bengali-block letters (0.0 when it has no letters)."""
+    letters = len(_LETTER.findall(text))
+    if letters == 0:
+        return 0.0
+    return len(_BENGALI_LETTER.findall(text)) / letters
+
+
+def detect_language(text: str) -> str:
+    """``"bn"`` when more than half of the letters are Bengali-block letters, else ``"en"``."""
+    return "bn" if bengali_letter_share(text) > 0.5 else "en"
+
+
+def split_value(text_nfc: str) -> float:
+    """The document's split hash in [0, 1): first 8 hex digits of sha256(UTF-8 of the NFC text) / 2**32."""
+    return int(hashlib.sha256(text_nfc.encode("utf-8")).hexdigest()[:8], 16) / 2**32
+
+
+def is_val(text_nfc: str, val_fraction: float) -> bool:
+    """True when the document belongs to the validation split (DESIGN.md)."""
+    return split_value(text_nfc) < val_fraction
+
+
+def count_chars(text: str) -> int:
+    """NFC code points of an already-NFC text (what fertility and bits per character count)."""
+    return len(text)
