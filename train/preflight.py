@@ -146,10 +146,24 @@ def _first_divergence(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torc
 # ------------------------------------------------------------------------------------------ the checks
 
 def check_gradient_flow(model: nn.Module, batch: torch.Tensor, ctx) -> CheckResult:
-    m = copy.deepcopy(model).train()
+    # on the model itself, not a copy: a deep copy would drop tensor hooks (a leftover gradient-zeroing hook is
+    # one of the defects this must catch). Only .grad is touched, and it is restored afterwards.
+    m = model
+    was_training = m.training
+    saved = {n: p.grad for n, p in m.named_parameters()}
+    m.train()
     m.zero_grad(set_to_none=True)
-    loss = _loss(m, batch, ctx)
-    loss.backward()
+    try:
+        loss = _loss(m, batch, ctx)
+        loss.backward()
+        return _gradient_report(m, loss)
+    finally:
+        for n, p in m.named_parameters():
+            p.grad = saved.get(n)
+        m.train(was_training)
+
+
+def _gradient_report(m: nn.Module, loss: torch.Tensor) -> CheckResult:
     culprits = []
     for name, p in _trainable(m):
         if p.grad is None:

@@ -432,7 +432,11 @@ class Trainer:
                     D.barrier(self.dist)
                     window_t0 = time.time()
                 if self.step % t.ckpt_every == 0 and self.step < t.max_steps:
-                    self.save()
+                    if self.nonfinite:
+                        self.log(f"step {self.step}: checkpoint skipped during a non-finite streak "
+                                 f"(the last good one stays {self.last_ckpt})")
+                    else:
+                        self.save()
                     window_t0 = time.time()
         finally:
             bar.close()
