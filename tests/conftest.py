@@ -126,3 +126,12 @@ def trained_run(tmp_path_factory, session_cache) -> Path:
                                               "train.eval_every": 40})
     Trainer(cfg, log=lambda m: None).train()
     return tmp / "runs" / "tiny-trained"
+
+
+@pytest.fixture(scope="session")
+def bundle(tmp_path_factory, trained_run) -> Path:
+    """The trained tiny run exported to a bundle (``export.onnx.export_bundle``; parity is tested elsewhere)."""
+    export_onnx = pytest.importorskip("export.onnx")
+    out = tmp_path_factory.mktemp("bundle") / "bundle"
+    export_onnx.export_bundle(trained_run, out, parity=False, log=lambda m: None)
+    return out

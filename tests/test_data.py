@@ -326,3 +326,10 @@ def test_config_unknown_preset():
 def test_parse_value():
     assert parse_value("3e-4") == 3e-4 and parse_value("true") is True and parse_value("[1, 2]") == [1, 2]
     assert parse_value("plain-name") == "plain-name" and parse_value('"quoted"') == "quoted"
+
+
+def test_toml_fallback_writer_round_trips():
+    from train.config import _dump_flat_toml, to_toml, tomllib
+
+    cfg = load_config("tiny", ["data.mix={bn=0.6, en=0.4}", 'run.name="নাম"'])
+    assert tomllib.loads(_dump_flat_toml(cfg.to_dict())) == tomllib.loads(to_toml(cfg)) == cfg.to_dict()

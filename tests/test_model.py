@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from train.checkpoint import hf_state_dict, load_weights, save_weights
-from train.model import LlamaForCausalLM, ModelConfig, RMSNorm, apply_rotary, causal_lm_loss, repeat_kv
+from train.model import LlamaForCausalLM, RMSNorm, apply_rotary, causal_lm_loss, repeat_kv
 from train.optim import build_optimizer, param_groups
 
 

@@ -45,7 +45,7 @@ def test_t1_bangla_words_are_single_pre_tokens(fixture_tok, word, expected):
     tok = load_tokenizer(fixture_tok)
     pieces = pre_tokens(tok, word)
     assert [p for p, _ in pieces] == expected
-    for p, (a, _b) in pieces:
+    for p, _span in pieces:
         first = p.lstrip(" ")[:1]
         assert unicodedata.category(first) not in ("Mn", "Mc"), f"pre-token {p!r} starts with a mark"
 

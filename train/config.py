@@ -10,6 +10,7 @@ choices.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -22,8 +23,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
-
-import tomli_w
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -298,8 +297,32 @@ def validate(cfg: Config) -> None:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML text (every key present)."""
+    """The resolved config as TOML text (every key present), via ``tomli_w``; where it is not installed (a GPU
+    image with torch preinstalled and no package index) a minimal writer for our flat sections is used."""
+    try:
+        import tomli_w
+    except ImportError:
+        return _dump_flat_toml(cfg.to_dict())
     return tomli_w.dumps(cfg.to_dict())
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def _dump_flat_toml(d: dict[str, dict[str, Any]]) -> str:
+    return "\n".join(f"[{sec}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
+                     for sec, table in d.items())
 
 
 def config_from_dict(d: dict[str, dict[str, Any]]) -> Config:
@@ -322,10 +345,20 @@ def resolve_path(p: str | Path) -> Path:
     return alt if alt.exists() else path
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only when there is one and the help text does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, [], False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def add_config_args(parser) -> None:
     """The shared ``--config``, ``--data`` and ``--set`` command-line options."""
     parser.add_argument("--config", default="small",
-                        help="a preset in configs/ (%s) or a TOML file (default: %%(default)s)" % ", ".join(preset_names()))
+                        help=f"a preset in configs/ ({', '.join(preset_names())}) or a TOML file (default: %(default)s)")
     parser.add_argument("--data", nargs="+", metavar="PATH", default=None,
                         help="text inputs: folders, .jsonl/.txt[.gz] files, or hf:NAME[:CONFIG][:SPLIT] "
                              "(default: the config's data.paths, data/sample)")

@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from train.atomic import atomic_dir, atomic_write_json
-from train.config import Config, ConfigError, add_config_args, config_from_args, resolve_path
+from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
 from train.corpus import DataError, ReadReport, input_fingerprints, iter_documents, list_input_files
 from train.shards import ShardWriter, dtype_for_vocab, open_shard
 from train.textutil import bengali_letter_share
@@ -364,10 +364,10 @@ def prepare(cfg: Config, log=print) -> Prepared:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m train.data``."""
     p = argparse.ArgumentParser(prog="python -m train.data", description="Prepare the tokenizer and token shards.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="tokenize --data into cached shards; prints the shard folder",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=HelpFormatter)
     add_config_args(pp)
     pp.add_argument("--strict", action="store_true", help="a bad input file is an error instead of a warning")
     args = p.parse_args(argv)

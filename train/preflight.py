@@ -500,10 +500,10 @@ def run_preflight(model: nn.Module, batch: torch.Tensor, *, device: torch.device
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m train.preflight``: prepare data, build the run's model and optimizer, run every check."""
-    from train.config import add_config_args
+    from train.config import HelpFormatter, add_config_args
 
     p = argparse.ArgumentParser(prog="python -m train.preflight", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     add_config_args(p)
     p.add_argument("--name", default=None, help="run name (default: the config's); the report goes to "
                                                 "runs/NAME/preflight.json")

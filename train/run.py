@@ -42,7 +42,7 @@ from train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from train.config import Config, ConfigError, add_config_args, config_from_args, to_toml
+from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, to_toml
 from train.corpus import DataError
 from train.data import Prepared, prepare
 from train.device import autocast_ctx, peak_flops, resolve_device, resolve_dtype, setup_cuda_fast_paths
@@ -509,6 +509,7 @@ class Trainer:
             "tokens_per_s": (sum(r["tokens_per_s"] for r in trains[-20:]) / len(trains[-20:])) if trains else tps,
             "mfu": mfu, "val": evals[-1]["val"] if evals else None, "random_init": ri,
             "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "world_size": self.dist.world_size,
+            "peak_memory_gb": peak_memory_gb(self.device),
         }
         if self.dist.is_main:
             atomic_write_json(self.run_dir / "summary.json", summary)
@@ -518,6 +519,15 @@ class Trainer:
                     f"{k} {v['nll']:.3f} vs {ri[k]['nll']:.3f}" for k, v in summary["val"].items() if k in ri))
             self.log(f"done: {self.step} steps, {self.tokens:,} tokens in {wall / 60:.1f} min → {self.run_dir}")
         return summary
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process in GB: CUDA's max_memory_allocated on a GPU, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def _already_done(cfg: Config) -> bool:
@@ -537,7 +547,7 @@ def _already_done(cfg: Config) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m train.run``."""
     p = argparse.ArgumentParser(prog="python -m train.run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     add_config_args(p)
     p.add_argument("--name", default=None, help="run name: the folder runs/NAME (default: the config's name)")
     p.add_argument("--resume", action="store_true", help="continue runs/NAME exactly from its latest checkpoint")

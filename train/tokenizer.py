@@ -424,19 +424,19 @@ def _cmd_fertility(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m train.tokenizer``."""
-    from train.config import add_config_args
+    from train.config import HelpFormatter, add_config_args
 
     p = argparse.ArgumentParser(prog="python -m train.tokenizer", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a tokenizer on the train split of --data",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     add_config_args(t)
     t.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: the config's, 32000)")
     t.add_argument("--out", required=True, help="output folder (tokenizer.json, tokenizer_config.json)")
     t.add_argument("--force", action="store_true", help="replace an existing output folder")
     f = sub.add_parser("fertility", help="characters per token by language, against other tokenizers",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     f.add_argument("--tokenizer", required=True, help="our tokenizer folder (or any supported tokenizer)")
     f.add_argument("--data", nargs="+", required=True, help="text inputs (folders, files, hf:NAME)")
     f.add_argument("--split", default="val", choices=["val", "train", "all"], help="which documents to measure")

@@ -1,0 +1,203 @@
+"""The HTTP server as a real ``uvicorn`` process on a loopback port, driven over sockets by httpx:
+client disconnects (H5), a busy model not blocking the event loop (H6), unbuffered streaming, overload
+(429 at once) and seeded reproducibility under concurrency (S5). Each server serves a scripted model."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SERVER = """
+import json, sys
+import uvicorn
+from serve.app import create_app
+from serve.scripted import scripted_lm
+from serve.settings import Settings
+cfg = json.loads(sys.argv[1])
+lm = scripted_lm(cfg["pieces"], **cfg["lm"])
+uvicorn.run(create_app(Settings(**cfg["settings"]), lm), host="127.0.0.1", port=cfg["port"], log_level="info")
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """A running server: ``url``, and ``log`` (its stderr) once it has stopped."""
+
+    def __init__(self, url: str, proc: subprocess.Popen):
+        self.url, self.proc, self.log = url, proc, ""
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+
+@contextmanager
+def live_server(pieces=("ab",), lm=None, **settings) -> Iterator[Live]:
+    cfg = {"pieces": list(pieces) if pieces is not None else None, "lm": lm or {}, "settings": settings,
+           "port": free_port()}
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(cfg)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    live = Live(f"http://127.0.0.1:{cfg['port']}", proc)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stderr.read()}")
+            try:
+                if httpx.get(f"{live.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start within 60 s")
+            time.sleep(0.1)
+        yield live
+    finally:
+        proc.terminate()
+        try:
+            live.log = proc.communicate(timeout=10)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            live.log = proc.communicate()[1]
+
+
+def first_chunk(client: httpx.Client, url: str, body: dict) -> tuple[float, str]:
+    """Seconds until the first SSE data line of a streamed completion, and that line."""
+    t0 = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                return time.perf_counter() - t0, line
+    raise AssertionError("no data line")
+
+
+def test_h5_disconnect_cancels_generation():
+    with live_server(["ab"], lm={"context": 20_000, "delay_s": 0.01}, max_concurrency=1) as srv:
+        body = {"prompt": "x", "max_tokens": 10_000}
+        client = httpx.Client(timeout=10)
+        with client.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break
+        client.close()  # the response was not read to the end: the connection is closed
+        closed = time.perf_counter()
+        time.sleep(0.2)
+        at_200ms = srv.metric("shalik_completion_tokens_total")
+        assert srv.metric("shalik_in_flight") == 0
+        time.sleep(0.4)
+        assert srv.metric("shalik_completion_tokens_total") == at_200ms  # the counter stopped
+        assert at_200ms < 100  # ~10 ms/token: it ran ~(0.2 s + detection) worth, not 10,000 tokens
+        with httpx.Client(timeout=10) as c2:  # the single slot is free again: the next request starts at once
+            ttft, _ = first_chunk(c2, srv.url, {"prompt": "x", "max_tokens": 3})
+        assert ttft < 0.2 + 0.05, ttft
+        assert time.perf_counter() - closed < 2.0
+    assert "Exception in ASGI application" not in srv.log and "Traceback" not in srv.log, srv.log
+
+
+def test_h6_busy_model_does_not_block_the_event_loop():
+    with live_server(["ab"], lm={"context": 256, "delay_s": 0.05, "busy": True}, max_concurrency=2) as srv:
+        arrivals: dict[int, list[float]] = {0: [], 1: []}
+        t0 = time.perf_counter()
+
+        def stream(i: int) -> None:
+            with httpx.Client(timeout=30) as c, c.stream(
+                    "POST", f"{srv.url}/v1/completions",
+                    json={"prompt": "x", "max_tokens": 40, "stream": True, "temperature": 0}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals[i].append(time.perf_counter() - t0)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        latencies = []
+        with httpx.Client(timeout=5) as c:
+            while any(t.is_alive() for t in threads):
+                s = time.perf_counter()
+                assert c.get(f"{srv.url}/v1/models").status_code == 200
+                latencies.append(time.perf_counter() - s)
+                time.sleep(0.1)
+        for t in threads:
+            t.join()
+    assert len(latencies) >= 10 and max(latencies) < 0.2, latencies
+    for i in (0, 1):  # 40 tokens at 50 ms: ~2 s; the first chunk comes long before the last
+        assert len(arrivals[i]) >= 40
+        assert arrivals[i][0] < 0.6 and arrivals[i][-1] > 1.8
+        assert arrivals[i][0] < arrivals[1 - i][-1]  # both streams progressed at the same time
+
+
+def test_overload_gets_429_at_once_and_queued_request_completes():
+    with live_server(["ab"], lm={"context": 256, "delay_s": 0.02}, max_concurrency=1, max_queue=1) as srv:
+        results: list[tuple[int, float, dict]] = []
+        lock = threading.Lock()
+
+        def call() -> None:
+            s = time.perf_counter()
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 40}, timeout=30)
+            with lock:
+                results.append((r.status_code, time.perf_counter() - s, dict(r.headers)))
+
+        threads = [threading.Thread(target=call) for _ in range(5)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [200, 200, 429, 429, 429], results
+    for code, seconds, headers in results:
+        if code == 429:
+            assert seconds < 0.5 and int(headers["retry-after"]) >= 1
+
+
+def test_s5_seeded_request_reproducible_beside_others():
+    body = {"prompt": "p", "max_tokens": 16, "temperature": 0.8, "seed": 42}
+    with live_server(None, lm={"context": 256, "delay_s": 0.005}, max_concurrency=3) as srv:
+        url = f"{srv.url}/v1/completions"
+        alone = [httpx.post(url, json=body, timeout=30).json()["choices"][0]["text"] for _ in range(3)]
+        together: dict[str, str] = {}
+
+        def call(key: str, extra: dict) -> None:
+            together[key] = httpx.post(url, json={**body, **extra}, timeout=30).json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=call, args=(k, e)) for k, e in
+                   [("A", {}), ("B", {"seed": None}), ("C", {"seed": 7})]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        streamed = ""
+        with httpx.Client(timeout=30) as c, c.stream("POST", url, json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
+    assert len(set(alone)) == 1 and together["A"] == alone[0] and together["C"] != alone[0]
+    assert streamed == alone[0]
+
+
+def test_api_key_over_the_wire():
+    with live_server(["ab"], api_key="k") as srv:
+        assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
+        assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        r = httpx.get(f"{srv.url}/v1/models")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
