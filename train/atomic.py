@@ -18,6 +18,17 @@ from pathlib import Path
 TMP_PREFIX = ".tmp-"
 
 
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+_UMASK = _umask()
+FILE_MODE = 0o666 & ~_UMASK  # what open() would give: mkstemp/mkdtemp make 0600/0700 files
+DIR_MODE = 0o777 & ~_UMASK
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so a rename inside it is durable (no-op where the OS does not allow it)."""
     try:
@@ -47,6 +58,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -94,6 +106,7 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(final.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=final.parent))
+    os.chmod(tmp, DIR_MODE)
     try:
         yield tmp
         fsync_tree(tmp)

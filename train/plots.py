@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from train.atomic import TMP_PREFIX
+from train.atomic import FILE_MODE, TMP_PREFIX
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -55,6 +55,7 @@ def plot_loss(metrics_path: Path, out_path: Path, title: str = "") -> bool:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".png", dir=out_path.parent)
     os.close(fd)
+    os.chmod(tmp, FILE_MODE)
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, out_path)

@@ -1,0 +1,107 @@
+"""Export figures for the `small` preset: wall time, bundle sizes, parity (max |Δlogit| per case), int8 NLL change.
+
+    python benchmarks/export_small.py [RUN] [--dtype float32|float16] [--no-int8] [--json OUT] [--md OUT]
+
+RUN defaults to ``runs/small`` when it has a checkpoint, else ``runs/small-init``; make the latter (an untrained
+step-0 checkpoint) with
+
+    python -m train.run --config small --name small-init --no-preflight --set train.max_steps=0
+
+The bundle is written to a temporary folder and deleted; the figures go to ``benchmarks/results/export_small.json``
+and ``.md`` (and stdout). The parity gate, int8 quantisation and its validation NLL are exactly
+``python -m export.onnx``'s; times are wall-clock on whatever else the machine is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def default_run() -> Path:
+    """runs/small when it has checkpoints, else runs/small-init; exits with the command to make one."""
+    for name in ("small", "small-init"):
+        run = ROOT / "runs" / name
+        if (run / "checkpoints").is_dir():
+            return run
+    sys.exit("no runs/small or runs/small-init; make one with:\n  python -m train.run --config small --name "
+             "small-init --no-preflight --set train.max_steps=0")
+
+
+def figures(run: Path, dtype: str, int8: bool) -> dict:
+    """Export ``run`` into a temporary folder and return the figures (the manifest's, plus timings)."""
+    from export.onnx import export_bundle
+
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        lines.append(msg)
+        print(msg, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="export-small-") as td:
+        t0 = time.time()
+        out = export_bundle(run, Path(td) / "bundle", dtype=dtype, quantize="int8" if int8 else None, log=log)
+        wall = time.time() - t0
+        m = json.loads((out / "manifest.json").read_text())
+    steps = {k: v for k, v in ((ln.split(":")[0], ln) for ln in lines) if k in ("onnx", "int8")}
+    return {
+        "run": str(run), "step": m["source"]["step"], "untrained": m["source"]["step"] == 0, "params": m["params"],
+        "dtype": dtype, "exporter": m["exporter"], "opset": m["opset"], "wall_s": round(wall, 1),
+        "log": steps, "bytes": {k: v["bytes"] for k, v in m["files"].items()},
+        "parity": [{k: c[k] for k in ("runtime", "case", "value", "tol", "ok")} for c in m["parity"]["cases"]],
+        "parity_ok": m["parity"]["ok"], "int8": m["int8"], "versions": m["versions"],
+    }
+
+
+def markdown(f: dict) -> str:
+    """The figures as a Markdown page (sizes, parity table, int8)."""
+    out = [f"# Export of `{f['run']}` ({'untrained, step 0' if f['untrained'] else 'step ' + str(f['step'])})", "",
+           f"{f['params']:,} parameters, {f['dtype']}, {f['exporter']} exporter, opset {f['opset']}; "
+           f"export + gate{' + int8' if f['int8'] else ''}: **{f['wall_s']} s** wall "
+           f"({'; '.join(f['log'].values())}).", "", "| file | MB |", "|---|---:|"]
+    out += [f"| {k} | {v / 1e6:.1f} |" for k, v in sorted(f["bytes"].items(), key=lambda kv: -kv[1])]
+    out += ["", "| runtime | case | max \\|Δlogit\\| / tokens | ok |", "|---|---|---:|---|"]
+    for c in f["parity"]:
+        v = "—" if c["value"] is None else (f"{int(c['value'])}" if c["case"].startswith("greedy")
+                                            else f"{c['value']:.2e}")
+        out.append(f"| {c['runtime']} | {c['case']} | {v} | {'ok' if c['ok'] else 'FAIL'} |")
+    if f["int8"] and f["int8"].get("val_nll_delta") is not None:
+        out += ["", f"int8 val NLL change: {f['int8']['val_nll_delta']:+.5f} nats/token over {f['int8']['tokens']:,} "
+                f"tokens (fp32 {f['int8']['val_nll_fp32']:.4f}, int8 {f['int8']['val_nll_int8']:.4f})."]
+    v = f["versions"]
+    out += ["", f"torch {v.get('torch')}, onnx {v.get('onnx')}, onnxruntime {v.get('onnxruntime')}, "
+            f"transformers {v.get('transformers')}.", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Export, print and write the figures; returns 0."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", nargs="?", default=None, help="run folder (default: runs/small, else runs/small-init)")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    p.add_argument("--no-int8", dest="int8", action="store_false", help="skip model.int8.onnx")
+    p.add_argument("--json", default=str(RESULTS / "export_small.json"))
+    p.add_argument("--md", default=str(RESULTS / "export_small.md"))
+    a = p.parse_args(argv)
+    f = figures(Path(a.run) if a.run else default_run(), a.dtype, a.int8)
+    md = markdown(f)
+    print("\n" + md)
+    from train.atomic import atomic_write_json, atomic_write_text
+
+    atomic_write_json(a.json, f)
+    atomic_write_text(a.md, md)
+    print(f"wrote {a.json} and {a.md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The bundle's ``README.md`` model card: what the model is, its data and licences, fertility, evaluation against
+the random-init twin, int8, limits, usage (Python, HTTP, transformers) and the parity table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from export.parity import format_table
+from export.source import Source
+
+
+def _num(x, fmt: str = ".3f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _model_section(src: Source, name: str) -> list[str]:
+    c = src.cfg
+    step = "untrained (step 0, random initialisation)" if src.step == 0 else f"step {src.step}"
+    return [
+        f"# {name} — Shalik bundle",
+        "",
+        f"A small Bangla-first Llama-style causal language model trained with Shalik; this bundle holds checkpoint "
+        f"`{src.ckpt.name}` ({step}), exported for CPU serving with onnxruntime, the Rust runtime or "
+        "`transformers`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| parameters | {src.model.num_params():,} ({src.model.num_params(non_embedding=True):,} without the "
+        "embedding) |",
+        f"| layers / hidden / intermediate | {c.num_hidden_layers} / {c.hidden_size} / {c.intermediate_size} |",
+        f"| attention heads / KV heads / head dim | {c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim} |",
+        f"| context | {c.max_position_embeddings} tokens |",
+        f"| vocabulary | {c.vocab_size} (byte-level BPE; `<|endoftext|>` = {src.eot_id}, `<|pad|>` = {src.pad_id}) |",
+        f"| RoPE θ / RMSNorm ε | {c.rope_theta:g} / {c.rms_norm_eps:g} |",
+        f"| tied embeddings | {'yes' if c.tie_word_embeddings else 'no'} |",
+        f"| source | `{src.ckpt}` (model.safetensors sha256 `{src.sha256[:16]}…`) |",
+        "",
+    ]
+
+
+def _data_section(data: dict | None) -> list[str]:
+    out = ["## Training data and licences", ""]
+    if not data or not data.get("sources"):
+        return out + ["The checkpoint records no data summary.", ""]
+    out += ["| source | licence | documents | characters |", "|---|---|---:|---:|"]
+    for s in data["sources"]:
+        out.append(f"| {s.get('source', '?')} | {s.get('license') or 'unknown'} | {s.get('docs', 0):,} | "
+                   f"{s.get('chars', 0):,} |")
+    if data.get("tokens_seen") is not None:
+        out += ["", f"Tokens seen in training: {data['tokens_seen']:,}."]
+    out += ["", "Texts under share-alike licences (e.g. CC-BY-SA) require attribution; check each source's terms "
+            "before redistributing generated text at scale.", ""]
+    langs = data.get("languages") or {}
+    if langs:
+        out += ["## Tokenizer fertility", "", "NFC code points per token on the training corpus (higher is better).",
+                "", "| language | documents | characters | tokens | chars / token |", "|---|---:|---:|---:|---:|"]
+        for lang, v in langs.items():
+            out.append(f"| {lang} | {v.get('docs', 0):,} | {v.get('chars', 0):,} | {v.get('tokens', 0):,} | "
+                       f"{_num(v.get('chars_per_token'), '.2f')} |")
+        out.append("")
+    return out
+
+
+def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
+    out = ["## Evaluation", ""]
+    if not ev or not ev.get("val"):
+        out += ["No evaluation of this checkpoint was recorded by its run.", ""]
+    else:
+        ri = ev.get("random_init") or {}
+        out += [f"Validation NLL (nats/token) and bits per character at step {ev.get('step')}, against the "
+                "random-init twin (same architecture, untrained):", "",
+                "| split | NLL | bits/char | random-init NLL | Δ NLL | tokens |", "|---|---:|---:|---:|---:|---:|"]
+        for lang, v in ev["val"].items():
+            r = ri.get(lang, {})
+            delta = v["nll"] - r["nll"] if r.get("nll") is not None else None
+            out.append(f"| {lang} | {_num(v.get('nll'))} | {_num(v.get('bpc'))} | {_num(r.get('nll'))} | "
+                       f"{_num(delta, '+.3f')} | {v.get('tokens', 0):,} |")
+        out.append("")
+    if int8:
+        if int8.get("val_nll_delta") is None:
+            out += [f"int8 (`model.int8.onnx`): {int8.get('note', 'not measured')}.", ""]
+        else:
+            out += [f"int8 (`model.int8.onnx`, dynamic QInt8 per-channel MatMul weights): validation NLL "
+                    f"{int8['val_nll_int8']:.4f} vs {int8['val_nll_fp32']:.4f} for fp32, a change of "
+                    f"{int8['val_nll_delta']:+.4f} nats/token over {int8['tokens']:,} tokens (target ≤ "
+                    f"{int8['target']}).", ""]
+    return out
+
+
+def _limits_section(src: Source) -> list[str]:
+    return [
+        "## Limits",
+        "",
+        f"- A small model ({src.model.num_params() / 1e6:.1f} M parameters) trained on a small corpus: it continues "
+        "text, it does not follow instructions, and what it writes is often wrong, repetitive or nonsensical.",
+        "- Trained on Bangla and English only; other languages and scripts tokenize poorly.",
+        f"- Context of {src.cfg.max_position_embeddings} tokens; the runtimes refuse longer sequences.",
+        "- It reproduces the biases of its sources (Wikipedia, public-domain literature, poetry); do not use it for "
+        "decisions about people.",
+        "",
+    ]
+
+
+def _usage_section(bundle_name: str, has_int8: bool) -> list[str]:
+    q = ', quantize="int8"' if has_int8 else ""
+    return [
+        "## Usage",
+        "",
+        "Python (onnxruntime, no torch):",
+        "",
+        "```python",
+        "from serve import load",
+        f'lm = load("{bundle_name}", backend="onnx"{q})   # or backend="rust"',
+        'print(lm.generate("আমি বাংলায় গান গাই", max_new_tokens=32, temperature=0))',
+        'print(lm.score("বাংলা আমার মাতৃভাষা").nll_mean)',
+        "```",
+        "",
+        "HTTP (OpenAI-style completions):",
+        "",
+        "```sh",
+        f"SHALIK_MODEL={bundle_name} uvicorn serve.app:app --port 8000",
+        "curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\",
+        "     -d '{\"prompt\": \"আমি বাংলায়\", \"max_tokens\": 32, \"temperature\": 0}'",
+        "```",
+        "",
+        "transformers:",
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'tok = AutoTokenizer.from_pretrained("{bundle_name}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{bundle_name}", dtype=torch.float32)',
+        'ids = tok("<|endoftext|>আমি বাংলায়", return_tensors="pt").input_ids',
+        "print(tok.decode(model.generate(ids, max_new_tokens=32, do_sample=False)[0]))",
+        "```",
+        "",
+        "Every prompt starts with `<|endoftext|>`, as every training document did (`serve` adds it).",
+        "",
+    ]
+
+
+def render_card(src: Source, bundle_name: str, manifest: dict) -> str:
+    """The model card as Markdown. ``manifest`` supplies exporter, opset, dtype, parity, int8, eval and data;
+    ``bundle_name`` is the path shown in the usage examples."""
+    name = src.run_dir.name if src.run_dir is not None else src.ckpt.name
+    parity = manifest.get("parity") or {}
+    cases = parity.get("cases") or []
+    lines = _model_section(src, name)
+    lines += _data_section(manifest.get("data"))
+    lines += _eval_section(manifest.get("eval"), manifest.get("int8"))
+    lines += _limits_section(src)
+    lines += _usage_section(bundle_name, bool(manifest.get("int8")))
+    lines += ["## Files and parity", "",
+              f"`model.onnx` (+ `model.onnx.data`) was exported by the {manifest.get('exporter')} exporter at opset "
+              f"{manifest.get('opset')} in {manifest.get('dtype')}; `model.safetensors` is the checkpoint's file. "
+              "Parity against the PyTorch checkpoint (float32 logits within atol = rtol = "
+              f"{parity.get('tol', 1e-4):g}; greedy continuations token for token, except at a near-tie, a top-2 "
+              "gap under 1e-3):", ""]
+    if cases:
+        lines += [format_table(cases, markdown=True), ""]
+    else:
+        lines += ["The parity gate was skipped (`--no-parity`): this bundle is **unchecked**.", ""]
+    lines += [f"Gate: **{'passed' if parity.get('ok') else 'skipped' if not cases else 'FAILED'}**. "
+              "`manifest.json` lists every file's sha256 and the library versions.", ""]
+    return "\n".join(lines)
+
+
+def write_card(path: Path, text: str) -> None:
+    """Write the card (UTF-8) atomically."""
+    from train.atomic import atomic_write_text
+
+    atomic_write_text(path, text)

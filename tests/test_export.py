@@ -1,0 +1,538 @@
+"""export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of bugs.md.
+
+One full export (CLI, gate on, int8) of the trained tiny run is shared by most tests; the failure tests fail
+before exporting or swap the exporter for a copy of that graph, so the file stays around a minute and a half.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from export import graph as G
+from export import onnx as E
+from export.parity import PROMPTS, compare_greedy, max_diff
+from serve.backends.base import BackendError
+from serve.backends.onnx import OnnxBackend
+from train.checkpoint import find_checkpoint, load_model, write_sums
+
+TOL = 1e-4
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+@pytest.fixture(scope="module")
+def ckpt(trained_run) -> Path:
+    return find_checkpoint(trained_run)
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    model, _ = load_model(ckpt)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(trained_run, tmp_path_factory) -> Path:
+    """The trained tiny run through the CLI: gate on, int8."""
+    out = tmp_path_factory.mktemp("export") / "bundle"
+    assert E.main([str(trained_run), "--out", str(out), "--quantize", "int8"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def backend(exported) -> OnnxBackend:
+    return OnnxBackend(exported, threads=1)
+
+
+def torch_logits(model, ids, mask=None, pos=None, past=None):
+    """Our model's logits (numpy) and presents for numpy inputs."""
+    def t(a):
+        return None if a is None else torch.as_tensor(np.array(a))
+
+    pkv = None if past is None else [(t(k), t(v)) for k, v in past]
+    with torch.no_grad():
+        logits, presents = model(t(ids), t(mask), t(pos), pkv, True)
+    return logits.numpy(), [(k.numpy(), v.numpy()) for k, v in presents]
+
+
+def copy_ckpt(ckpt: Path, dst: Path) -> Path:
+    """A copy of the checkpoint folder inside ``dst/checkpoints`` (so it is a run of its own)."""
+    out = dst / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, out)
+    return out
+
+
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    rc = E.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def no_leftovers(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def tokens(bundle: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return [0] + Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(text).ids
+
+
+# ---------------------------------------------------------------- the bundle
+
+def test_bundle_files_and_manifest(exported, ckpt):
+    names = {p.name for p in exported.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.onnx", "model.onnx.data", "model.int8.onnx", "README.md", "manifest.json"} <= names
+    m = json.loads((exported / "manifest.json").read_text())
+    assert m["format"] == "shalik-bundle" and m["format_version"] == 1
+    assert m["exporter"] in ("dynamo", "torchscript") and m["opset"] == G.OPSET
+    assert m["source"]["step"] == 40 and m["source"]["checkpoint"] == str(ckpt.resolve())
+    assert m["params"] == load_model(ckpt)[0].num_params()
+    assert set(m["versions"]) >= {"torch", "onnx", "onnxruntime", "transformers"}
+    from train.atomic import sha256_file
+
+    assert m["source"]["sha256"] == sha256_file(ckpt / "model.safetensors")
+    assert set(m["files"]) == names - {"manifest.json"}
+    for name, f in m["files"].items():
+        assert f["sha256"] == sha256_file(exported / name) and f["bytes"] == (exported / name).stat().st_size
+    assert no_leftovers(exported.parent)
+
+
+def test_parity_table_covers_every_case(exported):
+    p = json.loads((exported / "manifest.json").read_text())["parity"]
+    assert p["ok"] is True and all(c["ok"] for c in p["cases"])
+    names = [(c["runtime"].split(" ")[0], c["case"]) for c in p["cases"]]
+    onnx = [n for r, n in names if r == "onnx"]
+    for want in ("prefill 1 (past 0)", "prefill 7 (past 0)", "prefill 64 (past 0)",
+                 "prefill 128 (past 0, full context)", "decode past 1", "decode past 17",
+                 "decode positions 125..127 (context end)"):
+        assert want in onnx
+    assert any(n.startswith("batch 2, left padding") for n in onnx)
+    assert sum(n.startswith("greedy") for n in onnx) == len(PROMPTS) == 5
+    logit_cases = [c for c in p["cases"] if c["runtime"].startswith("onnx (") and not c["case"].startswith("greedy")]
+    assert all(0 <= c["value"] <= TOL for c in logit_cases)
+    assert {r for r, _ in names} >= {"onnx", "safetensors", "transformers"}
+    int8 = [c for c in p["cases"] if c["runtime"] == "onnx int8"]
+    assert len(int8) == 1 and int8[0]["value"] <= 0.05
+
+
+def test_int8_delta_recorded(exported):
+    m = json.loads((exported / "manifest.json").read_text())
+    d = m["int8"]["val_nll_delta"]
+    assert isinstance(d, float) and abs(d) <= 0.05 and m["int8"]["tokens"] > 0
+    assert m["int8"]["val_nll_int8"] == pytest.approx(m["int8"]["val_nll_fp32"] + d)
+    q = OnnxBackend(exported, quantize="int8", threads=1)
+    f = OnnxBackend(exported, threads=1)
+    ids = tokens(exported, "আমি বাংলায় গান গাই")
+    a, b = f.logits(ids), q.logits(ids)
+    assert 0 < np.abs(a - b).max() < 1.0        # really quantized, still close
+
+
+def test_config_json_and_card(exported, ckpt):
+    c = json.loads((exported / "config.json").read_text())
+    src = json.loads((ckpt / "config.json").read_text())
+    assert c["rope_theta"] == c["rope_parameters"]["rope_theta"] == src["rope_theta"]
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "head_dim"):
+        assert c[k] == src[k], k
+    assert c["tie_word_embeddings"] is True and c["torch_dtype"] == "float32" and c["model_type"] == "llama"
+    card = (exported / "README.md").read_text()
+    for needle in ("from serve import load", "uvicorn serve.app:app", "SHALIK_MODEL", "AutoModelForCausalLM",
+                   "random-init", "licence", "prefill 1 (past 0)", "chars / token"):
+        assert needle in card, needle
+    data = json.loads((exported / "manifest.json").read_text())["data"]
+    assert data["sources"] and all("license" in s for s in data["sources"])
+    assert all(s["source"] in card for s in data["sources"])
+
+
+def test_transformers_loads_bundle_unchanged(exported, ref):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(2, ref.config.vocab_size, (2, 110), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        d = (hf(ids).logits - ref(ids)[0]).abs().max().item()
+    assert d < TOL
+    tok = transformers.AutoTokenizer.from_pretrained(str(exported))
+    assert tok("আমি বাংলায় গান গাই", add_special_tokens=False)["input_ids"] == tokens(exported, "আমি বাংলায় গান গাই")[1:]
+
+
+def test_x5_tied_safetensors(exported, ckpt, ref):
+    import safetensors.torch
+
+    from train.checkpoint import load_weights
+    from train.model import LlamaForCausalLM
+
+    sd = safetensors.torch.load_file(str(exported / "model.safetensors"))
+    assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
+    orig = safetensors.torch.load_file(str(ckpt / "model.safetensors"))
+    assert set(sd) == set(orig) and all(torch.equal(sd[k], orig[k]) for k in sd)
+    fresh = LlamaForCausalLM(ref.config).eval()
+    load_weights(fresh, exported / "model.safetensors")
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    ids = torch.arange(2, 66)[None]
+    with torch.no_grad():
+        assert (fresh(ids)[0] - ref(ids)[0]).abs().max().item() <= 1e-6
+
+
+# ---------------------------------------------------------------- serve's OnnxBackend
+
+def test_backend_protocol(backend, ref, exported):
+    assert backend.name == "onnx" and backend.vocab_size == ref.config.vocab_size
+    assert backend.max_position_embeddings == 128 and backend.eot_id == 0
+    ids = tokens(exported, "Once upon a time")
+    seq = backend.new_sequence()
+    assert seq.position == 0
+    all_logits = seq.prefill(ids, all_logits=True)
+    assert all_logits.shape == (len(ids), backend.vocab_size) and all_logits.dtype == np.float32
+    assert seq.position == len(ids)
+    nxt = seq.decode(5)
+    assert nxt.shape == (backend.vocab_size,) and seq.position == len(ids) + 1
+    want = torch_logits(ref, [ids + [5]])[0][0]
+    assert max_diff(want[:-1], all_logits, TOL, TOL)[1] and max_diff(want[-1], nxt, TOL, TOL)[1]
+    last = backend.new_sequence().prefill(ids)
+    assert np.array_equal(last, all_logits[-1])
+
+
+def test_backend_errors(backend, exported, tmp_path):
+    seq = backend.new_sequence()
+    with pytest.raises(BackendError, match="600"):
+        seq.prefill([1, 600])
+    with pytest.raises(BackendError, match="out of range"):
+        seq.prefill([-1])
+    with pytest.raises(BackendError, match="empty"):
+        seq.prefill([])
+    seq.prefill([3] * 127)
+    seq.decode(4)                                   # position 127: the last one
+    with pytest.raises(BackendError, match="128"):
+        seq.decode(4)
+    with pytest.raises(BackendError, match="quantize"):
+        OnnxBackend(exported, quantize="fp8")
+    partial = tmp_path / "b"
+    partial.mkdir()
+    for f in ("config.json", "model.onnx", "model.onnx.data"):
+        shutil.copy(exported / f, partial / f)
+    with pytest.raises(BackendError, match="model.int8.onnx"):
+        OnnxBackend(partial, quantize="int8")
+    with pytest.raises(BackendError, match="config"):
+        OnnxBackend(tmp_path / "nowhere")
+
+
+def test_backend_does_not_import_torch():
+    code = "import sys, serve.backends.onnx; sys.exit(1 if 'torch' in sys.modules else 0)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------- bugs.md X1–X4 on the exported graph
+
+def test_x1_every_position(backend, ref):
+    ids = np.random.default_rng(1).integers(2, ref.config.vocab_size, 100)
+    want = torch_logits(ref, ids[None])[0][0]
+    one = backend.logits(ids.tolist())
+    assert max_diff(want, one, TOL, TOL)[1]
+    seq = backend.new_sequence()
+    steps = [seq.prefill(ids[:8].tolist(), all_logits=True)] + [seq.decode(int(t))[None] for t in ids[8:]]
+    got = np.concatenate(steps)
+    assert got.shape == want.shape
+    d, ok = max_diff(want, got, TOL, TOL)
+    assert ok, d
+
+
+def test_x2_empty_past_then_steps(backend, ref):
+    kv, hd = ref.config.num_key_value_heads, ref.config.head_dim
+    assert (kv, hd) == (2, 16)
+    past = [(np.zeros((1, kv, 0, hd), np.float32),) * 2 for _ in range(ref.config.num_hidden_layers)]
+    ids = np.array([[0, 17, 250, 9, 33]])
+    logits, past = backend.forward(ids, np.ones((1, 5), np.int64), np.arange(5)[None], past)
+    assert all(k.shape == v.shape == (1, kv, 5, hd) for k, v in past)
+    seq_ids = ids[0].tolist()
+    out = []
+    for step in range(9):
+        tok = int(np.argmax(logits[0, -1]))
+        out.append(tok)
+        seq_ids.append(tok)
+        n = len(seq_ids)
+        logits, past = backend.forward(np.array([[tok]]), np.ones((1, n), np.int64), np.array([[n - 1]]), past)
+        assert all(k.shape == (1, kv, n, hd) for k, _ in past), step
+        want = torch_logits(ref, [seq_ids])[0][0, -1]
+        assert max_diff(want, logits[0, -1], TOL, TOL)[1]
+    out.append(int(np.argmax(logits[0, -1])))
+    assert out == ref.generate_greedy(ids[0].tolist(), 10)
+
+
+def test_x3_dynamic_axes(exported, backend, ref):
+    import onnx
+
+    mp = onnx.load(str(exported / "model.onnx"), load_external_data=False)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(mp.graph.input) + list(mp.graph.output)}
+    assert dims["input_ids"] == ["batch", "sequence_length"]
+    assert dims["attention_mask"] == ["batch", "total_sequence_length"]
+    assert dims["position_ids"] == ["batch", "sequence_length"]
+    assert dims["past_key_values.0.key"] == ["batch", 2, "past_sequence_length", 16]
+    assert dims["logits"] == ["batch", "sequence_length", ref.config.vocab_size]
+    assert dims["present.1.value"] == ["batch", 2, "total_sequence_length", 16]
+    assert len(dims) == 3 + 4 * ref.config.num_hidden_layers + 1
+    rng = np.random.default_rng(2)
+    for b, s, p in [(1, 1, 0), (3, 5, 4), (2, 16, 0)]:
+        ids = rng.integers(2, ref.config.vocab_size, (b, s))
+        mask = np.ones((b, p + s), np.int64)
+        pos = np.broadcast_to(np.arange(p, p + s), (b, s))
+        past = [tuple(rng.standard_normal((b, 2, p, 16)).astype(np.float32) for _ in range(2))
+                for _ in range(ref.config.num_hidden_layers)]
+        got, pres = backend.forward(ids, mask, pos, past)
+        want, wpres = torch_logits(ref, ids, mask, pos, past)
+        assert got.shape == (b, s, ref.config.vocab_size)
+        assert max_diff(want, got, TOL, TOL)[1], (b, s, p)
+        assert max_diff(wpres[-1][1], pres[-1][1], TOL, TOL)[1]
+
+
+def test_x4_left_padding(backend, ref, exported):
+    rows = [tokens(exported, "আমি"), tokens(exported, "আমি বাংলায় গান গাই")]
+    width = max(map(len, rows))
+    x = np.array([[1] * (width - len(r)) + r for r in rows])
+    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    pos = np.clip(mask.cumsum(-1) - 1, 0, None)
+    logits, past = backend.forward(x, mask, pos, None)
+    short = backend.logits(rows[0])[-1]
+    assert max_diff(short, logits[0, -1], TOL, TOL)[1]
+    gen = [[], []]
+    for _ in range(8):
+        nxt = logits[:, -1].argmax(-1)
+        for r in range(2):
+            gen[r].append(int(nxt[r]))
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        pos = pos[:, -1:] + 1
+        logits, past = backend.forward(nxt[:, None], mask, pos, past)
+    for r in range(2):
+        assert gen[r] == ref.generate_greedy(rows[r], 8), r
+
+
+# ---------------------------------------------------------------- X3 second export + X6 rope_theta
+
+@pytest.fixture(scope="module")
+def theta_bundle(ckpt, tmp_path_factory):
+    """The trained checkpoint with rope_theta 50000, exported without the gate from example sizes (3, 7, 2)."""
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("theta")
+    c = copy_ckpt(ckpt, root)
+    cfg = json.loads((c / "config.json").read_text())
+    cfg["rope_theta"] = 50000.0
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 50000.0}
+    (c / "config.json").write_text(json.dumps(cfg))
+    write_sums(c)
+    mp.setattr(G, "EXAMPLE_SIZES", (3, 7, 2))
+    try:
+        out = E.export_bundle(c, root / "bundle", parity=False, exporter="dynamo", log=lambda m: None)
+    finally:
+        mp.undo()
+    return out, c
+
+
+def _int_constants(path: Path) -> list:
+    import onnx
+    from onnx import numpy_helper
+
+    mp = onnx.load(str(path))
+    tensors = list(mp.graph.initializer)
+    tensors += [a.t for n in mp.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    return sorted(numpy_helper.to_array(t).tolist().__repr__() for t in tensors
+                  if t.data_type == onnx.TensorProto.INT64)
+
+
+def test_x3_second_export_same_shape_constants(theta_bundle, exported):
+    m = json.loads((exported / "manifest.json").read_text())
+    if m["exporter"] != "dynamo":
+        pytest.skip("the main bundle fell back to TorchScript")
+    assert _int_constants(theta_bundle[0] / "model.onnx") == _int_constants(exported / "model.onnx")
+
+
+def test_x6_rope_theta_survives(theta_bundle, ref):
+    bundle, c = theta_bundle
+    cfg = json.loads((bundle / "config.json").read_text())
+    assert cfg["rope_theta"] == 50000.0 and cfg["rope_parameters"]["rope_theta"] == 50000.0
+    assert cfg["rms_norm_eps"] == 1e-5
+    model50, _ = load_model(c)
+    model50.eval()
+    ids = np.random.default_rng(4).integers(2, ref.config.vocab_size, 101)
+    want = torch_logits(model50, ids[None])[0][0]
+    base = torch_logits(ref, ids[None])[0][0]
+    assert np.abs(want[0] - base[0]).max() < 1e-5        # position 0 cannot tell thetas apart
+    assert np.abs(want[100] - base[100]).max() > 1e-3    # position 100 can
+    onnx_logits = OnnxBackend(bundle, threads=1).logits(ids.tolist())
+    assert max_diff(want[100], onnx_logits[100], TOL, TOL)[1]
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(bundle), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_logits = hf(torch.as_tensor(ids)[None]).logits[0].numpy()
+    assert max_diff(want[100], hf_logits[100], TOL, TOL)[1]
+    card = (bundle / "README.md").read_text()
+    assert "unchecked" in card
+    assert json.loads((bundle / "manifest.json").read_text())["parity"]["ok"] is None
+
+
+# ---------------------------------------------------------------- bad input: exit 2, no bundle, no traceback
+
+def test_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    rc, _, err = run_cli([tmp_path, "--out", tmp_path / "b"], capsys)
+    assert rc == 2 and "not a checkpoint" in err and str(tmp_path) in err and "Traceback" not in err
+    rc, _, err = run_cli([tmp_path / "missing", "--out", tmp_path / "b"], capsys)
+    assert rc == 2 and "no such file" in err
+    rc, _, err = run_cli([tmp_path / "notes.txt", "--out", tmp_path / "b"], capsys)
+    assert rc == 2 and "not a checkpoint" in err
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_safetensors(ckpt, tmp_path, capsys, damage):
+    c = copy_ckpt(ckpt, tmp_path / "run")
+    f = c / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        f.write_bytes(bytes(data))
+    else:
+        f.write_bytes(bytes(data[: len(data) // 2]))
+    out = tmp_path / "b"
+    rc, _, err = run_cli([tmp_path / "run", "--out", out], capsys)   # the run folder: its latest checkpoint
+    assert rc == 2 and "model.safetensors" in err and "sha256" in err and "Traceback" not in err
+    assert not out.exists() and no_leftovers(tmp_path)
+    if damage == "truncate":                        # sums rewritten to match: the file itself is refused
+        write_sums(c)
+        rc, _, err = run_cli([c, "--out", out], capsys)
+        assert rc == 2 and "not a readable safetensors" in err and not out.exists()
+
+
+def test_config_not_matching_weights(ckpt, tmp_path, capsys):
+    c = copy_ckpt(ckpt, tmp_path)
+    cfg = json.loads((c / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (c / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_cli([c, "--out", tmp_path / "b"], capsys)
+    assert rc == 2 and "config.json" in err and "sha256" in err     # edited after SHA256SUMS
+    write_sums(c)
+    rc, _, err = run_cli([c, "--out", tmp_path / "b"], capsys)
+    assert rc == 2 and "does not match" in err and "mlp" in err and "Traceback" not in err
+    cfg["intermediate_size"], cfg["num_attention_heads"] = 128, 3
+    (c / "config.json").write_text(json.dumps(cfg))
+    write_sums(c)
+    rc, _, err = run_cli([c, "--out", tmp_path / "b"], capsys)
+    assert rc == 2 and "heads 3" in err and "config.json" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_existing_out_needs_force(ckpt, tmp_path, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, _, err = run_cli([ckpt, "--out", out], capsys)
+    assert rc == 2 and "already exists" in err and "--force" in err
+    assert (out / "keep.txt").read_text() == "mine"
+    c = copy_ckpt(ckpt, tmp_path / "run")
+    rc, _, err = run_cli([c, "--out", c.parent, "--force"], capsys)      # would delete the checkpoint itself
+    assert rc == 2 and "would replace the checkpoint" in err and (c / "model.safetensors").is_file()
+
+
+def test_bad_val_data(ckpt, tmp_path, capsys):
+    rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--quantize", "int8", "--val-data", tmp_path / "x"], capsys)
+    assert rc == 2 and "--val-data" in err and not (tmp_path / "b").exists()
+
+
+# ---------------------------------------------------------------- the gate and atomicity
+
+def _copy_graph(src_bundle: Path):
+    """An export_graph stand-in that writes ``src_bundle``'s graph (so the gate sees other weights)."""
+    def fake(model, path, exporter="dynamo", dtype="float32", sizes=None, opset=G.OPSET):
+        shutil.copyfile(src_bundle / "model.onnx", path)
+        shutil.copyfile(src_bundle / "model.onnx.data", path.with_name(path.name + ".data"))
+    return fake
+
+
+def test_planted_parity_failure(ckpt, exported, tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+
+    c = copy_ckpt(ckpt, tmp_path / "run")
+    sd = safetensors.torch.load_file(str(c / "model.safetensors"))
+    sd["model.norm.weight"] = sd["model.norm.weight"] * 1.05        # other weights, same shapes
+    safetensors.torch.save_file(sd, str(c / "model.safetensors"), metadata={"format": "pt"})
+    write_sums(c)
+    monkeypatch.setattr(E, "export_graph", _copy_graph(exported))   # a graph of the original weights
+    out = tmp_path / "run" / "bundle"
+    rc, stdout, err = run_cli([tmp_path / "run"], capsys)           # default out: <run>/bundle
+    assert rc == 1 and "parity gate failed" in err and "no bundle was written" in err
+    assert "FAIL" in stdout and "prefill 1 (past 0)" in stdout
+    assert "onnx (dynamo)" in stdout and "onnx (torchscript)" in stdout   # both exporters were tried
+    assert not out.exists() and no_leftovers(tmp_path / "run")
+
+
+def test_dynamo_failure_falls_back_to_torchscript(ckpt, tmp_path, monkeypatch):
+    real = G.export_graph
+
+    def dynamo_breaks(model, path, exporter, *a, **kw):
+        if exporter == "dynamo":
+            raise RuntimeError("planted dynamo failure")
+        return real(model, path, exporter, *a, **kw)
+
+    monkeypatch.setattr(E, "export_graph", dynamo_breaks)
+    logs: list[str] = []
+    out = E.export_bundle(ckpt, tmp_path / "b", log=logs.append)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["exporter"] == "torchscript" and m["parity"]["ok"] is True
+    assert any("planted dynamo failure" in line for line in logs)
+    assert all(c["runtime"] != "onnx (dynamo)" for c in m["parity"]["cases"])
+
+
+def test_interrupt_and_force(ckpt, exported, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "old.txt").write_text("old bundle")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(E, "export_graph", interrupted)
+    rc, _, err = run_cli([ckpt, "--out", out, "--force"], capsys)
+    assert rc == 130 and "no bundle" in err
+    assert (out / "old.txt").read_text() == "old bundle" and no_leftovers(tmp_path)
+    monkeypatch.setattr(E, "export_graph", _copy_graph(exported))
+    rc, _, err = run_cli([ckpt, "--out", out, "--force", "--no-parity"], capsys)
+    assert rc == 0, err
+    assert not (out / "old.txt").exists() and (out / "manifest.json").is_file() and no_leftovers(tmp_path)
+    assert "unchecked" in (out / "README.md").read_text()
+
+
+def test_compare_greedy_near_tie():
+    assert compare_greedy([1, 2, 3], [1, 1, 1], [1, 2, 3], 1e-3) == (True, 3, "")
+    ok, n, detail = compare_greedy([1, 2, 3], [1, 5e-4, 1], [1, 7, 3], 1e-3)
+    assert ok and n == 1 and "near-tie" in detail
+    ok, n, detail = compare_greedy([1, 2, 3], [1, 0.5, 1], [1, 7, 3], 1e-3)
+    assert not ok and n == 1 and "token 1" in detail
+    assert max_diff(np.ones(3), np.ones(3) + 3e-4, 1e-4, 1e-4) == (pytest.approx(3e-4), False)
+    assert max_diff(np.ones(3), np.ones(3) + 1e-4, 1e-4, 1e-4) == (pytest.approx(1e-4), True)
+    assert max_diff(np.ones(3), np.array([1, np.nan, 1]), 1e-4, 1e-4)[1] is False
+
+
+# ---------------------------------------------------------------- float16 (slow: a second full export)
+
+@pytest.mark.slow
+def test_float16_bundle(ckpt, tmp_path):
+    from export.parity import FP16_TOL
+
+    out = E.export_bundle(ckpt, tmp_path / "b16", dtype="float16", log=lambda m: None)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dtype"] == "float16" and m["parity"]["ok"] and m["parity"]["tol"] == FP16_TOL
+    be = OnnxBackend(out, threads=1)
+    assert be.kv_dtype == np.float16
+    assert (out / "model.onnx.data").stat().st_size < 0.6 * (out / "model.safetensors").stat().st_size
