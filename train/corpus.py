@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from train.atomic import sha256_file
-from train.textutil import detect_language, nfc
+from train.textutil import bengali_letter_share, language_of_share, nfc
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
@@ -48,6 +48,7 @@ class Document:
     license: str | None = None
     title: str | None = None
     origin: str = ""
+    bengali_share: float = 0.0  # share of the letters that are Bengali-block letters
 
 
 @dataclass
@@ -159,9 +160,11 @@ def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Docume
         return None
     lic = meta.get("license")
     title = meta.get("title")
+    share = bengali_letter_share(t)
     return Document(
         text=t,
-        lang=detect_language(t),
+        lang=language_of_share(share),
+        bengali_share=share,
         source=str(meta.get("source") or default_source),
         license=str(lic) if lic is not None else None,
         title=str(title) if title is not None else None,

@@ -33,7 +33,6 @@ from train.atomic import atomic_dir, atomic_write_json
 from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
 from train.corpus import DataError, ReadReport, input_fingerprints, iter_documents, list_input_files
 from train.shards import ShardWriter, dtype_for_vocab, open_shard
-from train.textutil import bengali_letter_share
 from train.tokenizer import (
     EOT,
     SPLIT_PATTERN,
@@ -180,7 +179,7 @@ def build_shards(cfg: Config, files: list[str], inputs: list[dict], tok_dir: Pat
             st["docs"] += 1
             st["chars"] += len(d.text)
             st["tokens"] += len(ids)
-            st["bengali_letters_share"] += bengali_letter_share(d.text) * len(d.text)
+            st["bengali_letters_share"] += d.bengali_share * len(d.text)
             src = sources.setdefault((d.source, d.license), {"source": d.source, "license": d.license, "docs": 0,
                                                               "chars": 0})
             src["docs"] += 1

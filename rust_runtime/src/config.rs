@@ -44,27 +44,21 @@ impl Config {
     }
 
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| Error::format(format!("config.json is not valid JSON: {e}")))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| Error::format("config.json: expected a JSON object at the top level"))?;
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| Error::format(format!("config.json is not valid JSON: {e}")))?;
+        let obj = v.as_object().ok_or_else(|| Error::format("config.json: expected a JSON object at the top level"))?;
         Self::from_map(obj)
     }
 
     fn from_map(o: &Map<String, Value>) -> Result<Self> {
         if let Some(mt) = o.get("model_type") {
             if mt.as_str() != Some("llama") {
-                return Err(Error::format(format!(
-                    "config.json: model_type is {mt}, expected \"llama\""
-                )));
+                return Err(Error::format(format!("config.json: model_type is {mt}, expected \"llama\"")));
             }
         }
         if let Some(act) = o.get("hidden_act") {
             if act.as_str() != Some("silu") {
-                return Err(Error::format(format!(
-                    "config.json: hidden_act is {act}, only \"silu\" is supported"
-                )));
+                return Err(Error::format(format!("config.json: hidden_act is {act}, only \"silu\" is supported")));
             }
         }
         for key in ["attention_bias", "mlp_bias"] {
@@ -159,21 +153,15 @@ fn req_usize(o: &Map<String, Value>, key: &str) -> Result<usize> {
         }
         Some(v) => match v.as_u64() {
             Some(n) if n > 0 && n <= u32::MAX as u64 => Ok(n as usize),
-            _ => Err(Error::format(format!(
-                "config.json: {key} is {v}, expected a positive integer"
-            ))),
+            _ => Err(Error::format(format!("config.json: {key} is {v}, expected a positive integer"))),
         },
     }
 }
 
 fn req_f64(o: &Map<String, Value>, key: &str) -> Result<f64> {
     match o.get(key) {
-        None | Some(Value::Null) => {
-            Err(Error::format(format!("config.json: {key} is missing, expected a number")))
-        }
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| Error::format(format!("config.json: {key} is {v}, expected a number"))),
+        None | Some(Value::Null) => Err(Error::format(format!("config.json: {key} is missing, expected a number"))),
+        Some(v) => v.as_f64().ok_or_else(|| Error::format(format!("config.json: {key} is {v}, expected a number"))),
     }
 }
 
@@ -184,9 +172,9 @@ fn req_f64(o: &Map<String, Value>, key: &str) -> Result<f64> {
 fn rope_theta(o: &Map<String, Value>) -> Result<f64> {
     let top = match o.get("rope_theta") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_f64().ok_or_else(|| {
-            Error::format(format!("config.json: rope_theta is {v}, expected a number"))
-        })?),
+        Some(v) => Some(
+            v.as_f64().ok_or_else(|| Error::format(format!("config.json: rope_theta is {v}, expected a number")))?,
+        ),
     };
     let mut nested = None;
     for section in ["rope_parameters", "rope_scaling"] {
@@ -216,9 +204,7 @@ fn rope_theta(o: &Map<String, Value>) -> Result<f64> {
                     None | Some(Value::Null) => {}
                     Some(v) => {
                         let t = v.as_f64().ok_or_else(|| {
-                            Error::format(format!(
-                                "config.json: {section}.rope_theta is {v}, expected a number"
-                            ))
+                            Error::format(format!("config.json: {section}.rope_theta is {v}, expected a number"))
                         })?;
                         if let Some(prev) = nested {
                             if prev != t {
@@ -232,11 +218,7 @@ fn rope_theta(o: &Map<String, Value>) -> Result<f64> {
                     }
                 }
             }
-            Some(v) => {
-                return Err(Error::format(format!(
-                    "config.json: {section} is {v}, expected an object or null"
-                )))
-            }
+            Some(v) => return Err(Error::format(format!("config.json: {section} is {v}, expected an object or null"))),
         }
     }
     let theta = match (top, nested) {
@@ -256,9 +238,7 @@ fn rope_theta(o: &Map<String, Value>) -> Result<f64> {
         }
     };
     if !(theta.is_finite() && theta > 1.0) {
-        return Err(Error::format(format!(
-            "config.json: rope_theta is {theta}, expected a number > 1"
-        )));
+        return Err(Error::format(format!("config.json: rope_theta is {theta}, expected a number > 1")));
     }
     Ok(theta)
 }

@@ -25,8 +25,7 @@ pub fn simd_level() -> SimdLevel {
             {
                 return SimdLevel::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-            {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                 return SimdLevel::Avx2Fma;
             }
         }
@@ -80,11 +79,7 @@ mod x86 {
         let mut i = 0;
         while i + 32 <= n {
             acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm512_fmadd_ps(
-                _mm512_loadu_ps(pa.add(i + 16)),
-                _mm512_loadu_ps(pb.add(i + 16)),
-                acc1,
-            );
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
             i += 32;
         }
         if i + 16 <= n {
@@ -93,11 +88,8 @@ mod x86 {
         }
         if i < n {
             let mask: __mmask16 = ((1u32 << (n - i)) - 1) as __mmask16;
-            acc1 = _mm512_fmadd_ps(
-                _mm512_maskz_loadu_ps(mask, pa.add(i)),
-                _mm512_maskz_loadu_ps(mask, pb.add(i)),
-                acc1,
-            );
+            acc1 =
+                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pa.add(i)), _mm512_maskz_loadu_ps(mask, pb.add(i)), acc1);
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
     }
@@ -176,11 +168,7 @@ mod x86 {
         let mut i = 0;
         while i + 16 <= n {
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(pa.add(i + 8)),
-                _mm256_loadu_ps(pb.add(i + 8)),
-                acc1,
-            );
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
             i += 16;
         }
         let mut s = hsum256(_mm256_add_ps(acc0, acc1));
@@ -527,7 +515,8 @@ mod tests {
         let xt = Tensor::from_vec(xs.clone(), (1, h, t, d), &Device::Cpu).unwrap();
         let ct = Tensor::from_vec(cos.clone(), (t, d / 2), &Device::Cpu).unwrap();
         let st = Tensor::from_vec(sin.clone(), (t, d / 2), &Device::Cpu).unwrap();
-        let want: Vec<f32> = candle_nn::rotary_emb::rope(&xt, &ct, &st).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> =
+            candle_nn::rotary_emb::rope(&xt, &ct, &st).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let interleaved: Vec<f32> =
             candle_nn::rotary_emb::rope_i(&xt, &ct, &st).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let mut got = xs.clone();

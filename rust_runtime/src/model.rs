@@ -28,9 +28,7 @@ impl Quantize {
             None => Ok(Quantize::None),
             Some(s) if s.is_empty() || s == "none" || s == "f32" || s == "float32" => Ok(Quantize::None),
             Some(s) if s == "int8" || s == "q8_0" || s == "q8" => Ok(Quantize::Q8_0),
-            Some(s) => Err(Error::arg(format!(
-                "quantize is {s:?}; expected None, \"none\" or \"int8\""
-            ))),
+            Some(s) => Err(Error::arg(format!("quantize is {s:?}; expected None, \"none\" or \"int8\""))),
         }
     }
     pub fn name(&self) -> &'static str {
@@ -43,10 +41,18 @@ impl Quantize {
 
 /// A weight matrix (out × in, the nn.Linear layout) in f32 or q8_0.
 pub enum Linear {
-    F32 { w: Arc<Vec<f32>>, out: usize, inp: usize },
+    F32 {
+        w: Arc<Vec<f32>>,
+        out: usize,
+        inp: usize,
+    },
     /// q8_0, split by rows into shards that run in parallel (one per thread, more for big
     /// matrices); each shard is a candle QMatMul run on one thread.
-    Q8 { shards: Vec<Q8Shard>, out: usize, inp: usize },
+    Q8 {
+        shards: Vec<Q8Shard>,
+        out: usize,
+        inp: usize,
+    },
 }
 
 pub struct Q8Shard {
@@ -81,8 +87,7 @@ impl Linear {
                     let rows = per.min(out - row0);
                     let t = Tensor::from_slice(&w[row0 * inp..(row0 + rows) * inp], (rows, inp), &Device::Cpu)
                         .ctx(|| format!("{name}: building the tensor to quantize"))?;
-                    let qt = QTensor::quantize(&t, GgmlDType::Q8_0)
-                        .ctx(|| format!("{name}: q8_0 quantization"))?;
+                    let qt = QTensor::quantize(&t, GgmlDType::Q8_0).ctx(|| format!("{name}: q8_0 quantization"))?;
                     let mm = QMatMul::from_qtensor(qt).ctx(|| format!("{name}: q8_0 matmul"))?;
                     shards.push(Q8Shard { mm, row0, rows });
                     row0 += rows;
@@ -114,11 +119,8 @@ impl Linear {
                 if m == 1 {
                     kernels::gemv(par, w, &x[..inp], &mut y[..out], inp);
                 } else {
-                    let parallelism = if par.threads > 1 {
-                        gemm::Parallelism::Rayon(par.threads)
-                    } else {
-                        gemm::Parallelism::None
-                    };
+                    let parallelism =
+                        if par.threads > 1 { gemm::Parallelism::Rayon(par.threads) } else { gemm::Parallelism::None };
                     // SAFETY: dst is m×out row-major (rs = out, cs = 1), lhs is m×inp row-major,
                     // rhs = Wᵀ is inp×out read from W (out×inp row-major): rs = 1, cs = inp.
                     // All lengths were checked above.
@@ -158,10 +160,7 @@ impl Linear {
                 let yp = SyncPtr(y.as_mut_ptr());
                 par.try_each(shards.len(), |s| {
                     let sh = &shards[s];
-                    let yt = sh
-                        .mm
-                        .forward(&xt)
-                        .ctx(|| format!("q8_0 matmul ({m}×{inp} · {inp}×{})", sh.rows))?;
+                    let yt = sh.mm.forward(&xt).ctx(|| format!("q8_0 matmul ({m}×{inp} · {inp}×{})", sh.rows))?;
                     let yp = yp;
                     with_tensor_data(&yt, m * sh.rows, |src| {
                         for i in 0..m {
@@ -275,27 +274,13 @@ fn tensor_to_f32(view: &safetensors::tensor::TensorView<'_>, name: &str) -> Resu
     let data = view.data();
     let out: Vec<f32> = match view.dtype() {
         Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(Error::format(format!(
-                "tensor {name} has dtype {other:?}; expected F32, F16 or BF16"
-            )))
-        }
+        Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        other => return Err(Error::format(format!("tensor {name} has dtype {other:?}; expected F32, F16 or BF16"))),
     };
     let want: usize = view.shape().iter().product();
     if out.len() != want {
-        return Err(Error::format(format!(
-            "tensor {name}: {} values for shape {:?}",
-            out.len(),
-            view.shape()
-        )));
+        return Err(Error::format(format!("tensor {name}: {} values for shape {:?}", out.len(), view.shape())));
     }
     Ok(out)
 }
@@ -309,10 +294,7 @@ struct Loader<'a> {
 impl Loader<'_> {
     fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
         match self.views.get(name) {
-            None => Err(Error::format(format!(
-                "{}: tensor {name} is missing (expected shape {shape:?})",
-                self.file
-            ))),
+            None => Err(Error::format(format!("{}: tensor {name} is missing (expected shape {shape:?})", self.file))),
             Some((dt, s)) => {
                 use safetensors::Dtype;
                 if !matches!(dt, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
@@ -365,11 +347,8 @@ impl Model {
         // SAFETY: the file is memory-mapped read-only; it must not be truncated while loading.
         let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&st_path) }
             .ctx(|| format!("{}: not a readable safetensors file", st_path.display()))?;
-        let views = st
-            .tensors()
-            .into_iter()
-            .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec())))
-            .collect::<HashMap<_, _>>();
+        let views =
+            st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.shape().to_vec()))).collect::<HashMap<_, _>>();
         let ld = Loader { st: &st, views, file: st_path.display().to_string() };
         Self::from_loader(&ld, cfg, quantize, threads)
     }
@@ -390,10 +369,8 @@ impl Model {
             )));
         }
         // Validate every name and shape before loading anything: one clear error, no panic.
-        let mut expected: Vec<(String, Vec<usize>)> = vec![
-            ("model.embed_tokens.weight".into(), vec![vocab, h]),
-            ("model.norm.weight".into(), vec![h]),
-        ];
+        let mut expected: Vec<(String, Vec<usize>)> =
+            vec![("model.embed_tokens.weight".into(), vec![vocab, h]), ("model.norm.weight".into(), vec![h])];
         if !cfg.tie_word_embeddings {
             expected.push(("lm_head.weight".into(), vec![vocab, h]));
         }
@@ -434,8 +411,14 @@ impl Model {
             let o = Linear::new(Arc::new(o), h, nh * hd, quantize, threads, &format!("{p}.self_attn.o_proj"))?;
             let g = ld.load(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?;
             let u = ld.load(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?;
-            let gate_up =
-                Linear::new(Arc::new(concat_rows(vec![g, u])), 2 * inter, h, quantize, threads, &format!("{p}.mlp.gate_up"))?;
+            let gate_up = Linear::new(
+                Arc::new(concat_rows(vec![g, u])),
+                2 * inter,
+                h,
+                quantize,
+                threads,
+                &format!("{p}.mlp.gate_up"),
+            )?;
             let d = ld.load(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?;
             let down = Linear::new(Arc::new(d), h, inter, quantize, threads, &format!("{p}.mlp.down_proj"))?;
             layers.push(Layer {
@@ -481,9 +464,7 @@ impl Model {
         }
         let vocab = self.cfg.vocab_size;
         if let Some(&bad) = ids.iter().find(|&&i| i < 0 || i >= vocab as i64) {
-            return Err(Error::arg(format!(
-                "token id {bad} is out of range: expected 0 <= id < vocab_size = {vocab}"
-            )));
+            return Err(Error::arg(format!("token id {bad} is out of range: expected 0 <= id < vocab_size = {vocab}")));
         }
         let ctx = self.cfg.max_position_embeddings;
         if position + ids.len() > ctx {
@@ -739,13 +720,13 @@ mod tests {
         });
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
         let ts = tensors(kv, skip, reshape);
-        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = ts
-            .into_iter()
-            .map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect()))
-            .collect();
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
+            ts.into_iter().map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect())).collect();
         let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
             .iter()
-            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+            .map(|(n, s, b)| {
+                (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+            })
             .collect();
         safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
         Fixture { dir }
@@ -775,6 +756,11 @@ mod tests {
                 let step = m.forward(&mut c2, &[id], false).unwrap();
                 assert!(max_diff(&step, &all[i * 96..(i + 1) * 96]) < 1e-5, "kv {kv} step {i}");
             }
+            // chunked prefill: 5 then 7 tokens with all logits
+            let mut c5 = m.new_cache();
+            m.forward(&mut c5, &ids[..5], false).unwrap();
+            let rest = m.forward(&mut c5, &ids[5..], true).unwrap();
+            assert!(max_diff(&rest, &all[5 * 96..]) < 1e-5);
             let m2 = Model::load(&fx.dir, Quantize::None, 2).unwrap();
             let mut c3 = m2.new_cache();
             assert!(max_diff(&m2.forward(&mut c3, &ids, true).unwrap(), &all) < 1e-5);

@@ -208,15 +208,8 @@ impl PyModel {
         let inner = self.inner.clone();
         let stops = stop_ids.unwrap_or_default();
         detach(py, move || {
-            let mut g = Generator::new(
-                &inner.model,
-                &ids,
-                max_new_tokens,
-                params,
-                seed.map(|s| s as u64),
-                &stops,
-                inner.eot,
-            )?;
+            let mut g =
+                Generator::new(&inner.model, &ids, max_new_tokens, params, seed.map(|s| s as u64), &stops, inner.eot)?;
             generate_all(&inner.model, &mut g)
         })
     }

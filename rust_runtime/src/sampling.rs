@@ -281,7 +281,12 @@ mod tests {
     use super::*;
 
     fn penalties(rep: f64, pres: f64, freq: f64) -> SamplingParams {
-        SamplingParams { repetition_penalty: rep, presence_penalty: pres, frequency_penalty: freq, ..Default::default() }
+        SamplingParams {
+            repetition_penalty: rep,
+            presence_penalty: pres,
+            frequency_penalty: freq,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -423,9 +428,12 @@ mod tests {
         let pen = PenaltyState::new(4096);
         let l = logits_4096(3);
         let p = SamplingParams { temperature: 1.0, top_p: 0.95, top_k: 100, ..Default::default() };
-        let a: Vec<u32> = (0..10).map(|_| 0).scan(make_rng(Some(42)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
-        let b: Vec<u32> = (0..10).map(|_| 0).scan(make_rng(Some(42)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
-        let c: Vec<u32> = (0..10).map(|_| 0).scan(make_rng(Some(43)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
+        let a: Vec<u32> =
+            (0..10).map(|_| 0).scan(make_rng(Some(42)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
+        let b: Vec<u32> =
+            (0..10).map(|_| 0).scan(make_rng(Some(42)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
+        let c: Vec<u32> =
+            (0..10).map(|_| 0).scan(make_rng(Some(43)), |r, _| Some(sample(&l, &p, &pen, r).unwrap())).collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
     }

@@ -6,8 +6,9 @@ Build the extension once with ``pip install ./rust_runtime`` (see rust_runtime/R
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
 
 import numpy as np
 
@@ -35,7 +36,7 @@ def _as_backend_error(e: ValueError) -> BackendError:
 class RustSequence:
     """One sequence's KV cache, held in Rust. Implements serve.backends.base.Sequence."""
 
-    def __init__(self, seq, backend: "RustBackend"):
+    def __init__(self, seq, backend: RustBackend):
         self._seq = seq
         self._backend = backend
 
