@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -195,9 +196,24 @@ def test_s5_seeded_request_reproducible_beside_others():
     assert streamed == alone[0]
 
 
-def test_api_key_over_the_wire():
-    with live_server(["ab"], api_key="k") as srv:
+def test_openai_client_and_api_key_over_the_wire():
+    openai = pytest.importorskip("openai")
+    with live_server(["ab", "cd"], api_key="k") as srv:
         assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
-        assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
         r = httpx.get(f"{srv.url}/v1/models")
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["scripted"]
+        done = client.completions.create(model="scripted", prompt="x", max_tokens=4, logprobs=1)
+        assert done.choices[0].text == "abcdabcd" and done.usage.completion_tokens == 4
+        assert done.choices[0].logprobs.tokens == ["ab", "cd", "ab", "cd"]
+        chunks = list(client.completions.create(model="scripted", prompt=["x", "y"], max_tokens=3, stream=True,
+                                                stream_options={"include_usage": True}))
+        texts = {0: "", 1: ""}
+        for ch in chunks[:-1]:
+            texts[ch.choices[0].index] += ch.choices[0].text
+        assert texts == {0: "abcdab", 1: "abcdab"} and chunks[-1].usage.completion_tokens == 6
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="scripted", prompt="x", max_tokens=10_000)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()

@@ -1,0 +1,37 @@
+"""Errors raised by ``serve`` (no torch, no web framework).
+
+* :class:`RequestError` (a ``ValueError``): the request itself is wrong — a parameter out of range, an empty
+  prompt, a token id outside the vocabulary, a prompt plus ``max_new_tokens`` beyond the context. The HTTP
+  server answers it with 400 and OpenAI's error body; ``param`` names the offending field when there is one.
+* :class:`ContextLengthError`: the :class:`RequestError` for "too long for the context"; its message carries
+  both numbers (tokens requested and the context length).
+* :class:`ModelOutputError` (a ``RuntimeError``): the model produced logits that cannot be sampled (all
+  ``-inf`` or NaN). That is a fault of the model, not of the request (HTTP 500).
+"""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (HTTP 400).
+
+    ``param`` is the name of the offending request field (``"temperature"``, ``"prompt"``, ...) or None;
+    ``code`` is a short machine-readable reason (``"context_length_exceeded"``, ...) or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(RequestError):
+    """Prompt plus requested new tokens exceed the model's context length (both numbers in the message)."""
+
+    def __init__(self, message: str, param: str | None = "max_tokens"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class ModelOutputError(RuntimeError):
+    """The model returned logits that cannot be sampled: all ``-inf``, or NaN somewhere."""

@@ -1,0 +1,487 @@
+"""The Python API: ``LM`` (generate, stream, complete, score, tokenize, detokenize) over any backend.
+
+A backend implements the small protocol of :mod:`serve.backends.base` (``new_sequence()``, then ``prefill``
+and ``decode`` on the sequence); everything else — tokenizing, sampling (:mod:`serve.sampling`),
+incremental detokenizing (:mod:`serve.detok`), stop strings (:mod:`serve.stops`) — lives here, in numpy.
+
+Conventions (DESIGN.md "Serving"):
+
+* every prompt is encoded as ``<|endoftext|>`` + prompt; prompts are text or lists of token ids;
+* ``prompt_tokens`` counts the positions the prompt occupies, the leading ``<|endoftext|>`` included, so
+  ``prompt_tokens + completion_tokens <= max_position_embeddings`` always;
+* the prompt is prefilled once, then each new token is one cached ``decode`` step (the last token is never
+  fed back: it would only compute logits nobody reads);
+* ``logprobs`` are under the model's unmodified distribution (log-softmax of the raw logits);
+* ``completion_tokens`` counts the tokens in the output (end-of-text and tokens cut by a stop string are
+  not part of it).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import unicodedata
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serve.detok import StreamDecoder, TokenTable
+from serve.errors import ContextLengthError, RequestError
+from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
+from serve.stops import StopMatcher
+
+EOT = "<|endoftext|>"
+DEFAULT_MAX_NEW_TOKENS = 64
+PREFILL_BLOCK = 256  # positions per prefill call when every position's logits are needed (memory bound)
+BACKENDS = ("onnx", "rust")
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class TokenLogprobs:
+    """Tokens with their log-probs (nats), e.g. an echoed prompt.
+
+    ``top_logprobs[i]`` maps display strings of the N most likely tokens at position i to their log-probs
+    (None when no alternatives were asked for); ``text_offset[i]`` is the character offset of token i in
+    ``text``.
+    """
+
+    text: str
+    token_ids: list[int]
+    tokens: list[str]
+    logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+@dataclass
+class Completion:
+    """One generated continuation.
+
+    text: the output (stop string and end-of-text excluded); token_ids / tokens (display strings) /
+    logprobs (nats, raw distribution) / text_offset (char offset in ``text``): one entry per output token;
+    top_logprobs: per token a dict of the N most likely alternatives, or None; prompt_tokens: positions
+    used by the prompt incl. the leading ``<|endoftext|>``; completion_tokens: ``len(token_ids)``;
+    finish_reason: ``"stop"`` (end-of-text or stop string) or ``"length"`` (``"cancelled"`` only after
+    :meth:`Generation.cancel`); prompt: the prompt's own
+    :class:`TokenLogprobs` when ``echo=True`` was asked (else None).
+    """
+
+    text: str
+    token_ids: list[int]
+    tokens: list[str]
+    logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    text_offset: list[int] = field(default_factory=list)
+    prompt: TokenLogprobs | None = None
+
+
+@dataclass
+class Score:
+    """Negative log-likelihood of a text under the model.
+
+    token_nll: nats, one per token of ``token_ids`` (the first predicted from ``<|endoftext|>``);
+    nll_sum / nll_mean: their sum / mean (nats); chars: NFC code points of the text; bits_per_char:
+    ``nll_sum / ln 2 / chars``.
+    """
+
+    text: str
+    token_ids: list[int]
+    token_nll: list[float]
+    nll_sum: float
+    nll_mean: float
+    chars: int
+    bits_per_char: float
+
+
+@dataclass
+class Chunk:
+    """A piece of a running generation: newly released text and the output tokens released with it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class Generation:
+    """A running generation: iterate it for :class:`Chunk` s (only non-empty ones); afterwards
+    ``finish_reason`` is set. Built by :meth:`LM.start`; runs in whichever thread iterates it.
+
+    Live attributes (readable from another thread): ``tokens_generated`` (model steps that produced a
+    token, end-of-text included), ``completion_tokens`` (output tokens released in chunks so far),
+    ``first_token_at`` / ``finished_at`` (``time.perf_counter()`` stamps, or None). ``cancel()``
+    (thread-safe) makes the loop stop before the next model step with finish_reason ``"cancelled"``.
+    """
+
+    def __init__(self, lm: LM, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 stop: Sequence[str], top_n: int | None, echo: bool, index: int = 0, ignore_eos: bool = False):
+        self.lm = lm
+        self.prompt_ids = prompt_ids
+        self.prompt_tokens = len(prompt_ids) + 1
+        self.max_new_tokens = max_new_tokens
+        self.params = params
+        self.top_n = top_n
+        self.echo = echo
+        self.ignore_eos = ignore_eos
+        self.rng = None if params.greedy else make_rng(params.seed, index)
+        self._stops = StopMatcher(stop)
+        self._cancel = threading.Event()
+        self.finish_reason: str | None = None
+        self.prompt: TokenLogprobs | None = None
+        self.tokens_generated = 0
+        self.completion_tokens = 0
+        self.started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self._iter
+
+    def __next__(self) -> Chunk:
+        return next(self._iter)
+
+    def cancel(self) -> None:
+        """Ask the loop to stop before its next model step (thread-safe)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._cancel.is_set()
+
+    def _run(self) -> Iterator[Chunk]:
+        lm = self.lm
+        self.started_at = time.perf_counter()
+        try:
+            if self.max_new_tokens == 0 and not self.echo:
+                self.finish_reason = "length"
+                return
+            seq = lm.backend.new_sequence()
+            full = [lm.eot_id, *self.prompt_ids]
+            if self.echo:  # the prompt's own log-probs, the first predicted from <|endoftext|>
+                lp, tops, logits = lm._prefill_logprobs(seq, full, self.prompt_ids, self.top_n)
+                self.prompt = lm._describe(self.prompt_ids, lp, None if self.top_n is None else tops)
+            else:
+                logits = np.asarray(seq.prefill(full))
+            yield from self._decode_loop(seq, logits)
+        finally:
+            self.finished_at = time.perf_counter()
+
+    def _decode_loop(self, seq, logits: np.ndarray) -> Iterator[Chunk]:
+        lm, stops = self.lm, self._stops
+        sampler = Sampler(self.params, self.prompt_ids, self.rng)
+        detok = StreamDecoder(lm.table)
+        pending: list[tuple[int, float, dict[str, float] | None, int]] = []  # (id, logprob, top, offset)
+        self.finish_reason = "length"
+        tail = ""
+        for step in range(self.max_new_tokens):
+            if self._cancel.is_set():
+                self.finish_reason = "cancelled"
+                break
+            tok = sampler(logits)
+            lp = log_softmax(logits)
+            self.tokens_generated += 1
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            if tok == lm.eot_id and not self.ignore_eos:
+                self.finish_reason = "stop"
+                break
+            offset = len(detok.text)
+            top = lm._top_dict(lp, self.top_n)
+            pending.append((tok, float(lp[tok]), top, offset))
+            released = stops.push(detok.push(tok))
+            if stops.stop_at is not None:
+                tail = released
+                break
+            if released:
+                yield self._chunk(released, pending, stops.released)
+            if step + 1 < self.max_new_tokens:
+                logits = np.asarray(seq.decode(tok))
+        if stops.stop_at is None:
+            tail = stops.push(detok.flush())
+            tail += stops.finish()
+        if stops.stop_at is not None:
+            self.finish_reason = "stop"
+        final = self._chunk(tail, pending, stops.released)
+        if final.text or final.token_ids:
+            yield final
+
+    def _chunk(self, text: str, pending: list, released_chars: int) -> Chunk:
+        """Pop the pending tokens that start before ``released_chars`` into a chunk with ``text``."""
+        n = 0
+        while n < len(pending) and pending[n][3] < released_chars:
+            n += 1
+        out, pending[:] = pending[:n], pending[n:]
+        self.completion_tokens += n
+        return Chunk(text=text, token_ids=[t[0] for t in out], logprobs=[t[1] for t in out],
+                     top_logprobs=None if self.top_n is None else [t[2] for t in out],
+                     text_offset=[t[3] for t in out])
+
+
+class LM:
+    """A language model ready to serve: a backend (serve.backends.base protocol) plus its tokenizer.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` (byte-level BPE with ``<|endoftext|>``). ``name`` is a label
+    (the bundle's run name). Thread-safe: each generation gets its own KV cache.
+    """
+
+    def __init__(self, backend: Any, tokenizer: Any, name: str = "model", path: Path | None = None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.name = name
+        self.path = path
+        self.table = TokenTable.from_tokenizer(tokenizer)
+        eot = tokenizer.token_to_id(EOT)
+        self.eot_id = 0 if eot is None else int(eot)
+        self.vocab_size = int(backend.vocab_size)
+        self.context_length = int(backend.max_position_embeddings)
+
+    def __repr__(self) -> str:
+        return f"LM(name={self.name!r}, backend={getattr(self.backend, 'name', '?')!r}, " \
+               f"vocab={self.vocab_size}, context={self.context_length})"
+
+    # ---- tokens
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text → token ids (NFC-normalised by the tokenizer; no ``<|endoftext|>`` added)."""
+        if not isinstance(text, str):
+            raise RequestError(f"expected a string to tokenize, got {type(text).__name__}", param="prompt")
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids → text (special tokens as their content; invalid UTF-8 as U+FFFD)."""
+        return self.table.decode(self.check_ids(ids, allow_empty=True))
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Display strings of ids (text, or ``bytes:\\x..`` for tokens that are not valid UTF-8 alone)."""
+        return [self.table.display(int(i)) for i in ids]
+
+    def check_ids(self, ids: Sequence[int], param: str = "prompt", allow_empty: bool = False) -> list[int]:
+        """Validate token ids: ints in ``[0, vocab_size)``; RequestError (param ``param``) otherwise."""
+        out = []
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int | np.integer):
+                raise RequestError(f"token ids must be integers, got {i!r}", param=param)
+            if not 0 <= int(i) < self.vocab_size:
+                raise RequestError(f"token id {int(i)} is out of range: expected 0 <= id < {self.vocab_size}",
+                                   param=param, code="invalid_token_id")
+            out.append(int(i))
+        if not out and not allow_empty:
+            raise RequestError("the prompt is an empty list of token ids", param=param)
+        return out
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A prompt (text or token ids) → its ids, without the leading ``<|endoftext|>``."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        if isinstance(prompt, Sequence | np.ndarray):
+            return self.check_ids(list(prompt))
+        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
+                           param="prompt")
+
+    def new_token_budget(self, prompt_tokens: int, max_new_tokens: int | None,
+                         default: int = DEFAULT_MAX_NEW_TOKENS) -> int:
+        """How many tokens a request may generate.
+
+        ``prompt_tokens`` includes the leading ``<|endoftext|>``. ``max_new_tokens=None`` means ``default``
+        capped by what the context leaves. An explicit value that does not fit raises
+        :class:`ContextLengthError` with both numbers; so does a prompt longer than the context.
+        """
+        ctx = self.context_length
+        if prompt_tokens > ctx:
+            raise ContextLengthError(
+                f"the prompt is {prompt_tokens} tokens (including the leading {EOT}), more than the context "
+                f"length {ctx}", param="prompt")
+        if max_new_tokens is None:
+            return max(0, min(int(default), ctx - prompt_tokens))
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 0:
+            raise RequestError(f"max_tokens must be an integer >= 0, got {max_new_tokens!r}", param="max_tokens")
+        if prompt_tokens + max_new_tokens > ctx:
+            raise ContextLengthError(
+                f"the prompt is {prompt_tokens} tokens (including the leading {EOT}) and max_tokens asks for "
+                f"{max_new_tokens} more: {prompt_tokens + max_new_tokens} tokens exceed the context length {ctx}")
+        return int(max_new_tokens)
+
+    # ---- generation
+
+    def start(self, prompt: Prompt, max_new_tokens: int | None = None, *, temperature: float = 1.0,
+              top_k: int = 0, top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+              repetition_penalty: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+              top_logprobs: int | None = None, echo: bool = False, index: int = 0, ignore_eos: bool = False,
+              default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Generation:
+        """Validate a request and return a :class:`Generation` (lazy: nothing runs until it is iterated).
+
+        prompt: text or token ids (``<|endoftext|>`` is prepended); max_new_tokens: int >= 0, or None for
+        ``default_max_new_tokens`` capped by the context; sampling parameters: see
+        :class:`serve.sampling.SamplingParams`; stop: a string or list of non-empty strings; top_logprobs:
+        N alternatives per token (None = none); echo: also score the prompt (``Generation.prompt``);
+        index: which derived random stream of ``seed`` to use (choice number for ``n > 1``); ignore_eos: keep
+        going past ``<|endoftext|>`` (its text then appears; for benchmarks that need fixed lengths).
+
+        Raises RequestError (ContextLengthError when prompt + max_new_tokens exceed the context).
+        """
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty, seed=seed)
+        stops = normalize_stop(stop)
+        if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
+                                         or top_logprobs < 0):
+            raise RequestError(f"logprobs must be an integer >= 0, got {top_logprobs!r}", param="logprobs")
+        ids = self.encode_prompt(prompt)
+        budget = self.new_token_budget(len(ids) + 1, max_new_tokens, default_max_new_tokens)
+        return Generation(self, ids, budget, params, stops, top_logprobs, bool(echo), index, bool(ignore_eos))
+
+    def stream(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> Iterator[str]:
+        """Yield text pieces as they are produced (same options as :meth:`start`).
+
+        Pieces never split a character and concatenate to ``complete(...).text`` for the same options."""
+        for chunk in self.start(prompt, max_new_tokens, **options):
+            yield chunk.text
+
+    def generate(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> str:
+        """The generated text (same options as :meth:`start`)."""
+        return self.complete(prompt, max_new_tokens, **options).text
+
+    def complete(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> Completion:
+        """Run a generation to the end and return a :class:`Completion` (same options as :meth:`start`)."""
+        return self.collect(self.start(prompt, max_new_tokens, **options))
+
+    @staticmethod
+    def collect(gen: Generation, chunks: Sequence[Chunk] | None = None) -> Completion:
+        """Drain a :class:`Generation` into a :class:`Completion` (or assemble it from the ``chunks`` it
+        already produced)."""
+        chunks = list(gen) if chunks is None else list(chunks)
+        tops = None if gen.top_n is None else [d for c in chunks for d in c.top_logprobs]
+        ids = [t for c in chunks for t in c.token_ids]
+        return Completion(
+            text="".join(c.text for c in chunks), token_ids=ids, tokens=gen.lm.token_strings(ids),
+            logprobs=[p for c in chunks for p in c.logprobs], top_logprobs=tops,
+            prompt_tokens=gen.prompt_tokens, completion_tokens=len(ids), finish_reason=gen.finish_reason,
+            text_offset=[o for c in chunks for o in c.text_offset], prompt=gen.prompt)
+
+    # ---- scoring
+
+    def score(self, text: Prompt, top_logprobs: int | None = None) -> Score:
+        """Per-token negative log-likelihood (nats) of ``text`` (a string or token ids).
+
+        The first token is predicted from ``<|endoftext|>``. A text longer than the context is scored with a
+        sliding window (stride half the context): every token after the first window is predicted from at
+        least half a context of the tokens before it. Raises RequestError for an empty text.
+        """
+        ids = self.encode_prompt(text)
+        if not ids:
+            raise RequestError("nothing to score: the text is empty", param="text")
+        full = [self.eot_id, *ids]
+        ctx = self.context_length
+        stride = max(1, ctx // 2)
+        logprobs: list[float] = []
+        tops: list[dict[str, float] | None] = []
+        begin = 0
+        while len(logprobs) < len(ids):
+            end = min(begin + ctx, len(ids))  # inputs full[begin:end] predict full[begin + 1:end + 1]
+            skip = len(logprobs) - begin  # targets already scored by the previous window
+            lp, top, _ = self._prefill_logprobs(self.backend.new_sequence(), full[begin:end],
+                                                full[begin + 1:end + 1], top_logprobs, skip)
+            logprobs += lp
+            tops += top
+            begin += stride
+        scored = self._describe(ids, logprobs, None if top_logprobs is None else tops)
+        nll = [-p for p in scored.logprobs]
+        s = text if isinstance(text, str) else scored.text
+        chars = len(unicodedata.normalize("NFC", s))
+        total = float(sum(nll))
+        return Score(text=s, token_ids=ids, token_nll=nll, nll_sum=total, nll_mean=total / len(ids), chars=chars,
+                     bits_per_char=total / math.log(2) / chars if chars else float("nan"))
+
+    def _prefill_logprobs(self, seq, inputs: list[int], targets: list[int], top_n: int | None, skip: int = 0
+                          ) -> tuple[list[float], list[dict[str, float] | None], np.ndarray]:
+        """Prefill ``inputs`` into ``seq`` in blocks of :data:`PREFILL_BLOCK` (bounded memory) and return the
+        log-probs of ``targets[i]`` (predicted after ``inputs[:i + 1]``) for ``i >= skip``, their top-N
+        dicts, and the logits row after the last input (float32 ``[V]``)."""
+        logprobs: list[float] = []
+        tops: list[dict[str, float] | None] = []
+        row = None
+        for b in range(0, len(inputs), PREFILL_BLOCK):
+            rows = np.asarray(seq.prefill(inputs[b:b + PREFILL_BLOCK], all_logits=True))
+            rows = rows.reshape(-1, rows.shape[-1])
+            row = rows[-1]
+            lo, hi = max(skip, b), min(b + len(rows), len(targets))
+            if lo >= hi:
+                continue
+            lp = log_softmax(rows[lo - b:hi - b])
+            for i in range(lo, hi):
+                logprobs.append(float(lp[i - lo, targets[i]]))
+                tops.append(self._top_dict(lp[i - lo], top_n))
+        return logprobs, tops, row
+
+    def _describe(self, ids: list[int], logprobs: list[float], tops: list | None) -> TokenLogprobs:
+        """Tokens with their log-probs, display strings, text and character offsets."""
+        detok = StreamDecoder(self.table)
+        offsets = []
+        for t in ids:
+            offsets.append(len(detok.text))
+            detok.push(t)
+        detok.flush()
+        return TokenLogprobs(text=detok.text, token_ids=list(ids), tokens=self.token_strings(ids),
+                             logprobs=logprobs, top_logprobs=tops, text_offset=offsets)
+
+    def _top_dict(self, lp: np.ndarray, n: int | None) -> dict[str, float] | None:
+        if n is None:
+            return None
+        return {self.table.display(i): p for i, p in top_logprobs(lp, n)}
+
+
+def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
+    """``stop`` as a list of non-empty strings; RequestError (param "stop") otherwise."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise RequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
+    return stops
+
+
+def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
+         name: str | None = None) -> LM:
+    """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors) for serving.
+
+    backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
+    ``"none"`` or ``"int8"``; threads: compute threads (None = all cores); name: the model's label
+    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``).
+    Raises FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or
+    quantization, ImportError when the backend's runtime is not installed.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no model bundle at {path} (expected a folder with tokenizer.json and the model)")
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
+    quantize = None if quantize in (None, "none") else quantize
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
+    if backend == "onnx":
+        from serve.backends.onnx import OnnxBackend
+
+        model = OnnxBackend(path, quantize=quantize, threads=threads)
+    elif backend == "rust":
+        from serve.backends.rust import RustBackend
+
+        model = RustBackend(path, quantize=quantize, threads=threads)
+    else:
+        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    label = name or path.resolve().parent.name or path.name
+    return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path)

@@ -1,0 +1,187 @@
+"""Request and response bodies of the HTTP API (pydantic; they make the OpenAPI schema).
+
+Requests are strict (a string where a number belongs is a 400, not silently converted), reject NaN and
+infinities, and ignore unknown fields (as vLLM does; lm-evaluation-harness sends a few).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+
+
+
+def _integral(v: Any) -> Any:
+    """JSON Schema counts 10.0 as an integer: accept integral floats as ints (10.5 and "10" stay errors)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def integer(**constraints: int) -> Any:
+    """An int field type taking integral floats (constraints before the validator, so the schema shows them
+    as minimum/maximum)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+TokenId = integer(ge=0)
+StopString = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Texts = Annotated[list[str], Field(min_length=1)]
+TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
+
+
+class CompletionRequest(_Request):
+    """OpenAI's /v1/completions request, plus `top_k` and `repetition_penalty`."""
+
+    model: str | None = Field(None, description="Must equal the served model's id when given.")
+    prompt: str | Texts | TokenIds | TokenIdLists = Field(
+        ..., description="Text, texts, token ids, or lists of token ids; `<|endoftext|>` is prepended internally.")
+    max_tokens: integer(ge=0) | None = Field(None, description="null/absent: SHALIK_DEFAULT_MAX_TOKENS capped by the "
+                                                           "context. 0 with echo: score the prompt only.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
+    top_p: float | None = Field(None, ge=0, le=1, description="Nucleus sampling; 1 = off. Default 1.")
+    top_k: integer(ge=-1) | None = Field(None, description="0 or -1 = off. Default off.")
+    n: integer(ge=1, le=MAX_N) = Field(1, description="Choices per prompt.")
+    stop: StopString | list[StopString] | None = Field(None, description="Output ends before the first occurrence of any of these.")
+    seed: integer() | None = Field(None, description="Same seed, same backend → same text, whatever runs beside it.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Return log-probs and the top N alternatives.")
+    echo: bool = Field(False, description="Return the prompt (and, with logprobs, its tokens' log-probs) too.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
+    user: str | None = Field(None, description="Ignored.")
+
+
+class Logprobs(BaseModel):
+    """OpenAI's legacy logprobs object (parallel lists, one entry per token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(..., description="Incl. the leading <|endoftext|> of each prompt.")
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ScoreRequest(_Request):
+    """Our /v1/score: per-token negative log-likelihood of a text."""
+
+    model: str | None = None
+    text: Annotated[str, Field(min_length=1)] | TokenIds = Field(..., description="Text or token ids to score.")
+
+
+class ScoreResponse(BaseModel):
+    object: Literal["score"] = "score"
+    model: str
+    text: str
+    token_ids: list[int]
+    tokens: list[str]
+    token_nll: list[float] = Field(..., description="Nats, one per token; the first predicted from <|endoftext|>.")
+    nll_sum: float
+    nll_mean: float
+    chars: int = Field(..., description="NFC code points.")
+    bits_per_char: float
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "shalik"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "unavailable"]
+    model: str | None = None
+    backend: str | None = None
+    quantize: str | None = None
+    vocab_size: int | None = None
+    context_length: int | None = None
+    detail: str | None = None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize (only the completion form)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="Accepted and ignored: no special token is added.")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info (what lm-evaluation-harness probes)."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    eos_token: str
+    bos_token: str | None = None
+    pad_token: str | None = None
+    model_max_length: int
+    vocab_size: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail

@@ -1,0 +1,147 @@
+"""A scripted model for tests and benchmarks: emits fixed pieces (or seeded random logits) at a set pace.
+
+``scripted_lm(["ABC", "DEF", "G"], delay_s=0.01)`` is an :class:`serve.lm.LM` whose tokenizer has each piece
+as one token and whose backend, at every step, puts nearly all probability on the next piece of the script
+(cycling, never end-of-text unless ``eos_after`` is given). ``script=None`` gives seeded random logits
+instead (the same for every request, so only the sampler's randomness differs). It implements the backend
+protocol of :mod:`serve.backends.base` and sleeps ``delay_s`` per token (blocking, like real compute).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from serve.backends.base import check_ids
+from serve.detok import bytes_to_unicode
+from serve.lm import EOT, LM
+
+PAD = "<|pad|>"
+PEAK = 40.0  # logit of the scripted token; every other logit is 0
+
+
+def scripted_tokenizer(pieces: Sequence[str] = ()):
+    """A byte-level BPE ``tokenizers.Tokenizer``: ``<|endoftext|>`` (0), ``<|pad|>`` (1), the 256 bytes, then
+    the prefixes of each piece (so each piece is one token). Returns the tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = bytes_to_unicode()
+    vocab = {EOT: 0, PAD: 1}
+    for b in range(256):
+        vocab[alphabet[b]] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for piece in pieces:
+        symbols = [alphabet[b] for b in piece.encode("utf-8")]
+        left = symbols[0]
+        for s in symbols[1:]:
+            merged = left + s
+            if merged not in vocab:
+                vocab[merged] = len(vocab)
+                merges.append((left, s))
+            left = merged
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOT, special=True), AddedToken(PAD, special=True)])
+    return tok
+
+
+class ScriptedSequence:
+    """One sequence of :class:`ScriptedBackend` (the backend protocol's Sequence)."""
+
+    def __init__(self, backend: ScriptedBackend):
+        self.backend = backend
+        self.position = 0
+        self.steps = 0  # tokens decoded after the prefill
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        b = self.backend
+        ids = check_ids(ids, b.vocab_size, self.position, b.max_position_embeddings)
+        b.pause()
+        rows = np.stack([b.context_logits(self.position + i) for i in range(len(ids))])
+        self.position += len(ids)
+        rows[-1] = b.step_logits(0, self.position - 1)
+        return rows if all_logits else rows[-1]
+
+    def decode(self, token_id: int) -> np.ndarray:
+        b = self.backend
+        check_ids([token_id], b.vocab_size, self.position, b.max_position_embeddings)
+        b.pause()
+        self.position += 1
+        self.steps += 1
+        b.decoded += 1
+        return b.step_logits(self.steps, self.position - 1)
+
+
+class ScriptedBackend:
+    """Backend protocol implementation driven by a script of token ids.
+
+    script: ids emitted in turn (cycled), or None for seeded random logits; delay_s: blocking delay per
+    prefill and per decode step (``busy``: spin the CPU instead of sleeping); eos_after: emit end-of-text (id 0) as the token after this many;
+    ``decoded`` counts decode steps over all sequences (a token counter for tests).
+    """
+
+    name = "scripted"
+
+    def __init__(self, vocab_size: int, context: int = 128, script: Sequence[int] | None = None,
+                 delay_s: float = 0.0, eos_after: int | None = None, seed: int = 0, busy: bool = False):
+        self.vocab_size = int(vocab_size)
+        self.max_position_embeddings = int(context)
+        self.script = None if script is None else list(script)
+        self.delay_s = float(delay_s)
+        self.eos_after = eos_after
+        self.seed = seed
+        self.busy = busy
+        self.decoded = 0
+
+    def new_sequence(self) -> ScriptedSequence:
+        return ScriptedSequence(self)
+
+    def pause(self) -> None:
+        """The per-step delay: blocks the calling thread, sleeping or (``busy``) spinning the CPU in Python
+        (holding the GIL between switches, as numpy/onnxruntime glue would)."""
+        if self.delay_s <= 0:
+            return
+        if not self.busy:
+            time.sleep(self.delay_s)
+            return
+        end = time.perf_counter() + self.delay_s
+        while time.perf_counter() < end:
+            pass
+
+    def context_logits(self, position: int) -> np.ndarray:
+        """Deterministic float32 logits ``[V]`` after the token at ``position`` (prompt rows; random mode)."""
+        return np.random.default_rng((self.seed, position)).normal(size=self.vocab_size).astype(np.float32)
+
+    def step_logits(self, step: int, position: int) -> np.ndarray:
+        """float32 logits ``[V]`` predicting generated token number ``step`` (0-based) after the token at
+        ``position``."""
+        if self.eos_after is not None and step >= self.eos_after:
+            return self._peak(0)
+        if self.script is None:
+            return self.context_logits(position)
+        return self._peak(self.script[step % len(self.script)])
+
+    def _peak(self, token_id: int) -> np.ndarray:
+        out = np.zeros(self.vocab_size, dtype=np.float32)
+        out[token_id] = PEAK
+        return out
+
+
+def scripted_lm(pieces: Sequence[str] | None = None, *, context: int = 128, delay_s: float = 0.0,
+                eos_after: int | None = None, name: str = "scripted", extra_pieces: Sequence[str] = (),
+                busy: bool = False) -> LM:
+    """An :class:`LM` whose backend emits ``pieces`` in turn (one token each), or random logits when
+    ``pieces`` is None. ``extra_pieces`` are added to the vocabulary without being scripted."""
+    tok = scripted_tokenizer([*(pieces or ()), *extra_pieces])
+    script = None if pieces is None else [tok.token_to_id(_spelled(p)) for p in pieces]
+    backend = ScriptedBackend(tok.get_vocab_size(with_added_tokens=True), context, script, delay_s, eos_after,
+                              busy=busy)
+    return LM(backend, tok, name=name)
+
+
+def _spelled(piece: str) -> str:
+    alphabet = bytes_to_unicode()
+    return "".join(alphabet[b] for b in piece.encode("utf-8"))

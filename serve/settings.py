@@ -1,0 +1,121 @@
+"""HTTP server settings from ``SHALIK_*`` environment variables (DESIGN.md "Serving").
+
+=========================== ========================= ==================================================
+variable                    default                   meaning
+=========================== ========================= ==================================================
+SHALIK_MODEL                newest ``runs/*/bundle``  bundle directory
+SHALIK_MODEL_NAME           bundle folder's parent    id in /v1/models
+SHALIK_BACKEND              ``onnx``                  ``onnx`` or ``rust``
+SHALIK_QUANTIZE             ``none``                  ``none`` or ``int8``
+SHALIK_THREADS              all cores                 compute threads
+SHALIK_API_KEY              unset (no auth)           ``Authorization: Bearer KEY`` on all but /, /health,
+                                                      /static/*
+SHALIK_MAX_CONCURRENCY      2                         generations at once
+SHALIK_MAX_QUEUE            64                        waiting requests; beyond → 429 with Retry-After
+SHALIK_MAX_BODY_BYTES       1048576                   larger body → 413
+SHALIK_REQUEST_TIMEOUT_S    120                       → 504
+SHALIK_DEFAULT_MAX_TOKENS   64                        when max_tokens is absent or null
+=========================== ========================= ==================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """An environment variable with a value the server cannot use (the message names it)."""
+
+
+def newest_bundle(runs_dir: str | Path = "runs") -> Path | None:
+    """The most recently written ``runs_dir/*/bundle`` (by manifest.json's, else the folder's, mtime)."""
+    def stamp(p: Path) -> float:
+        m = p / "manifest.json"
+        return (m if m.exists() else p).stat().st_mtime
+
+    found = [p for p in Path(runs_dir).glob("*/bundle") if p.is_dir()]
+    return max(found, key=stamp) if found else None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the HTTP server is configured by. ``model`` None means "no model found";
+    ``model_problem`` then says why (shown by /health)."""
+
+    model: Path | None = None
+    model_name: str | None = None
+    backend: str = "onnx"
+    quantize: str | None = None
+    threads: int | None = None
+    api_key: str | None = None
+    max_concurrency: int = 2
+    max_queue: int = 64
+    max_body_bytes: int = 1_048_576
+    request_timeout_s: float = 120.0
+    default_max_tokens: int = 64
+    model_problem: str | None = None
+
+    @property
+    def served_name(self) -> str:
+        """The id in /v1/models: SHALIK_MODEL_NAME, else the bundle folder's parent name."""
+        if self.model_name:
+            return self.model_name
+        if self.model is not None:
+            return self.model.resolve().parent.name or self.model.name
+        return "shalik"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, runs_dir: str | Path = "runs") -> Settings:
+        """Read the SHALIK_* variables (``env`` defaults to ``os.environ``). Raises SettingsError naming the
+        variable for a malformed value; a missing model is not an error (``model_problem`` says why)."""
+        env = os.environ if env is None else env
+
+        def get(name: str, default: T, parse: Callable[[str], T], check: Callable[[T], bool], want: str) -> T:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return default
+            try:
+                value = parse(raw)
+            except ValueError:
+                raise SettingsError(f"{name}={raw!r}: expected {want}") from None
+            if not check(value):
+                raise SettingsError(f"{name}={raw!r}: expected {want}")
+            return value
+
+        def positive(v: float) -> bool:
+            return v > 0
+
+        backend = get("SHALIK_BACKEND", "onnx", str.lower, lambda v: v in ("onnx", "rust"), "onnx or rust")
+        quantize = get("SHALIK_QUANTIZE", "none", str.lower, lambda v: v in ("none", "int8"), "none or int8")
+        model_raw = env.get("SHALIK_MODEL", "").strip()
+        problem = None
+        if model_raw:
+            model: Path | None = Path(model_raw)
+            if not model.is_dir():
+                problem = f"SHALIK_MODEL={model_raw!r} is not a directory"
+                model = None
+        else:
+            model = newest_bundle(runs_dir)
+            if model is None:
+                problem = (f"no model: SHALIK_MODEL is unset and there is no {Path(runs_dir).resolve()}/*/bundle "
+                           "(export one with python -m export.onnx runs/NAME)")
+        return cls(
+            model=model,
+            model_name=env.get("SHALIK_MODEL_NAME", "").strip() or None,
+            backend=backend,
+            quantize=None if quantize == "none" else quantize,
+            threads=get("SHALIK_THREADS", None, int, positive, "a positive integer"),
+            api_key=env.get("SHALIK_API_KEY") or None,
+            max_concurrency=get("SHALIK_MAX_CONCURRENCY", 2, int, positive, "a positive integer"),
+            max_queue=get("SHALIK_MAX_QUEUE", 64, int, lambda v: v >= 0, "an integer >= 0"),
+            max_body_bytes=get("SHALIK_MAX_BODY_BYTES", 1_048_576, int, positive, "a positive integer"),
+            request_timeout_s=get("SHALIK_REQUEST_TIMEOUT_S", 120.0, float, positive, "a positive number"),
+            default_max_tokens=get("SHALIK_DEFAULT_MAX_TOKENS", 64, int, lambda v: v >= 0, "an integer >= 0"),
+            model_problem=problem,
+        )

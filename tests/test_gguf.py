@@ -1,0 +1,294 @@
+"""export.gguf: keys (case X6), the q/k permutation (case X7), tensor types, tying, bad input, and — when
+llama-cpp-python is importable — llama.cpp's logits and greedy continuations against ours.
+
+Everything but the last two tests reads the GGUF back with the ``gguf`` package's reader; no llama.cpp needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, LlamaFileType, TokenType
+from gguf.quants import dequantize
+from safetensors.numpy import load_file, save_file
+
+from export import gguf as G
+from export.errors import ExportError
+
+THETA = 50000.0
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+def _copy_bundle(src: Path, dst: Path, **config) -> Path:
+    """A copy of ``src`` (graphs left out) with config.json keys replaced by ``config``."""
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.is_file() and not p.name.startswith("model.onnx") and p.name != "model.int8.onnx":
+            shutil.copyfile(p, dst / p.name)
+    c = json.loads((dst / "config.json").read_text())
+    c.update(config)
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def theta_bundle(bundle, tmp_path_factory) -> Path:
+    """The trained tiny bundle with rope_theta 50000 (top level and rope_parameters), X6's non-default theta."""
+    return _copy_bundle(bundle, tmp_path_factory.mktemp("theta") / "bundle", rope_theta=THETA,
+                        rope_parameters={"rope_type": "default", "rope_theta": THETA})
+
+
+@pytest.fixture(scope="module")
+def untied_bundle(bundle, tmp_path_factory) -> Path:
+    """The tiny bundle untied: its own lm_head.weight (the embedding plus noise)."""
+    out = _copy_bundle(bundle, tmp_path_factory.mktemp("untied") / "bundle", tie_word_embeddings=False)
+    sd = load_file(out / "model.safetensors")
+    emb = sd["model.embed_tokens.weight"]
+    sd["lm_head.weight"] = (emb + np.random.default_rng(0).normal(0, 0.01, emb.shape)).astype(np.float32)
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_files(theta_bundle, tmp_path_factory) -> dict[str, Path]:
+    """The theta bundle exported at every --type."""
+    d = tmp_path_factory.mktemp("gguf")
+    return {t: G.export_gguf(theta_bundle, d / f"m-{t}.gguf", t, log=lambda m: None) for t in G.TYPES}
+
+
+def read(path: Path) -> tuple[dict, dict]:
+    """({key: value} without the token arrays' contents, {tensor name: ReaderTensor})."""
+    r = GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items()}, {t.name: t for t in r.tensors}
+
+
+def f32(t) -> np.ndarray:
+    """A float32/float16 ReaderTensor as a float32 ``[out, in]`` (or ``[n]``) array."""
+    return np.asarray(t.data, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+
+
+@pytest.fixture(scope="module")
+def weights(theta_bundle) -> dict[str, np.ndarray]:
+    return load_file(theta_bundle / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def cfg(theta_bundle) -> dict:
+    return json.loads((theta_bundle / "config.json").read_text())
+
+
+# ---------------------------------------------------------------- permutation
+
+def test_permute_qk_moves_rows_into_interleaved_pairs():
+    w = np.arange(8, dtype=np.float32)[:, None]  # 2 heads of head_dim 4: rows (0 1 | 2 3), (4 5 | 6 7)
+    assert G.permute_qk(w, 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert G.permute_qk(w, 1)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    rng = np.random.default_rng(0).normal(size=(24, 5))
+    for n in (1, 2, 3, 6, 12):
+        np.testing.assert_array_equal(G.unpermute_qk(G.permute_qk(rng, n), n), rng)
+    with pytest.raises(ValueError, match="heads of even size"):
+        G.permute_qk(rng, 5)
+
+
+# ---------------------------------------------------------------- keys (X6) and tokenizer
+
+def test_keys_x6(gguf_files, cfg, theta_bundle):
+    kv, _ = read(gguf_files["f32"])
+    assert kv["general.architecture"] == "llama"
+    assert kv["llama.rope.freq_base"] == THETA  # X6: the config's theta, not 10000
+    assert kv["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5, rel=1e-6)
+    expect = {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+              "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
+              "attention.head_count": 4, "attention.head_count_kv": 2, "rope.dimension_count": 16,
+              "vocab_size": cfg["vocab_size"]}
+    assert {k: kv[f"llama.{k}"] for k in expect} == expect
+    assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["hidden_size"] == 64
+    assert kv["general.file_type"] == LlamaFileType.ALL_F32
+
+    tok = json.loads((theta_bundle / "tokenizer.json").read_text())
+    by_id = {i: s for s, i in tok["model"]["vocab"].items()}
+    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == G.PRE_TOKENIZER
+    assert kv["tokenizer.ggml.tokens"] == [by_id[i] for i in range(cfg["vocab_size"])]
+    types = kv["tokenizer.ggml.token_type"]
+    assert types[:2] == [TokenType.CONTROL, TokenType.CONTROL] and set(types[2:]) == {TokenType.NORMAL}
+    assert kv["tokenizer.ggml.tokens"][:2] == ["<|endoftext|>", "<|pad|>"]
+    merges = tok["model"]["merges"]
+    assert len(kv["tokenizer.ggml.merges"]) == len(merges)
+    assert kv["tokenizer.ggml.merges"][0] == " ".join(merges[0])
+    assert (kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.eos_token_id"],
+            kv["tokenizer.ggml.padding_token_id"]) == (0, 0, 1)
+    assert kv["tokenizer.ggml.add_bos_token"] is False
+
+
+def test_missing_rope_theta_is_an_error_not_10000(bundle, tmp_path):
+    b = _copy_bundle(bundle, tmp_path / "b")
+    c = json.loads((b / "config.json").read_text())
+    c.pop("rope_theta")
+    c.pop("rope_parameters")
+    (b / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ExportError, match="no rope_theta"):
+        G.export_gguf(b, tmp_path / "x.gguf", log=lambda m: None)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+# ---------------------------------------------------------------- tensors (X7)
+
+def test_f32_tensors_roundtrip_bitwise_x7(gguf_files, weights, cfg):
+    _, ts = read(gguf_files["f32"])
+    n_head, n_kv, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    assert set(ts) == {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(layers) for n in G.LAYER_TENSORS.values()}  # tied: no output
+    for i in range(layers):
+        q, k = f32(ts[f"blk.{i}.attn_q.weight"]), f32(ts[f"blk.{i}.attn_k.weight"])
+        hf_q, hf_k = weights[f"model.layers.{i}.self_attn.q_proj.weight"], weights[f"model.layers.{i}.self_attn.k_proj.weight"]
+        np.testing.assert_array_equal(G.unpermute_qk(q, n_head), hf_q)
+        np.testing.assert_array_equal(G.unpermute_qk(k, n_kv), hf_k)
+        assert not np.array_equal(G.unpermute_qk(k, n_head), hf_k)  # X7: the query head count does not round-trip
+        assert not np.array_equal(q, hf_q)  # it is permuted at all
+        for hf, gg in G.LAYER_TENSORS.items():
+            if gg not in ("attn_q", "attn_k"):
+                np.testing.assert_array_equal(f32(ts[f"blk.{i}.{gg}.weight"]), weights[f"model.layers.{i}.{hf}.weight"])
+    np.testing.assert_array_equal(f32(ts["token_embd.weight"]), weights["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(f32(ts["output_norm.weight"]), weights["model.norm.weight"])
+
+
+@pytest.mark.parametrize("kind,qtype,ftype", [("f16", Q.F16, LlamaFileType.MOSTLY_F16),
+                                              ("q8_0", Q.Q8_0, LlamaFileType.MOSTLY_Q8_0)])
+def test_reduced_types_and_shapes(gguf_files, weights, cfg, kind, qtype, ftype):
+    kv, ts = read(gguf_files[kind])
+    assert kv["general.file_type"] == ftype
+    h, kvh, inter = cfg["hidden_size"], cfg["num_key_value_heads"] * 16, cfg["intermediate_size"]
+    shapes = {"token_embd": [h, cfg["vocab_size"]], "blk.0.attn_q": [h, h], "blk.0.attn_k": [h, kvh],
+              "blk.0.attn_v": [h, kvh], "blk.0.ffn_down": [inter, h], "blk.1.ffn_gate": [h, inter]}
+    for name, shape in shapes.items():
+        t = ts[f"{name}.weight"]
+        assert t.tensor_type == qtype and t.shape.tolist() == shape  # ggml order: [in, out]
+    for name in ("blk.0.attn_norm", "blk.1.ffn_norm", "output_norm"):
+        assert ts[f"{name}.weight"].tensor_type == Q.F32
+    v = weights["model.layers.0.self_attn.v_proj.weight"]
+    t = ts["blk.0.attn_v.weight"]
+    got = dequantize(t.data, qtype).reshape(v.shape)
+    rel = np.abs(got - v).max() / np.abs(v).max()
+    assert rel < (1e-3 if kind == "f16" else 1e-2) and rel > 0
+    if kind == "q8_0":
+        assert t.data.dtype == np.uint8 and t.data.shape == (v.shape[0], v.shape[1] // 32 * 34)
+        q = dequantize(ts["blk.1.attn_q.weight"].data, qtype).reshape(h, h)
+        np.testing.assert_allclose(G.unpermute_qk(q, 4), weights["model.layers.1.self_attn.q_proj.weight"], atol=2e-2)
+
+
+def test_untied_has_output(untied_bundle, tmp_path):
+    out = G.export_gguf(untied_bundle, tmp_path / "u.gguf", log=lambda m: None)
+    _, ts = read(out)
+    lm = load_file(untied_bundle / "model.safetensors")["lm_head.weight"]
+    np.testing.assert_array_equal(f32(ts["output.weight"]), lm)
+    assert not np.array_equal(f32(ts["token_embd.weight"]), lm)
+
+
+# ---------------------------------------------------------------- bad input, default path, atomicity
+
+def test_bad_input_and_overwrite(bundle, tmp_path):
+    b = _copy_bundle(bundle, tmp_path / "b")
+    with pytest.raises(ExportError, match="not a bundle"):
+        G.export_gguf(tmp_path, log=lambda m: None)
+    with pytest.raises(ExportError, match="not a folder"):
+        G.export_gguf(tmp_path / "nope", log=lambda m: None)
+    with pytest.raises(ExportError, match="--type 'q4_0'"):
+        G.export_gguf(b, type="q4_0", log=lambda m: None)
+    assert G.main([str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as e:
+        G.main([str(b), "--type", "q4"])
+    assert e.value.code == 2
+
+    out = G.export_gguf(b, type="q8_0", log=lambda m: None)
+    assert out == b / "model-q8_0.gguf" and out.stat().st_size > 0
+    first = out.stat().st_mtime_ns
+    with pytest.raises(ExportError, match="already exists"):
+        G.export_gguf(b, type="q8_0", log=lambda m: None)
+    assert G.main([str(b), "--type", "q8_0"]) == 2 and out.stat().st_mtime_ns == first
+    assert G.main([str(b), "--type", "q8_0", "--force"]) == 0
+    assert sorted(p.name for p in b.iterdir() if p.name.startswith(".")) == []  # no temporary leftovers
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def test_failed_write_leaves_nothing(bundle, tmp_path):
+    b = _copy_bundle(bundle, tmp_path / "b")
+    sd = load_file(b / "model.safetensors")
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(sd, b / "model.safetensors")
+    with pytest.raises(ExportError, match="missing.*up_proj"):
+        G.export_gguf(b, log=lambda m: None)
+    assert [p.name for p in b.iterdir() if "gguf" in p.name] == []
+
+
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+# ---------------------------------------------------------------- llama.cpp (optional)
+
+def _llama_cpp():
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"llama-cpp-python is not installed ({e}); it is a benchmark dependency "
+                    "(pip install llama-cpp-python, ~20 min build), not a CI one")
+
+
+def test_llama_cpp_logits_match_torch(gguf_files, theta_bundle, bundle):
+    """f32 GGUF in llama.cpp (f32 KV cache) vs PyTorch at positions 1..31, theta 50000 (X6 + X7 end to end)."""
+    _llama_cpp()
+    import torch
+
+    from export.parity import probe_ids, reference_logits
+    from train.checkpoint import load_model
+
+    model, mcfg = load_model(theta_bundle)
+    assert mcfg.rope_theta == THETA
+    ids = probe_ids(mcfg.vocab_size, 32, seed=1)
+    with torch.no_grad():
+        ref = reference_logits(model.eval(), ids)
+    lc = G.LlamaCppBackend(gguf_files["f32"], threads=1, logits_all=True)
+    try:
+        got = lc.new_sequence().prefill(ids, all_logits=True)
+    finally:
+        lc.close()
+    diff = np.abs(got[1:] - ref[1:]).max()
+    assert diff < 1e-3, f"llama.cpp vs torch max |Δlogit| {diff:.2e} at positions 1..31"
+    theta10k, _ = load_model(bundle)  # the same weights at theta 10000: the test can see a wrong theta
+    assert np.abs(reference_logits(theta10k.eval(), ids)[1:] - ref[1:]).max() > 1e-3
+
+
+def test_llama_cpp_greedy_matches_onnx(bundle, tmp_path):
+    """Greedy continuations of our token ids: llama.cpp (f32 GGUF) equals serve's OnnxBackend, a mismatch allowed
+    only at a near-tie of the reference (top-2 gap < 1e-3)."""
+    _llama_cpp()
+    from tokenizers import Tokenizer
+
+    from export.parity import NEAR_TIE, PROMPTS, compare_greedy, greedy
+    from serve.backends.onnx import OnnxBackend
+
+    path = G.export_gguf(bundle, tmp_path / "m.gguf", log=lambda m: None)
+    onnx = OnnxBackend(bundle, threads=1)
+    lc = G.LlamaCppBackend(path, threads=1)
+    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    compared = 0
+    try:
+        for _lang, text in PROMPTS:
+            prompt = [onnx.eot_id] + tok.encode(text).ids
+            ref, gaps = greedy(onnx.new_sequence(), prompt, 24)
+            got, _ = greedy(lc.new_sequence(), prompt, 24)
+            ok, n, detail = compare_greedy(ref, gaps, got, NEAR_TIE)
+            assert ok, f"{text!r}: {detail}"
+            compared += n
+    finally:
+        lc.close()
+    assert compared >= 24

@@ -1,0 +1,440 @@
+"""The HTTP server in-process (Starlette's TestClient): endpoints, error bodies (H1–H4), echo/logprobs for
+lm-evaluation-harness, auth, body limits, timeouts, metrics and the OpenAPI schema. Streaming under a real
+uvicorn process (disconnects, event-loop responsiveness, overload) is in test_http_live.py."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.app import create_app
+from serve.sampling import log_softmax
+from serve.scripted import scripted_lm
+from serve.settings import Settings, SettingsError
+
+PIECES = ["ABC", "DEF", "G", "HI", "J", "KL"]
+
+
+def client_for(lm=None, **settings) -> TestClient:
+    return TestClient(create_app(Settings(**settings), lm if lm is not None else scripted_lm(PIECES, context=64)))
+
+
+@pytest.fixture
+def client():
+    with client_for() as c:
+        yield c
+
+
+@pytest.fixture
+def random_client():
+    """Scripted model with seeded random logits, context 256."""
+    with client_for(scripted_lm(None, context=256)) as c:
+        yield c
+
+
+def sse_events(text: str) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing of every event."""
+    assert text.endswith("data: [DONE]\n\n")
+    events = text.split("\n\n")
+    assert events[-1] == ""
+    out = []
+    for ev in events[:-1]:
+        assert ev.startswith("data: ") and "\n" not in ev
+        out.append(ev[len("data: "):])
+    assert out[-1] == "[DONE]" and "[DONE]" not in out[:-1]
+    return out
+
+
+def assert_error(r, status: int, param: str | None = "__any__", kind: str = "invalid_request_error"):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == kind
+    if param != "__any__":
+        assert err["param"] == param
+    return err
+
+
+# ---- basics
+
+
+def test_health_models_and_index(client):
+    h = client.get("/health")
+    assert h.status_code == 200
+    assert h.json()["status"] == "ok" and h.json()["context_length"] == 64
+    m = client.get("/v1/models").json()
+    assert m["object"] == "list" and [d["id"] for d in m["data"]] == ["scripted"]
+    assert client.get("/").status_code == 200 and "Shalik" in client.get("/").text
+    assert_error(client.get("/nope"), 404)
+
+
+def test_no_model_still_starts_and_health_says_why():
+    with TestClient(create_app(Settings(model_problem="no model: nothing here"))) as c:
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "unavailable" and "nothing here" in h.json()["detail"]
+        assert_error(c.get("/v1/models"), 503, kind="service_unavailable")
+        assert_error(c.post("/v1/completions", json={"prompt": "x"}), 503, kind="service_unavailable")
+
+
+def test_bad_bundle_reports_load_failure(tmp_path):
+    with TestClient(create_app(Settings(model=tmp_path))) as c:
+        for _ in range(200):
+            if c.get("/health").json()["status"] != "loading":
+                break
+            time.sleep(0.05)
+        h = c.get("/health")
+        assert h.status_code == 503 and "tokenizer.json" in h.json()["detail"]
+
+
+def test_settings_from_env(tmp_path):
+    (tmp_path / "runs" / "old" / "bundle").mkdir(parents=True)
+    time.sleep(0.01)
+    (tmp_path / "runs" / "new" / "bundle").mkdir(parents=True)
+    s = Settings.from_env({"SHALIK_MAX_QUEUE": "3", "SHALIK_QUANTIZE": "int8", "SHALIK_BACKEND": "rust"},
+                          runs_dir=tmp_path / "runs")
+    assert s.model == tmp_path / "runs" / "new" / "bundle" and s.served_name == "new"
+    assert (s.max_queue, s.quantize, s.backend, s.max_concurrency, s.default_max_tokens) == (3, "int8", "rust", 2, 64)
+    empty = Settings.from_env({}, runs_dir=tmp_path / "none")
+    assert empty.model is None and "SHALIK_MODEL" in empty.model_problem
+    with pytest.raises(SettingsError, match="SHALIK_MAX_CONCURRENCY"):
+        Settings.from_env({"SHALIK_MAX_CONCURRENCY": "zero"})
+    with pytest.raises(SettingsError, match="SHALIK_BACKEND"):
+        Settings.from_env({"SHALIK_BACKEND": "gpu"})
+
+
+def _rust_available() -> bool:
+    try:
+        import rust_runtime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("backend", ["onnx", pytest.param("rust", marks=pytest.mark.skipif(
+    not _rust_available(), reason="rust_runtime is not built (pip install ./rust_runtime)"))])
+def test_real_bundle_loads_lazily(bundle, backend):
+    with TestClient(create_app(Settings(model=bundle, model_name="tiny", backend=backend))) as c:
+        for _ in range(600):
+            if c.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        h = c.get("/health").json()
+        assert h["status"] == "ok" and h["model"] == "tiny" and h["backend"] == backend
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "আমি", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+
+
+# ---- H1: prompt forms
+
+
+def test_h1_every_prompt_form(random_client):
+    c = random_client
+    lm = c.app.state.shalik.lm
+    ids_ami, ids_hello = lm.tokenize("আমি"), lm.tokenize("hello")
+    base = {"temperature": 0, "max_tokens": 4}
+    single = c.post("/v1/completions", json={**base, "prompt": "আমি"}).json()
+    assert [ch["index"] for ch in single["choices"]] == [0]
+    by_ids = c.post("/v1/completions", json={**base, "prompt": ids_ami}).json()
+    assert by_ids["choices"][0]["text"] == single["choices"][0]["text"]
+    two = c.post("/v1/completions", json={**base, "prompt": ["আমি", "hello"]}).json()
+    two_ids = c.post("/v1/completions", json={**base, "prompt": [ids_ami, ids_hello]}).json()
+    assert [ch["index"] for ch in two["choices"]] == [0, 1]
+    assert [ch["text"] for ch in two["choices"]] == [ch["text"] for ch in two_ids["choices"]]
+    assert two["choices"][0]["text"] == single["choices"][0]["text"]
+    hello = c.post("/v1/completions", json={**base, "prompt": "hello"}).json()
+    assert two["choices"][1]["text"] == hello["choices"][0]["text"]
+    assert two["usage"]["prompt_tokens"] == len(ids_ami) + len(ids_hello) + 2
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [[1], []], [-1], [10**6], [[3, 10**6]]])
+def test_h1_empty_or_out_of_vocab_prompts_are_400(client, prompt):
+    assert_error(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400, "prompt")
+
+
+# ---- H2: SSE framing
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_h2_sse_framing_and_usage(client, include_usage):
+    body = {"prompt": "x", "max_tokens": 5, "temperature": 0}
+    plain = client.post("/v1/completions", json=body).json()
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    r = client.post("/v1/completions", json={**body, "stream": True, **options})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    text = "".join(ch["text"] for e in events for ch in e["choices"])
+    assert text == plain["choices"][0]["text"] == "ABCDEFGHIJ"
+    finals = [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]]
+    assert finals == ["length"]
+    if include_usage:
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
+        assert all(e["usage"] is None for e in events[:-1])
+    else:
+        assert all(e["choices"] and e.get("usage") is None for e in events)
+
+
+def test_stream_equals_non_stream_with_seed_and_n(random_client):
+    body = {"prompt": "ab", "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 3}
+    plain = random_client.post("/v1/completions", json=body).json()
+    again = random_client.post("/v1/completions", json=body).json()
+    texts = [ch["text"] for ch in plain["choices"]]
+    assert texts == [ch["text"] for ch in again["choices"]]
+    assert len(set(texts)) > 1  # each choice has its own random stream (S5)
+    r = random_client.post("/v1/completions", json={**body, "stream": True})
+    streamed = {i: "" for i in range(3)}
+    for e in sse_events(r.text)[:-1]:
+        for ch in json.loads(e)["choices"]:
+            streamed[ch["index"]] += ch["text"]
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_s7_stop_over_http(client):
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stop": ["DEFGHIJ"],
+                                                 "stream": stream})
+        if stream:
+            chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+            pieces = [ch["text"] for e in chunks for ch in e["choices"]]
+            assert "".join(pieces) == "ABC" and not any(set(p) & set("DEFGHIJ") for p in pieces)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            ch = r.json()["choices"][0]
+            assert (ch["text"], ch["finish_reason"]) == ("ABC", "stop")
+
+
+# ---- H3: bad input
+
+
+BAD = [
+    ({"temperature": -1}, "temperature"), ({"temperature": 2.5}, "temperature"), ({"top_p": -0.1}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 1000}, "max_tokens"), ({"temperature": "hot"}, "temperature"), ({"n": 1.5}, "n"),
+    ({"stop": [""]}, "stop"), ({"logprobs": 100}, "logprobs"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stream": "yes"}, "stream"), ({"seed": "1"}, "seed"), ({"prompt": 5}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("patch,param", BAD)
+def test_h3_bad_parameters_are_400_before_any_stream(client, patch, param, stream):
+    body = {"prompt": "x", "max_tokens": 4, "stream": stream, **patch}
+    r = client.post("/v1/completions", json=body)
+    assert r.headers["content-type"].startswith("application/json")
+    err = assert_error(r, 400, param)
+    if patch.get("max_tokens") == 1000:
+        assert "1000" in err["message"] and "64" in err["message"] and err["code"] == "context_length_exceeded"
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_h3_unknown_model_404_malformed_json_400(client, stream):
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x", "model": "gpt-5", "stream": stream}),
+                       404, "model")
+    assert err["code"] == "model_not_found"
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "stream": true',
+                    headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    assert_error(client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    assert_error(client.post("/v1/completions", content=b"prompt=x",
+                             headers={"content-type": "application/x-www-form-urlencoded"}), 400)
+
+
+def test_h3_greedy_controls_are_valid(client):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "top_p": 0, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ABCDEFG"
+
+
+# ---- H4: max_tokens null and finish_reason
+
+
+def test_h4_max_tokens_null_default_capped_by_context():
+    lm = scripted_lm(["ab"], context=64)
+    prompt = "ab" * 9  # 9 tokens + the leading <|endoftext|> = 10 prompt tokens
+    with client_for(lm, default_max_tokens=1000) as c:
+        for body in ({"prompt": prompt, "max_tokens": None}, {"prompt": prompt}):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"] == {"prompt_tokens": 10, "completion_tokens": 54, "total_tokens": 64}
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}).json()
+        assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (5, "length")
+    with client_for(scripted_lm(["ab"], context=64, eos_after=3)) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20}).json()
+        assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("ababab", "stop")
+        assert r["usage"]["completion_tokens"] == 3
+
+
+def test_default_max_tokens_setting():
+    with client_for(scripted_lm(["ab"], context=64), default_max_tokens=7) as c:
+        assert c.post("/v1/completions", json={"prompt": "x"}).json()["usage"]["completion_tokens"] == 7
+
+
+# ---- echo + logprobs (lm-evaluation-harness)
+
+
+def test_echo_logprobs_for_lm_eval(random_client):
+    lm = random_client.app.state.shalik.lm
+    ctx, cont = lm.tokenize("the river"), lm.tokenize(" flows")
+    ids = ctx + cont
+    body = {"prompt": [ids, ids[:3]], "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0, "seed": 1234}
+    out = random_client.post("/v1/completions", json=body).json()
+    ch = out["choices"][0]
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert lp["tokens"][:len(ids)] == lm.token_strings(ids)  # exactly the prompt as sent, then the new token
+    rows = log_softmax(lm.backend.new_sequence().prefill([lm.eot_id, *ids], all_logits=True))
+    np.testing.assert_allclose(lp["token_logprobs"][:len(ids)], [rows[i, t] for i, t in enumerate(ids)])
+    assert lp["token_logprobs"][-1] == pytest.approx(float(rows[len(ids)].max()))  # greedy new token
+    assert all(len(d) == 1 for d in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert ch["text"].startswith("the river flows")
+    api = pytest.importorskip("lm_eval.models.openai_completions").LocalCompletionsAPI
+    (ll, greedy), = api.parse_logprobs({"choices": [ch]}, ctxlens=[len(ctx)])
+    assert ll == pytest.approx(float(sum(rows[i, t] for i, t in enumerate(ids) if i >= len(ctx))))
+    assert greedy == all(rows[i].argmax() == t for i, t in enumerate(ids) if i >= len(ctx))
+    assert out["choices"][1]["logprobs"]["tokens"][:3] == lm.token_strings(ids[:3])
+
+
+def test_echo_max_tokens_zero_scores_without_generating(random_client):
+    lm = random_client.app.state.shalik.lm
+    r = random_client.post("/v1/completions", json={"prompt": "hello", "echo": True, "max_tokens": 0,
+                                                    "logprobs": 0}).json()
+    ch = r["choices"][0]
+    assert ch["text"] == "hello" and r["usage"]["completion_tokens"] == 0
+    score = lm.score("hello")
+    assert ch["logprobs"]["token_logprobs"] == pytest.approx([-x for x in score.token_nll])
+    assert ch["logprobs"]["top_logprobs"] == [{} for _ in score.token_ids]
+    plain = random_client.post("/v1/completions", json={"prompt": "hello", "echo": True, "max_tokens": 0}).json()
+    assert plain["choices"][0]["text"] == "hello" and plain["choices"][0]["logprobs"] is None
+
+
+def test_echo_streaming_sends_prompt_first(random_client):
+    r = random_client.post("/v1/completions", json={"prompt": "hey", "echo": True, "logprobs": 2, "max_tokens": 3,
+                                                    "temperature": 0, "stream": True})
+    events = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    first = events[0]["choices"][0]
+    assert first["text"] == "hey" and first["logprobs"]["text_offset"] == [0, 1, 2]
+    plain = random_client.post("/v1/completions", json={"prompt": "hey", "echo": True, "logprobs": 2,
+                                                        "max_tokens": 3, "temperature": 0}).json()
+    lp = plain["choices"][0]["logprobs"]
+    streamed = {k: [x for e in events for ch in e["choices"] if ch["logprobs"] for x in ch["logprobs"][k]]
+                for k in lp}
+    assert streamed == lp
+
+
+def test_score_endpoint(random_client):
+    lm = random_client.app.state.shalik.lm
+    r = random_client.post("/v1/score", json={"text": "hello there"})
+    assert r.status_code == 200
+    body, s = r.json(), lm.score("hello there")
+    assert body["token_ids"] == s.token_ids and body["nll_sum"] == pytest.approx(s.nll_sum)
+    assert body["bits_per_char"] == pytest.approx(s.bits_per_char) and body["chars"] == 11
+    assert_error(random_client.post("/v1/score", json={"text": ""}), 400, "text")
+    long = random_client.post("/v1/score", json={"text": "x" * 600}).json()  # beyond the context of 256
+    assert len(long["token_nll"]) == len(lm.tokenize("x" * 600))
+    assert_error(random_client.post("/v1/score", json={"text": "x", "model": "other"}), 404, "model")
+
+
+def test_tokenizer_endpoints(random_client):
+    lm = random_client.app.state.shalik.lm
+    info = random_client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 256
+    t = random_client.post("/tokenize", json={"prompt": "আমি", "add_special_tokens": False}).json()
+    assert t["tokens"] == lm.tokenize("আমি") and t["count"] == len(t["tokens"])
+    assert random_client.post("/tokenize", json={"prompt": "<|endoftext|>"}).json()["tokens"] == [0]
+    d = random_client.post("/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == "আমি"
+    assert_error(random_client.post("/detokenize", json={"tokens": [10**6]}), 400, "prompt")
+
+
+# ---- auth, body size, timeouts
+
+
+def test_api_key_required_except_open_paths():
+    with client_for(api_key="s3cret") as c:
+        for path in ("/v1/models", "/metrics", "/tokenizer_info", "/openapi.json"):
+            err = assert_error(c.get(path), 401)
+            assert err["code"] == "invalid_api_key"
+        assert_error(c.post("/v1/completions", json={"prompt": "x"}), 401)
+        assert_error(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
+        assert c.get("/static/missing.js").status_code == 404  # open path: not a 401
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+
+
+def test_body_limit_by_content_length_and_by_streamed_body():
+    with client_for(max_body_bytes=200) as c:
+        err = assert_error(c.post("/v1/completions", json={"prompt": "x" * 500}), 413)
+        assert "200" in err["message"]
+
+        def chunks():
+            for _ in range(10):
+                yield b" " * 50
+
+        assert_error(c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_timeout_is_504_and_ends_streams_with_an_error_event():
+    lm = scripted_lm(["ab"], context=1000, delay_s=0.02)
+    with client_for(lm, request_timeout_s=0.3) as c:
+        t0 = time.perf_counter()
+        err = assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500}), 504,
+                           kind="timeout_error")
+        assert "SHALIK_REQUEST_TIMEOUT_S" in err["message"] and time.perf_counter() - t0 < 2.0
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500, "stream": True})
+        events = sse_events(r.text)
+        assert json.loads(events[-2])["error"]["type"] == "timeout_error"
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# ---- metrics and schema
+
+
+def test_metrics(client):
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    client.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    ok = ("shalik_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    bad = ("shalik_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))
+    assert samples[ok] == 1 and samples[bad] == 1
+    assert samples[("shalik_completion_tokens_total", ())] == 3
+    assert samples[("shalik_prompt_tokens_total", ())] == 2
+    assert samples[("shalik_time_to_first_token_seconds_count", ())] == 1
+    assert samples[("shalik_decode_tokens_per_second_count", ())] == 1
+    assert samples[("shalik_in_flight", ())] == 0 and samples[("shalik_queue_depth", ())] == 0
+
+
+def test_openapi_declares_errors_and_no_422():
+    with client_for(api_key="k") as c:
+        schema = c.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+    assert "422" not in json.dumps(schema["paths"]) and "HTTPValidationError" not in json.dumps(schema)
+    comp = schema["paths"]["/v1/completions"]["post"]
+    assert {"200", "400", "401", "404", "413", "429", "503", "504"} <= set(comp["responses"])
+    assert "text/event-stream" in comp["responses"]["200"]["content"]
+    assert comp["security"] == [{"bearer": []}] and "security" not in schema["paths"]["/health"]["get"]
+    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "top_k", "repetition_penalty", "stream_options", "echo", "logprobs"} <= set(props)
+
+
+def test_unsampleable_logits_are_a_clear_server_error_not_a_hang():
+    lm = scripted_lm(["ab"], context=64)
+    lm.backend.step_logits = lambda step, position: np.full(lm.vocab_size, np.nan, dtype=np.float32)
+    with client_for(lm) as c:
+        err = assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}), 500, kind="server_error")
+        assert "NaN" in err["message"] and err["code"] == "model_output"
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+        assert r.status_code == 200 and json.loads(sse_events(r.text)[-2])["error"]["code"] == "model_output"
+        assert c.get("/health").status_code == 200
