@@ -17,19 +17,7 @@ import codecs
 import functools
 from collections.abc import Iterable, Mapping
 
-
-@functools.lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character map (256 entries) used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+from train.tokenizer import bytes_to_unicode  # the byte-level alphabet of our tokenizer (no torch)
 
 
 @functools.lru_cache(maxsize=1)

@@ -144,9 +144,9 @@ def test_t4_autotokenizer_loads_folder_without_cleanup(fixture_tok):
 
 
 def _token_bytes(tok, i: int) -> bytes:
-    from train.tokenizer import _bytes_to_unicode
+    from train.tokenizer import bytes_to_unicode
 
-    inv = {c: b for b, c in _bytes_to_unicode().items()}
+    inv = {c: b for b, c in bytes_to_unicode().items()}
     return bytes(inv[c] for c in tok.id_to_token(i))
 
 

@@ -28,24 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.config import ModelSection
+
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
-class ModelConfig:
-    """Model hyper-parameters, with Hugging Face ``LlamaConfig`` names."""
+class ModelConfig(ModelSection):
+    """Model hyper-parameters: the config's ``[model]`` section (Hugging Face ``LlamaConfig`` names) plus the
+    tokenizer's ``vocab_size``."""
 
-    vocab_size: int
-    hidden_size: int = 512
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    intermediate_size: int = 1280
-    max_position_embeddings: int = 512
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = True
-    initializer_range: float = 0.02
+    vocab_size: int = 32000
 
     @property
     def head_dim(self) -> int:

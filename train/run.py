@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import signal
@@ -65,12 +66,7 @@ class NonFiniteStop(TrainError):
 
 def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
     """The run's :class:`ModelConfig`: ``[model]`` plus the tokenizer's vocabulary size."""
-    m = cfg.model
-    return ModelConfig(vocab_size=vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-                       num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                       intermediate_size=m.intermediate_size, max_position_embeddings=m.max_position_embeddings,
-                       rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
-                       tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range)
+    return ModelConfig(vocab_size=vocab_size, **dataclasses.asdict(cfg.model))
 
 
 def generation_config(eot_id: int, pad_id: int) -> dict:

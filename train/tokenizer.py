@@ -22,6 +22,7 @@ Command lines::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -219,7 +220,7 @@ def token_char_counts(tok: Tokenizer) -> list[int]:
     """For every id, the number of UTF-8 lead bytes in its byte string: summed over a token sequence this is
     its NFC code point count, even where a token boundary cuts a character (used for bits per character).
     Special tokens count 0."""
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     vocab = tok.get_vocab(with_added_tokens=True)
     specials = {t.content for t in tok.get_added_tokens_decoder().values()}
     counts = [0] * tok.get_vocab_size(with_added_tokens=True)
@@ -231,8 +232,10 @@ def token_char_counts(tok: Tokenizer) -> list[int]:
     return counts
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character map used by ByteLevel (Radford et al. 2019, encoder.py)."""
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map (256 entries) that byte-level BPE vocabularies spell tokens with
+    (Radford et al. 2019, encoder.py; Hugging Face's ByteLevel uses the same table)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -241,7 +244,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 # ----------------------------------------------------------------------------------------- fertility

@@ -18,7 +18,8 @@ Errors: a position past ``max_position_embeddings`` or an id outside ``[0, vocab
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import numpy as np
 
