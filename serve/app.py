@@ -64,6 +64,8 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 VERSION = "0.1.0"
 DISCONNECT_POLL_S = 0.05
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: The playground page and its files: browsers revalidate (ETag / Last-Modified) on every load, never stale
+NO_CACHE = {"Cache-Control": "no-cache"}
 #: One server-sent event (OpenAPI 3.1: the text/event-stream schema describes each event)
 SSE_EVENT_SCHEMA = {
     "type": "object", "required": ["data"],
@@ -78,11 +80,16 @@ PLACEHOLDER_PAGE = """<!doctype html><html lang="bn"><meta charset="utf-8"><titl
 
 class OptionalStaticFiles(StaticFiles):
     """StaticFiles that answers 404 (not 500) while its folder does not exist yet (git keeps no empty
-    folders, and the playground page is added by another issue)."""
+    folders), and sends ``Cache-Control: no-cache`` (the playground's files are revalidated, never stale)."""
 
     async def check_config(self) -> None:
         if self.directory is not None and Path(self.directory).is_dir():
             await super().check_config()
+
+    async def get_response(self, path: str, scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(NO_CACHE)
+        return response
 
 
 def is_open_path(path: str) -> bool:
@@ -183,6 +190,9 @@ def split_prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
+MAX_CHOICES = 128  # prompts × n in one request: they all run in one concurrency slot
+
+
 def start_generations(lm: LM, req: CompletionRequest, default_max_tokens: int) -> list[Generation]:
     """One :class:`Generation` per (prompt, choice), prompt-major (OpenAI's choice order). Choice j of every
     prompt uses random stream j of the seed. Raises RequestError before anything runs."""
@@ -195,8 +205,11 @@ def start_generations(lm: LM, req: CompletionRequest, default_max_tokens: int) -
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed, stop=req.stop, top_logprobs=req.logprobs,
         echo=req.echo and req.logprobs is not None, default_max_new_tokens=default_max_tokens)
-    return [lm.start(p, req.max_tokens, index=j, **options)
-            for p in split_prompts(req.prompt) for j in range(req.n)]
+    prompts = split_prompts(req.prompt)
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise RequestError(f"{len(prompts)} prompts × n = {req.n} asks for {len(prompts) * req.n} completions in one "
+                           f"request; at most {MAX_CHOICES} are allowed (they share one concurrency slot)", param="n")
+    return [lm.start(p, req.max_tokens, index=j, **options) for p in prompts for j in range(req.n)]
 
 
 def prompt_usage(gens: Sequence[Generation], n: int) -> int:
@@ -280,7 +293,7 @@ def create_app(settings: Settings | None = None, lm: LM | None = None) -> FastAP
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index() -> Response:
         page = STATIC_DIR / "index.html"
-        return FileResponse(page) if page.is_file() else HTMLResponse(PLACEHOLDER_PAGE)
+        return FileResponse(page, headers=NO_CACHE) if page.is_file() else HTMLResponse(PLACEHOLDER_PAGE)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -63,6 +63,24 @@ class CompletionRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
     user: str | None = Field(None, description="Ignored.")
+    # OpenAI parameters this server does not implement: refused (400) rather than silently ignored
+    best_of: integer(ge=1) | None = Field(None, description="Only null, 1 or `n`: every candidate is returned.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
+    suffix: str | None = Field(None, description="Not supported: only null.")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v not in (1, info.data.get("n", 1)):
+            raise ValueError("best_of > n is not supported (every generated candidate is returned); use n")
+        return v
+
+    @field_validator("logit_bias", "suffix")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
 
 
 class Logprobs(BaseModel):

@@ -438,3 +438,16 @@ def test_unsampleable_logits_are_a_clear_server_error_not_a_hang():
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
         assert r.status_code == 200 and json.loads(sse_events(r.text)[-2])["error"]["code"] == "model_output"
         assert c.get("/health").status_code == 200
+
+
+def test_too_many_choices_in_one_request_is_a_400():
+    from fastapi.testclient import TestClient
+
+    from serve.app import MAX_CHOICES, create_app
+    from serve.scripted import scripted_lm
+
+    with TestClient(create_app(lm=scripted_lm())) as c:
+        r = c.post("/v1/completions", json={"prompt": ["a"] * 3, "n": MAX_CHOICES // 2, "max_tokens": 1})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "n" and f"at most {MAX_CHOICES}" in err["message"]

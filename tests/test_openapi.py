@@ -1,0 +1,104 @@
+"""The OpenAPI schema is accurate: schemathesis (4.x) generates schema-valid and schema-invalid requests for
+every operation of the app (a scripted model with seeded random logits, context 32) and checks every answer:
+no 5xx, status codes, content types, headers and bodies as the schema declares them, invalid data rejected
+(400), valid data accepted, and — with SHALIK_API_KEY set — requests without the key refused.
+
+One declared exception: a schema-valid prompt whose tokens, with ``max_tokens``, overflow the context is a
+400 ``context_length_exceeded`` (a JSON schema cannot count tokens). Only that answer, and only when the
+prompt really overflows, is excused from schemathesis' "valid data is accepted" check; every other check still
+runs on it. ``max_tokens`` itself is bounded by the schema (``maximum`` = context − 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis", minversion="4")
+
+from fastapi.testclient import TestClient  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from schemathesis.checks import CHECKS  # noqa: E402
+
+from serve.app import create_app  # noqa: E402
+from serve.scripted import scripted_lm  # noqa: E402
+from serve.settings import Settings  # noqa: E402
+
+CONTEXT = 32  # small: schema-valid requests (up to 64 choices of many prompts) stay cheap
+TIMEOUT_S = 60  # per request: generous for a loaded 2-core machine (schemathesis' default is 10 s)
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# Sequential requests never fill 8 slots; the generous queue keeps 429 out of the picture anyway.
+SETTINGS = dict(max_concurrency=8, max_queue=1000)
+# SHALIK_SCHEMATHESIS_EXAMPLES=500 for a deeper search (about a minute per 100 examples per operation)
+EXAMPLES = settings(max_examples=int(os.environ.get("SHALIK_SCHEMATHESIS_EXAMPLES", "25")), deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+open_app = create_app(Settings(**SETTINGS), scripted_lm(None, context=CONTEXT))
+keyed_app = create_app(Settings(api_key=KEY, **SETTINGS), scripted_lm(None, context=CONTEXT))
+open_schema = schemathesis.openapi.from_asgi("/openapi.json", open_app)
+keyed_schema = schemathesis.openapi.from_asgi("/openapi.json", keyed_app, headers=AUTH)
+POSITIVE_DATA_ACCEPTANCE, = CHECKS.get_by_names(["positive_data_acceptance"])
+
+
+def overflows_context(lm, body) -> bool:
+    """Whether a completions body asks for more tokens than the context holds, counted independently of the
+    server: the longest prompt's tokens + the leading <|endoftext|> + max_tokens (none when null/absent,
+    since the default is capped by the context)."""
+    if not isinstance(body, dict) or "prompt" not in body:
+        return False
+    prompt = body["prompt"]
+    single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    prompts = [prompt] if single else prompt
+    longest = max(len(p) if isinstance(p, list) else len(lm.tokenize(p)) for p in prompts)
+    max_tokens = body.get("max_tokens")
+    return longest + 1 + (int(max_tokens) if max_tokens is not None else 0) > lm.context_length
+
+
+def check(case, app, headers=None) -> None:
+    response = case.call(headers=headers, timeout=TIMEOUT_S)
+    assert response.status_code < 500, response.text
+    excluded = []
+    if response.status_code == 400:
+        error = json.loads(response.text)["error"]
+        if error["code"] == "context_length_exceeded":  # the one declared exception (module doc)
+            assert case.operation.label == "POST /v1/completions", response.text
+            assert overflows_context(app.state.shalik.lm, case.body), (case.body, response.text)
+            assert f"context length {CONTEXT}" in error["message"]
+            excluded = [POSITIVE_DATA_ACCEPTANCE]
+    case.validate_response(response, headers=headers, excluded_checks=excluded)
+
+
+@open_schema.parametrize()
+@EXAMPLES
+def test_schema_without_api_key(case):
+    check(case, open_app)
+
+
+@keyed_schema.parametrize()
+@EXAMPLES
+def test_schema_with_api_key(case):
+    check(case, keyed_app, AUTH)
+
+
+def test_schema_bounds_and_the_declared_exception():
+    """What the schema can say it says (max_tokens ≤ context − 1, token ids < vocab); what it cannot (prompt
+    tokens + max_tokens ≤ context) is a 400 naming both numbers."""
+    lm = open_app.state.shalik.lm
+    with TestClient(open_app) as c:
+        schema = c.get("/openapi.json").json()
+        props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+        int_options = [o for o in props["max_tokens"]["anyOf"] if o.get("type") == "integer"]
+        assert int_options == [{"type": "integer", "minimum": 0, "maximum": CONTEXT - 1}]
+        assert f'"maximum": {lm.vocab_size - 1}' in json.dumps(props["prompt"])
+        prompt = "abc" * 5
+        n = len(lm.tokenize(prompt)) + 1
+        assert n + CONTEXT - 1 > CONTEXT  # schema-valid, yet too long together
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": CONTEXT - 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert f"{n + CONTEXT - 1} tokens exceed the context length {CONTEXT}" in r.json()["error"]["message"]
+        assert overflows_context(lm, {"prompt": prompt, "max_tokens": CONTEXT - 1})
+        assert not overflows_context(lm, {"prompt": prompt, "max_tokens": CONTEXT - n})
+        assert c.post("/v1/completions", json={"prompt": prompt, "max_tokens": CONTEXT - n}).status_code == 200
