@@ -38,14 +38,15 @@ DTYPES = ("float32", "float16")
 
 
 def _up_to_date(src: Source, out: Path, dtype: str, quantize: str | None, parity: bool) -> bool:
-    """True when ``out`` is a complete bundle of this very checkpoint with the same options and a passed gate
-    (re-running the README's main job then skips the export instead of failing)."""
+    """True when ``out`` is a complete bundle of this very checkpoint with the same dtype, an int8 model when one
+    is asked for (an extra one does no harm), and a passed gate: re-running the README's main job then skips
+    the export instead of failing."""
     try:
         m = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
     return (m.get("format") == "shalik-bundle" and m.get("source", {}).get("sha256") == src.sha256
-            and m.get("dtype", "float32") == dtype and bool(m.get("int8")) == (quantize == "int8")
+            and m.get("dtype", "float32") == dtype and (quantize != "int8" or bool(m.get("int8")))
             and (not parity or bool(m.get("parity", {}).get("ok"))))
 
 

@@ -536,3 +536,17 @@ def test_float16_bundle(ckpt, tmp_path):
     be = OnnxBackend(out, threads=1)
     assert be.kv_dtype == np.float16
     assert (out / "model.onnx.data").stat().st_size < 0.6 * (out / "model.safetensors").stat().st_size
+
+
+def test_existing_up_to_date_bundle_is_kept(trained_run, bundle):
+    """Re-running the README's main job: an up-to-date bundle of the same checkpoint is not rebuilt; one that
+    lacks what is asked (int8 here) is refused without --force."""
+    from export.onnx import ExportError, export_bundle
+
+    before = (bundle / "manifest.json").stat().st_mtime_ns
+    msgs: list[str] = []
+    assert export_bundle(trained_run, bundle, parity=False, log=msgs.append) == bundle
+    assert any("up-to-date" in m for m in msgs)
+    assert (bundle / "manifest.json").stat().st_mtime_ns == before
+    with pytest.raises(ExportError, match="not an up-to-date bundle"):
+        export_bundle(trained_run, bundle, parity=False, quantize="int8", log=lambda m: None)
