@@ -326,3 +326,17 @@ def test_report_json_shape(layer_cls, tmp_path):
     d = json.loads(json.dumps(report.to_dict()))
     assert set(d) == {"ok", "device", "dtype", "torch_version", "checks"}
     assert set(d["checks"][0]) == {"name", "ok", "seconds", "detail", "culprits"}
+
+
+def test_preflight_cli_writes_report(tmp_path, session_cache):
+    import json
+
+    from tests.conftest import fast_overrides
+    from train.preflight import main
+
+    args = ["--config", "tiny", "--name", "pf-cli"]
+    for o in fast_overrides(tmp_path, session_cache):
+        args += ["--set", o]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "runs" / "pf-cli" / "preflight.json").read_text())
+    assert report["ok"] is True and [c["name"] for c in report["checks"]] == CHECK_NAMES

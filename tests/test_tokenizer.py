@@ -281,3 +281,15 @@ def test_fertility_cli_bad_tokenizer(tmp_path, mini_corpus, capsys):
     (tmp_path / "junk.txt").write_text("nothing")
     assert main(["fertility", "--tokenizer", str(tmp_path), "--data", str(mini_corpus), "--split", "all"]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
+
+
+def test_train_cli_writes_a_loadable_tokenizer(tmp_path, mini_corpus, capsys):
+    from train.tokenizer import main
+
+    out = tmp_path / "tok"
+    assert main(["train", "--data", str(mini_corpus), "--vocab-size", "400", "--out", str(out)]) == 0
+    tok = load_tokenizer(out)
+    assert tok.get_vocab_size() == 400 and tok.token_to_id("<|pad|>") == 1
+    assert "sampling" in capsys.readouterr().out
+    assert main(["train", "--data", str(mini_corpus), "--vocab-size", "400", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
