@@ -73,10 +73,11 @@ WORKER_TIMEOUT_S = 1800
 
 # ---------------------------------------------------------------- worker side (one backend per process)
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set (``VmHWM``, file-backed mapped pages included) in MB (1e6 bytes)."""
+def rss_mb(field: str = "VmHWM") -> float:
+    """This process's peak (``VmHWM``) or current (``VmRSS``) resident set in MB (1e6 bytes); file-backed mapped
+    pages (memory-mapped weights) included."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024 / 1e6
     import resource
 
@@ -142,13 +143,15 @@ def worker(a: argparse.Namespace) -> int:
     backend = load_backend(a.worker, Path(a.bundle[0]), a.threads[0], len(prompt) + a.new + 1, a.extra_bufts)
     load_s = time.perf_counter() - t
     warm = measure(backend, prompt, a.new)
-    send({"ready": True, "load_s": load_s, "peak_rss_mb": peak_rss_mb(), "warmup": warm})
+    send({"ready": True, "load_s": load_s, "peak_rss_mb": rss_mb(), "rss_mb": rss_mb("VmRSS"), "warmup": warm})
     for line in sys.stdin:
         if line.strip() == "run":
             send(measure(backend, prompt, a.new))
         elif line.strip() == "quit":
             break
-    send({"bye": True, "peak_rss_mb_end": peak_rss_mb()})
+    if hasattr(backend, "close"):
+        backend.close()  # llama-cpp-python frees its model here, not in a finalizer at interpreter exit
+    send({"bye": True, "peak_rss_mb_end": rss_mb()})
     return 0
 
 
@@ -327,7 +330,8 @@ def summarize(per: dict[str, list[dict]], ready: dict[str, dict], weights: int, 
             "decode_tok_s": statistics.median(dec), "decode_tok_s_min": min(dec), "decode_tok_s_max": max(dec),
             "decode_tok_s_rounds": [round(x, 2) for x in dec], "weight_bytes_per_token": weights * bpw,
             "roofline_tok_s": roof, "share_of_roofline": statistics.median(dec) / roof,
-            "peak_rss_mb": ready[name]["peak_rss_mb"], "load_s": ready[name]["load_s"],
+            "peak_rss_mb": ready[name]["peak_rss_mb"], "rss_mb": ready[name].get("rss_mb"),
+            "load_s": ready[name]["load_s"],
             "greedy_agree_with_torch": agree, "tokens_first8": toks[:8],
         }
     return out
@@ -405,7 +409,15 @@ def markdown(res: dict) -> str:
         "greedy decode; each backend in its own worker process, interleaved round by round; medians over rounds. "
         "Roofline = measured read bandwidth ÷ matmul weight bytes per token (f32 4 B, q8_0 34/32 B, ORT int8 1 B "
         "per weight, lm_head included). Peak RSS = VmHWM of the backend's fresh worker after load + prefill + "
-        f"decode (a bare `python -c 'import numpy'` peaks at {m['python_baseline_mb']:.0f} MB).",
+        "decode, steady = its VmRSS then (both count memory-mapped weight pages; a bare `python -c 'import numpy'` "
+        f"peaks at {m['python_baseline_mb']:.0f} MB). \"greedy = torch\": leading greedy tokens equal to PyTorch's.",
+        "",
+        "How to read: a share above 100 % means weights were served from cache rather than DRAM (the 300 MiB L3 is "
+        "shared with the host), so the roofline means most for the larger model. On 2 shared vCPUs the 2-thread "
+        "figures swing with other jobs' load — engines that synchronise threads with spinning barriers (OpenMP in "
+        "PyTorch and llama.cpp) can collapse for a whole round when the second core is taken — so read the "
+        "per-round ratios and min–max, not single numbers. Untrained models have near-flat logits: their 8-bit "
+        "greedy continuations leave PyTorch's early without meaning anything.",
         "",
     ]
     for g in res["groups"]:
@@ -418,14 +430,16 @@ def markdown(res: dict) -> str:
             f"(median {la['median']:.1f}) on {m['cores']} cores; {g['rounds']} rounds of prefill {g['prompt']} + "
             f"decode {g['new']}.",
             "",
-            "| backend | prefill ms | decode tok/s (min–max) | roofline tok/s | share of roofline | peak RSS MB | greedy = torch |",
+            "| backend | prefill ms | decode tok/s (min–max) | roofline tok/s | share of roofline | peak / steady RSS MB "
+            "| greedy = torch |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for b in g["backends"].values():
             agree = "–" if b["greedy_agree_with_torch"] is None else f"{b['greedy_agree_with_torch']}/{g['new']}"
             lines.append(f"| {b['label']} | {b['prefill_ms']:.1f} | {b['decode_tok_s']:.1f} "
                          f"({b['decode_tok_s_min']:.1f}–{b['decode_tok_s_max']:.1f}) | {b['roofline_tok_s']:.0f} | "
-                         f"{100 * b['share_of_roofline']:.0f} % | {b['peak_rss_mb']:.0f} | {agree} |")
+                         f"{100 * b['share_of_roofline']:.0f} % | {b['peak_rss_mb']:.0f} / "
+                         f"{'?' if b.get('rss_mb') is None else format(b['rss_mb'], '.0f')} | {agree} |")
         lines.append("")
         for r in g["ratios"]:
             lines.append(f"- **{r['what']}** = {r['median']:.2f}× (per-round {r['min']:.2f}–{r['max']:.2f}); "
@@ -439,7 +453,7 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    """Grouped bars: decode tok/s per backend for each (bundle, threads) group, share of roofline on top."""
+    """One column per (bundle, threads) group: decode tok/s (label: share of the roofline) above peak RSS."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -448,21 +462,25 @@ def plot(res: dict, path: Path) -> None:
     groups = res["groups"]
     if not groups:
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False)
-    for ax, g in zip(axes[0], groups):
+    fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7.5), squeeze=False)
+    for col, g in enumerate(groups):
         names = list(g["backends"])
-        vals = [g["backends"][n]["decode_tok_s"] for n in names]
-        bars = ax.bar(range(len(names)), vals, color=[f"C{list(BACKENDS).index(n)}" for n in names])
+        colors = [f"C{list(BACKENDS).index(n)}" for n in names]
+        top, bottom = axes[0][col], axes[1][col]
+        bars = top.bar(range(len(names)), [g["backends"][n]["decode_tok_s"] for n in names], color=colors)
         for bar, n in zip(bars, names):
-            ax.annotate(f"{100 * g['backends'][n]['share_of_roofline']:.0f}%", (bar.get_x() + bar.get_width() / 2,
-                        bar.get_height()), ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
-        ax.set_title(f"{g['name']}, {g['threads']} thread(s)\nload {g['load_avg']['median']:.1f}, "
-                     f"{g['bandwidth_gbs']:.1f} GB/s", fontsize=9)
-        ax.set_ylabel("decode tok/s (batch 1, median)")
-    fig.suptitle("Decode speed; label = share of the memory roofline", fontsize=10)
+            top.annotate(f"{100 * g['backends'][n]['share_of_roofline']:.0f}%", (bar.get_x() + bar.get_width() / 2,
+                         bar.get_height()), ha="center", va="bottom", fontsize=7)
+        top.set_title(f"{g['name']}, {g['threads']} thread(s)\nload {g['load_avg']['median']:.1f}, "
+                      f"{g['bandwidth_gbs']:.1f} GB/s", fontsize=9)
+        top.set_ylabel("decode tok/s (batch 1, median)")
+        bottom.bar(range(len(names)), [g["backends"][n]["peak_rss_mb"] for n in names], color=colors)
+        bottom.set_ylabel("peak RSS, MB")
+        for ax in (top, bottom):
+            ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    fig.suptitle("Decode speed (label: share of the memory roofline) and peak memory", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -488,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
     p.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     p.add_argument("--fresh", action="store_true", help="drop earlier results in decode.json instead of merging")
+    p.add_argument("--report", action="store_true", help="only re-render decode.md and decode.png from decode.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ids", default=None, help=argparse.SUPPRESS)
     p.add_argument("--extra-bufts", action="store_true", help=argparse.SUPPRESS)
@@ -506,6 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath = out / "decode.json"
+    if a.report:
+        res = json.loads(jpath.read_text())
+        atomic_write_text(out / "decode.md", markdown(res))
+        plot(res, out / "decode.png")
+        return 0
     old = [] if a.fresh or not jpath.is_file() else json.loads(jpath.read_text()).get("groups", [])
     logdir = Path(tempfile.mkdtemp(prefix="decode-bench-"))
     log(f"worker logs: {logdir}")

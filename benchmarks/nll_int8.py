@@ -62,8 +62,10 @@ def nll(logits_fn: Callable[[list[int]], np.ndarray], val: ValData) -> dict[str,
     return {"all": {"nll": tot / n_all, "tokens": n_all}, **out}
 
 
-def pairs(bundle: Path, threads: int | None, which: list[str]) -> dict[str, tuple[Callable, Callable] | str]:
-    """{pair name: (f32 logits_fn, 8-bit logits_fn)} or {pair name: why it is skipped}."""
+def pairs(bundle: Path, threads: int | None, which: list[str],
+          opened: list) -> dict[str, tuple[Callable, Callable] | str]:
+    """{pair name: (f32 logits_fn, 8-bit logits_fn)} or {pair name: why it is skipped}; llama.cpp backends are
+    appended to ``opened`` (close them before exit: llama-cpp-python's finalizer fails at interpreter shutdown)."""
     out: dict[str, tuple[Callable, Callable] | str] = {}
     if "rust" in which:
         try:
@@ -93,6 +95,7 @@ def pairs(bundle: Path, threads: int | None, which: list[str]) -> dict[str, tupl
                 if not path.is_file():
                     export_gguf(bundle, path, t)
                 lc = LlamaCppBackend(path, threads=threads, logits_all=True)
+                opened.append(lc)
                 fns.append(lambda ids, lc=lc: lc.new_sequence().prefill(ids, all_logits=True))
             out["llama.cpp f32 → q8_0"] = tuple(fns)
         except ImportError as e:
@@ -129,18 +132,23 @@ def main(argv: list[str] | None = None) -> int:
     res = {"bundle": str(bundle), "data": val.origin, "tokens": val.tokens, "max_tokens": a.max_tokens,
            "seq_len": max(len(w) for ws in val.windows.values() for w in ws) - 1, "langs": list(val.windows),
            "target": TARGET, "pairs": {}}
-    for name, fns in pairs(bundle, a.threads, a.backends).items():
-        if isinstance(fns, str):
-            res["pairs"][name] = {"skipped": fns}
-            print(f"{name}: skipped ({fns})", flush=True)
-            continue
-        t = time.time()
-        f32, q8 = nll(fns[0], val), nll(fns[1], val)
-        r = {"f32": f32, "q8": q8, "delta": q8["all"]["nll"] - f32["all"]["nll"],
-             "delta_by_lang": {k: q8[k]["nll"] - f32[k]["nll"] for k in val.windows}, "seconds": time.time() - t}
-        res["pairs"][name] = r
-        print(f"{name}: {f32['all']['nll']:.4f} → {q8['all']['nll']:.4f} (Δ {r['delta']:+.4f}) in {r['seconds']:.0f} s",
-              flush=True)
+    opened: list = []
+    try:
+        for name, fns in pairs(bundle, a.threads, a.backends, opened).items():
+            if isinstance(fns, str):
+                res["pairs"][name] = {"skipped": fns}
+                print(f"{name}: skipped ({fns})", flush=True)
+                continue
+            t = time.time()
+            f32, q8 = nll(fns[0], val), nll(fns[1], val)
+            r = {"f32": f32, "q8": q8, "delta": q8["all"]["nll"] - f32["all"]["nll"],
+                 "delta_by_lang": {k: q8[k]["nll"] - f32[k]["nll"] for k in val.windows}, "seconds": time.time() - t}
+            res["pairs"][name] = r
+            print(f"{name}: {f32['all']['nll']:.4f} → {q8['all']['nll']:.4f} (Δ {r['delta']:+.4f}) "
+                  f"in {r['seconds']:.0f} s", flush=True)
+    finally:
+        for lc in opened:
+            lc.close()
     rust = res["pairs"].get("rust f32 → int8 (q8_0)", {})
     res["rust_int8_ok"] = None if "delta" not in rust else bool(rust["delta"] <= TARGET)
     out = Path(a.out)

@@ -1,0 +1,452 @@
+"""``python -m export.gguf BUNDLE [--out FILE] [--type f32|f16|q8_0] [--force]``
+
+Writes a bundle's weights and tokenizer as one GGUF file for llama.cpp (architecture ``llama``), with the ``gguf``
+package (its writer, its q8_0 quantizer and its ``SpecialVocab`` for merges and special ids). Default output:
+``BUNDLE/model-<type>.gguf``; an existing file is refused unless ``--force``. The file is written under a temporary
+name in the same folder, fsynced and renamed into place, so a crash or Ctrl-C never leaves a half-written GGUF.
+
+What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
+
+* tensors ``token_embd``, ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
+  ffn_down}``, ``output_norm``, and ``output`` only when the bundle's embeddings are untied (llama.cpp falls back
+  to ``token_embd`` otherwise). Norms stay float32; 2-D weights take ``--type`` (a matrix whose row length is not a
+  multiple of 32 cannot be q8_0 and falls back to f16, as in llama.cpp's converter; the log says which).
+* q and k are permuted from the Hugging Face rotate-half layout to llama.cpp's interleaved-pair RoPE layout:
+  ``attn_q`` with ``num_attention_heads``, ``attn_k`` with ``num_key_value_heads`` (case X7: using the query head
+  count for k is wrong under GQA and shows only past position 0). :func:`unpermute_qk` is the exact inverse.
+* keys ``llama.context_length, embedding_length, block_count, feed_forward_length, attention.head_count,
+  attention.head_count_kv, rope.freq_base, attention.layer_norm_rms_epsilon, rope.dimension_count, vocab_size``.
+  ``rope.freq_base`` is config.json's ``rope_theta`` (top level, else ``rope_parameters.rope_theta``); a config
+  with neither is an error, never a silent 10000 (case X6).
+* tokenizer ``gpt2`` (byte-level BPE): tokens, merges, token types (specials CONTROL), bos/eos/pad ids and
+  add_bos/add_eos from tokenizer_config.json (both false: Shalik prepends ``<|endoftext|>`` itself).
+  ``tokenizer.ggml.pre`` is ``qwen35``: llama.cpp hard-codes its pre-tokenizer regexes by name, none equals ours,
+  and qwen35's is the nearest (letter runs keep their combining marks, so Bangla vowel signs stay with their
+  consonant). It still differs — digits split one by one (ours: up to three), ZWJ/ZWNJ break a word (ours keep
+  them inside it) — and llama.cpp applies no NFC normalisation. **Feed llama.cpp our token ids** (or at least
+  NFC-normalised text and accept slightly different tokens); the benchmarks and tests do.
+
+Exit codes: 0 done, 2 bad input (not a bundle, an unknown ``--type``, an existing output without ``--force``, a
+config or weights that do not describe a plain Llama), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from export.errors import ExportError
+from train.atomic import FILE_MODE, TMP_PREFIX, clean_stale, fsync_dir
+
+__all__ = ["TYPES", "PRE_TOKENIZER", "GgufConfig", "LlamaCppBackend", "export_gguf", "gguf_context_length",
+           "permute_qk", "unpermute_qk", "main"]
+
+TYPES = ("f32", "f16", "q8_0")
+PRE_TOKENIZER = "qwen35"
+ARCH = "llama"
+LAYER_TENSORS = {  # HF name inside model.layers.N → GGUF name inside blk.N
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+BUNDLE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Rotate-half (HF) → interleaved-pair (llama.cpp) row order of a q or k projection.
+
+    ``w``: ``[n_head * head_dim, in]`` (any dtype); within each head, output row ``2i`` takes HF row ``i`` and row
+    ``2i+1`` takes HF row ``i + head_dim/2``. Same shape and dtype out. Raises ValueError when the rows do not
+    split into ``n_head`` heads of even size. (llama.cpp's ``LlamaModel.permute``.)
+    """
+    rows = w.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ValueError(f"cannot permute {rows} rows into {n_head} heads of even size")
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The exact inverse of :func:`permute_qk` (llama.cpp layout → HF layout), same shapes and errors."""
+    rows = w.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ValueError(f"cannot permute {rows} rows into {n_head} heads of even size")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class GgufConfig:
+    """The model hyper-parameters the GGUF needs, read from a bundle's config.json (see :meth:`from_json`)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "config.json") -> GgufConfig:
+        """Build from config.json's dict. Raises ExportError naming a missing or bad key, a missing rope_theta
+        (X6), a ``head_dim`` other than hidden/heads, a non-default rope type, biases or a non-SiLU activation
+        (none of which this converter writes)."""
+        rp = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        theta = d.get("rope_theta", rp.get("rope_theta"))
+        if theta is None:
+            raise ExportError(f"{where}: no rope_theta (top level or rope_parameters); refusing to default to 10000")
+        if rp.get("rope_type", "default") != "default" or (d.get("rope_scaling") or {}) not in ({}, None):
+            raise ExportError(f"{where}: rope scaling {rp.get('rope_type') or d.get('rope_scaling')!r} is not supported")
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise ExportError(f"{where}: biases are not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ExportError(f"{where}: hidden_act {d.get('hidden_act')!r}, expected silu")
+        try:
+            cfg = cls(vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+                      num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=int(d["num_attention_heads"]),
+                      num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+                      intermediate_size=int(d["intermediate_size"]),
+                      max_position_embeddings=int(d["max_position_embeddings"]), rope_theta=float(theta),
+                      rms_norm_eps=float(d["rms_norm_eps"]), tie_word_embeddings=bool(d["tie_word_embeddings"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ExportError(f"{where}: missing or invalid key {e}") from None
+        if cfg.hidden_size % cfg.num_attention_heads or cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ExportError(f"{where}: hidden_size {cfg.hidden_size} / heads {cfg.num_attention_heads} / "
+                              f"kv heads {cfg.num_key_value_heads} do not divide")
+        if d.get("head_dim") not in (None, cfg.head_dim):
+            raise ExportError(f"{where}: head_dim {d['head_dim']} != hidden_size / num_attention_heads = {cfg.head_dim}")
+        return cfg
+
+
+def check_bundle(bundle: Path) -> GgufConfig:
+    """Validate that ``bundle`` is a Shalik bundle folder (manifest, config.json, model.safetensors,
+    tokenizer.json) and return its config. Raises ExportError saying what is missing."""
+    from export.bundle import read_manifest
+
+    if not bundle.is_dir():
+        raise ExportError(f"{bundle}: not a folder (expected a bundle written by python -m export.onnx)")
+    missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
+    if missing:
+        raise ExportError(f"{bundle}: not a bundle ({', '.join(missing)} missing; export one with python -m export.onnx)")
+    read_manifest(bundle)
+    try:
+        d = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{bundle / 'config.json'}: unreadable ({e})") from None
+    if d.get("model_type", "llama") != "llama":
+        raise ExportError(f"{bundle / 'config.json'}: model_type {d.get('model_type')!r}, expected llama")
+    return GgufConfig.from_json(d, str(bundle / "config.json"))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One GGUF tensor: its name, the safetensors tensor it comes from, its shape (numpy order: ``[out, in]`` or
+    ``[n]``) and the head count to permute its rows with (q: num_attention_heads, k: num_key_value_heads)."""
+
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    permute_heads: int | None = None
+
+
+def tensor_plan(cfg: GgufConfig, shapes: dict[str, tuple[int, ...]]) -> list[TensorSpec]:
+    """Every GGUF tensor in llama.cpp's order, checked against ``shapes`` ({safetensors name: shape}).
+
+    Raises ExportError for a missing tensor, a shape other than config.json implies, or a tensor this converter
+    would silently drop (a bias, say). A tied bundle's stray ``lm_head.weight`` is ignored, as transformers does.
+    """
+    h, hd, kv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.intermediate_size
+    layer = {"input_layernorm": (h,), "self_attn.q_proj": (h, h), "self_attn.k_proj": (kv * hd, h),
+             "self_attn.v_proj": (kv * hd, h), "self_attn.o_proj": (h, h), "post_attention_layernorm": (h,),
+             "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    plan = [TensorSpec("token_embd.weight", "model.embed_tokens.weight", (cfg.vocab_size, h))]
+    for i in range(cfg.num_hidden_layers):
+        plan += [TensorSpec(f"blk.{i}.{gg}.weight", f"model.layers.{i}.{hf}.weight", layer[hf], heads.get(gg))
+                 for hf, gg in LAYER_TENSORS.items()]
+    plan.append(TensorSpec("output_norm.weight", "model.norm.weight", (h,)))
+    if not cfg.tie_word_embeddings:
+        plan.append(TensorSpec("output.weight", "lm_head.weight", (cfg.vocab_size, h)))
+    used = {t.source for t in plan}
+    absent = sorted(used - set(shapes))
+    lost = sorted(set(shapes) - used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    if absent or lost:
+        raise ExportError("model.safetensors does not match config.json: "
+                          + (f"missing {absent[:3]}{' …' if len(absent) > 3 else ''} " if absent else "")
+                          + (f"unexpected {lost[:3]}{' …' if len(lost) > 3 else ''}" if lost else ""))
+    for t in plan:
+        if tuple(shapes[t.source]) != t.shape:
+            raise ExportError(f"model.safetensors: {t.source} has shape {tuple(shapes[t.source])}, "
+                              f"config.json implies {t.shape}")
+    return plan
+
+
+def load_tensor(spec: TensorSpec, weights: Callable[[str], np.ndarray]) -> np.ndarray:
+    """``spec``'s float32 array in GGUF layout (q/k permuted) from ``weights(name)`` (shapes checked by
+    :func:`tensor_plan`)."""
+    w = np.ascontiguousarray(weights(spec.source), dtype=np.float32)
+    return permute_qk(w, spec.permute_heads) if spec.permute_heads else w
+
+
+def vocab_arrays(bundle: Path, n_vocab: int) -> tuple[list[str], list[int]]:
+    """(tokens by id, token types) from tokenizer.json: byte-level BPE strings, specials CONTROL, other added
+    tokens USER_DEFINED, ids up to ``n_vocab`` that the tokenizer lacks ``[PADn]`` UNUSED. Raises ExportError for
+    a tokenizer that is not byte-level BPE, has holes in its ids, or is larger than the model's vocabulary."""
+    from gguf import TokenType
+
+    t = json.loads((bundle / "tokenizer.json").read_text(encoding="utf-8"))
+    model = t.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback") or (t.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ExportError(f"{bundle / 'tokenizer.json'}: not a byte-level BPE tokenizer (llama.cpp's gpt2 model)")
+    by_id: dict[int, tuple[str, int]] = {i: (s, TokenType.NORMAL) for s, i in model["vocab"].items()}
+    for a in t.get("added_tokens", []):
+        by_id[int(a["id"])] = (a["content"], TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED)
+    n = max(by_id) + 1
+    if n > n_vocab:
+        raise ExportError(f"tokenizer.json has ids up to {n - 1}, the model's vocab_size is {n_vocab}")
+    holes = [i for i in range(n) if i not in by_id]
+    if holes:
+        raise ExportError(f"tokenizer.json: no token with id {holes[0]} (ids must be contiguous)")
+    by_id.update({i: (f"[PAD{i}]", TokenType.UNUSED) for i in range(n, n_vocab)})
+    return [by_id[i][0] for i in range(n_vocab)], [int(by_id[i][1]) for i in range(n_vocab)]
+
+
+def storage_type(kind: str, shape: tuple[int, ...]):
+    """The GGML type a tensor is stored as: 1-D (norms) F32; 2-D ``kind`` — but F16 for q8_0 when the row length
+    is not a multiple of q8_0's block of 32 (llama.cpp's converter falls back the same way)."""
+    from gguf import GGMLQuantizationType as Q
+
+    if len(shape) == 1 or kind == "f32":
+        return Q.F32
+    if kind == "f16" or shape[-1] % 32:
+        return Q.F16
+    return Q.Q8_0
+
+
+@contextlib.contextmanager
+def _atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``final``; on success fsync it and rename it to ``final`` (else remove it)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(final.parent)
+    fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{final.name}.", dir=final.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        tmp.chmod(FILE_MODE)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "f32", force: bool = False,
+                log: Callable[[str], None] = print) -> Path:
+    """Write ``bundle`` as a GGUF file and return its path (default ``bundle/model-<type>.gguf``).
+
+    ``type``: "f32", "f16" or "q8_0" for the 2-D weights (norms stay f32). Raises ExportError (exit code 2) for a
+    folder that is not a bundle, an unknown type, an existing ``out`` without ``force``, or weights/config/tokenizer
+    that cannot be represented; nothing is left at ``out`` then.
+    """
+    import gguf
+    from safetensors import safe_open
+
+    if type not in TYPES:
+        raise ExportError(f"--type {type!r}: expected one of {', '.join(TYPES)}")
+    bundle = Path(bundle)
+    cfg = check_bundle(bundle)
+    out = Path(out) if out is not None else bundle / f"model-{type}.gguf"
+    if out.is_dir():
+        raise ExportError(f"--out {out} is a folder; give a file name")
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists (use --force to replace it)")
+    tokens, toktypes = vocab_arrays(bundle, cfg.vocab_size)
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type]
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer logs every step at INFO
+    with _atomic_path(out) as tmp, safe_open(str(bundle / "model.safetensors"), framework="np") as st:
+        w = gguf.GGUFWriter(tmp, ARCH)
+        w.add_name(bundle.resolve().parent.name if bundle.name == "bundle" else bundle.resolve().name)
+        w.add_description("Shalik Llama-style model (feed NFC-normalised text, or better the token ids of the "
+                          "bundle's tokenizer.json: llama.cpp's pre-tokenizer differs)")
+        w.add_file_type(int(file_type))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_block_count(cfg.num_hidden_layers)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(PRE_TOKENIZER)
+        w.add_token_list(tokens)
+        w.add_token_types(toktypes)
+        special = gguf.SpecialVocab(bundle, load_merges=True, n_vocab=cfg.vocab_size)
+        if not special.merges:
+            raise ExportError(f"{bundle / 'tokenizer.json'}: no BPE merges")
+        special.add_to_gguf(w, quiet=True)
+        plan = tensor_plan(cfg, {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        qtypes = [storage_type(type, t.shape) for t in plan]
+        for t, q in zip(plan, qtypes):
+            nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(t.shape, q)))
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes, raw_dtype=q)
+        fallbacks = [t.name for t, q in zip(plan, qtypes) if type == "q8_0" and len(t.shape) == 2
+                     and q != gguf.GGMLQuantizationType.Q8_0]
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for t, q in zip(plan, qtypes):  # one tensor in memory at a time
+                w.write_tensor_data(gguf.quants.quantize(load_tensor(t, st.get_tensor), q))
+        finally:
+            w.close()
+    if fallbacks:
+        log(f"gguf: {len(fallbacks)} tensor(s) kept in f16 (rows not a multiple of 32): {', '.join(fallbacks[:4])}")
+    log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
+        f"pre-tokenizer {PRE_TOKENIZER}: feed llama.cpp our token ids)")
+    return out
+
+
+class LlamaCppSequence:
+    """llama.cpp's single KV cache behind the serving Sequence protocol (``prefill``/``decode``/``position``).
+
+    Creating one resets the backend's context: llama-cpp-python's ``Llama`` holds one sequence at a time.
+    """
+
+    def __init__(self, backend: LlamaCppBackend):
+        self._b = backend
+        backend.llm.reset()
+
+    @property
+    def position(self) -> int:
+        return int(self._b.llm.n_tokens)
+
+    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """Append ``ids`` (ints) to the cache; float32 logits ``[len(ids), V]`` (needs ``logits_all``) or ``[V]``."""
+        llm = self._b.llm
+        start = llm.n_tokens
+        llm.eval([int(i) for i in ids])
+        if all_logits:
+            if not self._b.logits_all:
+                raise ValueError("all_logits needs a backend made with logits_all=True")
+            return np.array(llm.scores[start:llm.n_tokens], dtype=np.float32)
+        if self._b.logits_all:
+            return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(self._b.vocab_size,)).copy()
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """One cached step; float32 logits ``[V]``."""
+        return self.prefill([token_id])
+
+
+class LlamaCppBackend:
+    """A GGUF file in llama.cpp through llama-cpp-python (a benchmark and test peer, never a serving backend).
+
+    ``threads``: compute threads for prefill and decode (default llama.cpp's: all cores). ``n_ctx``: KV cache
+    positions (default the model's context; llama.cpp allocates and clears all of it at load). ``logits_all`` keeps
+    every position's logits (parity checks; costs an lm_head per prefill position). ``f32_cache`` stores K/V in
+    float32 (llama.cpp's default f16 cache alone moves logits by ~3e-3, notes/rust-facts.md §8). ``extra_bufts=False``
+    (default) turns off llama.cpp's extra weight buffer types (AMX and CPU repacking): on this machine the AMX
+    path dies of SIGILL on quantized weights (rust-facts §8). Raises ImportError without llama-cpp-python and
+    ValueError when llama.cpp cannot load the file.
+    """
+
+    name = "llama.cpp"
+
+    def __init__(self, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
+                 logits_all: bool = False, f32_cache: bool = True, extra_bufts: bool = False):
+        import llama_cpp
+        import llama_cpp.llama_cpp as C
+
+        default_params = C.llama_model_default_params
+
+        def params():
+            p = default_params()
+            p.use_extra_bufts = extra_bufts
+            return p
+
+        C.llama_model_default_params = params  # Llama() reads its model params from this function
+        try:
+            ctx = min(n_ctx, gguf_context_length(path)) if n_ctx else gguf_context_length(path)
+            f32 = int(C.GGML_TYPE_F32)
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads,
+                                       n_threads_batch=threads, logits_all=logits_all,
+                                       type_k=f32 if f32_cache else None, type_v=f32 if f32_cache else None,
+                                       verbose=False)
+        finally:
+            C.llama_model_default_params = default_params
+        self.logits_all = logits_all
+        self.vocab_size = int(self.llm.n_vocab())
+        self.max_position_embeddings = ctx
+        self.threads = threads
+
+    def new_sequence(self) -> LlamaCppSequence:
+        """Reset the context and return it as a Sequence at position 0."""
+        return LlamaCppSequence(self)
+
+    def close(self) -> None:
+        """Free llama.cpp's model and context now."""
+        self.llm.close()
+
+
+def gguf_context_length(path: str | Path) -> int:
+    """``<arch>.context_length`` of a GGUF file (memory-mapped read; tensors are not loaded). KeyError if absent."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    return int(r.fields[f"{arch}.context_length"].contents())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit code (0 done, 2 bad input, 130 interrupted)."""
+    p = argparse.ArgumentParser(prog="python -m export.gguf", description=__doc__.split("\n\n")[1],
+                                epilog="exit codes: 0 done, 2 bad input, 130 interrupted")
+    p.add_argument("bundle", metavar="BUNDLE", help="a bundle folder written by python -m export.onnx")
+    p.add_argument("--out", default=None, help="output file (default: BUNDLE/model-<type>.gguf)")
+    p.add_argument("--type", default="f32", choices=TYPES, help="2-D weight type (default: f32; norms stay f32)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    a = p.parse_args(argv)
+    try:
+        export_gguf(a.bundle, a.out, a.type, a.force)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: no GGUF was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
