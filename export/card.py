@@ -1,12 +1,27 @@
 """The bundle's ``README.md`` model card: what the model is, its data and licences, fertility, evaluation against
-the random-init twin, int8, limits, usage (Python, HTTP, transformers) and the parity table."""
+the random-init twin, the next-sentence benchmark, int8, limits, usage (Python, HTTP, transformers) and the parity
+table.
+
+The benchmark section shows ``benchmarks/results/eval.json`` (written by ``benchmarks/eval.py``) only for an entry
+whose source sha256 and step are this checkpoint's — never another model's figures — and otherwise says how to run
+it. The benchmark runs on a finished bundle, so ``benchmarks/eval.py`` calls :func:`refresh_card` afterwards: it
+rewrites just that section of the bundle's card (between :data:`EVAL_BEGIN` and :data:`EVAL_END`) and the card's
+entry in ``manifest.json``.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from export.parity import format_table
 from export.source import Source
+
+EVAL_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "eval.json"
+EVAL_BEGIN = "<!-- shalik-eval: written from benchmarks/results/eval.json -->"
+EVAL_END = "<!-- /shalik-eval -->"
+TASK_TITLES = {"bn_next_sentence": "bn-next-sentence", "en_next_sentence": "en-next-sentence"}
 
 
 def _num(x, fmt: str = ".3f") -> str:
@@ -87,6 +102,104 @@ def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
     return out
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _acc_cell(r: dict | None, key: str) -> str:
+    if not r:
+        return "—"
+    lo, hi = r[f"{key}_ci"]
+    return f"{_pct(r[key])} ({100 * lo:.1f}–{100 * hi:.1f})"
+
+
+def read_eval_results(path: str | Path | None = None) -> dict | None:
+    """``benchmarks/results/eval.json`` (or ``path``), or None when absent or unreadable."""
+    try:
+        return json.loads(Path(path or EVAL_RESULTS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def find_eval_entry(results: dict | None, sha256: str | None, step: int | None) -> tuple[dict, dict | None] | None:
+    """This checkpoint's entry in eval results (same model.safetensors sha256 and step) and its random-init twin's
+    entry (or None), or None when the checkpoint was not evaluated."""
+    models = (results or {}).get("models") or []
+    mine = next((m for m in models if sha256 and (m.get("source") or {}).get("sha256") == sha256
+                 and (m.get("source") or {}).get("step") == step), None)
+    if mine is None:
+        return None
+    twin = next((m for m in models if mine.get("twin") and (m.get("source") or {}).get("sha256") == mine["twin"]), None)
+    return mine, twin
+
+
+def benchmark_section(sha256: str | None, step: int | None, results: dict | None) -> list[str]:
+    """The next-sentence benchmark section (between :data:`EVAL_BEGIN` and :data:`EVAL_END`) for the checkpoint
+    with this model.safetensors ``sha256`` and ``step``."""
+    out = [EVAL_BEGIN, "## Next-sentence benchmark", ""]
+    found = find_eval_entry(results, sha256, step)
+    if found is None:
+        return out + [
+            "Shalik's own four-way next-sentence tasks (bn-next-sentence, en-next-sentence; built from the validation "
+            "split, chance 25 %) have not been run on this checkpoint. Run `python benchmarks/eval.py BUNDLE [--twin "
+            "TWIN_BUNDLE]`: it writes `benchmarks/results/eval.{md,json}` and puts the figures here.", "", EVAL_END, ""]
+    mine, twin = found
+    tasks = results.get("tasks") or {}
+    out += [f"Which of four sentences follows a context from a validation document: the true next sentence, or one of "
+            f"three of similar length from other validation documents (chance {_pct(results.get('chance', 0.25))}). "
+            "Each choice is scored by its summed log-likelihood as a continuation of the context (lm-evaluation-"
+            "harness's `acc`) and per character (`acc_norm`); 95 % Wilson intervals in brackets"
+            + (f"; the random-init twin is `{twin.get('name')}` (same shape, untrained)" if twin else "")
+            + ". The word-overlap column is no model: it picks the choice sharing most words with the context, "
+            "showing how much the context gives away to a model that reads it.", "",
+            "| task | items | acc | acc_norm | random-init acc | random-init acc_norm | word overlap | chance |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    overlap = (results.get("baselines") or {}).get("word_overlap") or {}
+    for task, r in (mine.get("results") or {}).items():
+        t = (twin or {}).get("results", {}).get(task)
+        out.append(f"| {TASK_TITLES.get(task, task)} | {r['n']} | {_acc_cell(r, 'acc')} | {_acc_cell(r, 'acc_norm')} "
+                   f"| {_acc_cell(t, 'acc')} | {_acc_cell(t, 'acc_norm')} | {_acc_cell(overlap.get(task), 'acc')} "
+                   f"| {_pct(results.get('chance', 0.25))} |")
+    seeds = sorted({str(v.get("seed")) for v in tasks.values()})
+    out += ["", f"Tasks: `benchmarks/eval_tasks/` (seed {', '.join(seeds)}); figures from "
+            f"`benchmarks/results/eval.json` ({results.get('created', '?')}). The same items run through "
+            "lm-evaluation-harness's `local-completions` against `uvicorn serve.app:app` with "
+            "`--include_path benchmarks/eval_tasks`.", "", EVAL_END, ""]
+    return out
+
+
+def refresh_card(bundle: str | Path, results_path: str | Path | None = None) -> bool:
+    """Rewrite the benchmark section of ``bundle``'s README.md from eval results (default
+    ``benchmarks/results/eval.json``), and the card's sha256 and size in ``manifest.json``. Returns True when the
+    card changed. A card without the section (written before it existed) gets it before "## Limits"."""
+    from train.atomic import atomic_write_json, atomic_write_text
+
+    bundle = Path(bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    source = manifest.get("source") or {}
+    card_path = bundle / "README.md"
+    card = card_path.read_text(encoding="utf-8")
+    section = "\n".join(benchmark_section(source.get("sha256"), source.get("step"), read_eval_results(results_path)))
+    if EVAL_BEGIN in card and EVAL_END in card:
+        head, rest = card.split(EVAL_BEGIN, 1)
+        tail = rest.split(EVAL_END, 1)[1].lstrip("\n")
+        new = head + section + tail
+    elif "## Limits" in card:
+        head, tail = card.split("## Limits", 1)
+        new = head + section + "## Limits" + tail
+    else:
+        new = card.rstrip("\n") + "\n\n" + section
+    if new == card:
+        return False
+    atomic_write_text(card_path, new)
+    data = new.encode("utf-8")
+    files = manifest.setdefault("files", {})
+    if "README.md" in files:
+        files["README.md"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        atomic_write_json(bundle / "manifest.json", manifest)
+    return True
+
+
 def _limits_section(src: Source) -> list[str]:
     return [
         "## Limits",
@@ -139,15 +252,17 @@ def _usage_section(bundle_name: str, has_int8: bool) -> list[str]:
     ]
 
 
-def render_card(src: Source, bundle_name: str, manifest: dict) -> str:
+def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str | Path | None = None) -> str:
     """The model card as Markdown. ``manifest`` supplies exporter, opset, dtype, parity, int8, eval and data;
-    ``bundle_name`` is the path shown in the usage examples."""
+    ``bundle_name`` is the path shown in the usage examples; ``eval_results`` is the benchmark results file
+    (default ``benchmarks/results/eval.json``)."""
     name = src.run_dir.name if src.run_dir is not None else src.ckpt.name
     parity = manifest.get("parity") or {}
     cases = parity.get("cases") or []
     lines = _model_section(src, name)
     lines += _data_section(manifest.get("data"))
     lines += _eval_section(manifest.get("eval"), manifest.get("int8"))
+    lines += benchmark_section(src.sha256, src.step, read_eval_results(eval_results))
     lines += _limits_section(src)
     lines += _usage_section(bundle_name, bool(manifest.get("int8")))
     lines += ["## Files and parity", "",

@@ -208,7 +208,8 @@ def start_generations(lm: LM, req: CompletionRequest, default_max_tokens: int) -
     prompts = split_prompts(req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
         raise RequestError(f"{len(prompts)} prompts × n = {req.n} asks for {len(prompts) * req.n} completions in one "
-                           f"request; at most {MAX_CHOICES} are allowed (they share one concurrency slot)", param="n")
+                           f"request; at most {MAX_CHOICES} are allowed (they share one concurrency slot)", param="n",
+                           code="too_many_completions")
     return [lm.start(p, req.max_tokens, index=j, **options) for p in prompts for j in range(req.n)]
 
 
@@ -233,6 +234,16 @@ def logprob_lists(lm: LM, chunk: Chunk, offset: int) -> dict[str, list]:
     return {"tokens": lm.token_strings(chunk.token_ids), "token_logprobs": chunk.logprobs,
             "top_logprobs": chunk.top_logprobs or [{} for _ in chunk.token_ids],
             "text_offset": [o + offset for o in chunk.text_offset]}
+
+
+def end_of_text_lists(gen: Generation, offset: int) -> dict[str, list] | None:
+    """The end-of-text a choice stopped at, as one more logprobs entry (no text; at character ``offset``), as
+    vLLM reports it: lm-evaluation-harness reads ``token_logprobs[ctxlen:-1]`` of an echo with ``max_tokens: 1``
+    and so needs the generated step even when it is the end of the text. None when it did not stop there."""
+    if gen.end_of_text is None:
+        return None
+    logprob, top = gen.end_of_text
+    return {"tokens": [EOT], "token_logprobs": [logprob], "top_logprobs": [top or {}], "text_offset": [offset]}
 
 
 def merge_lists(parts: Iterable[dict[str, list] | None]) -> dict[str, list] | None:
@@ -464,7 +475,8 @@ async def _complete(lm: LM, req: CompletionRequest, gens: list[Generation], run:
         own = merge_lists(logprob_lists(lm, c, len(text)) for c in chunks[i]) if with_lp else None
         if with_lp and own is None:
             own = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        choices.append(choice_dict(i, text + comp.text, merge_lists([lists, own]), comp.finish_reason))
+        end = end_of_text_lists(gen, len(text) + len(comp.text)) if with_lp else None
+        choices.append(choice_dict(i, text + comp.text, merge_lists([lists, own, end]), comp.finish_reason))
     return {**meta, "choices": choices, "usage": usage_dict(prompt_usage(gens, req.n), completion_tokens)}
 
 
@@ -477,6 +489,7 @@ async def _stream(lm: LM, req: CompletionRequest, gens: list[Generation], run: T
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     usage_field = {"usage": None} if include_usage else {}
     offsets: dict[int, int] = {}  # choice → length of its echoed prompt text
+    released: dict[int, int] = defaultdict(int)  # choice → characters of completion text sent
 
     def event(index: int, text: str, lists: dict | None, finish: str | None = None) -> bytes:
         return sse({**meta, "choices": [choice_dict(index, text, lists, finish)], **usage_field})
@@ -497,9 +510,11 @@ async def _stream(lm: LM, req: CompletionRequest, gens: list[Generation], run: T
                     offsets[i] = len(text)
                     yield event(i, text, lists)
             if ev.kind == "chunk":  # chunk offsets count from the start of the completion text
+                released[i] += len(ev.chunk.text)
                 yield event(i, ev.chunk.text, logprob_lists(lm, ev.chunk, offsets[i]) if with_lp else None)
             else:
-                yield event(i, "", None, gen.finish_reason)
+                end = end_of_text_lists(gen, offsets[i] + released[i]) if with_lp else None
+                yield event(i, "", end, gen.finish_reason)
         if include_usage:
             completion = sum(g.completion_tokens for g in gens)
             yield sse({**meta, "choices": [], "usage": usage_dict(prompt_usage(gens, req.n), completion)})

@@ -137,6 +137,8 @@ class Generation:
         self._cancel = threading.Event()
         self.finish_reason: str | None = None
         self.prompt: TokenLogprobs | None = None
+        #: (log-prob, top-N dict or None) of the end-of-text the generation stopped at, else None
+        self.end_of_text: tuple[float, dict[str, float] | None] | None = None
         self.tokens_generated = 0
         self.completion_tokens = 0
         self.started_at: float | None = None
@@ -195,6 +197,7 @@ class Generation:
                 self.first_token_at = time.perf_counter()
             if tok == lm.eot_id and not self.ignore_eos:
                 self.finish_reason = "stop"
+                self.end_of_text = (float(lp[tok]), lm._top_dict(lp, self.top_n))
                 break
             offset = len(detok.text)
             top = lm._top_dict(lp, self.top_n)

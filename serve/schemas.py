@@ -52,7 +52,7 @@ class CompletionRequest(_Request):
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
     top_p: float | None = Field(None, ge=0, le=1, description="Nucleus sampling; 1 = off. Default 1.")
     top_k: integer(ge=-1) | None = Field(None, description="0 or -1 = off. Default off.")
-    n: integer(ge=1, le=MAX_N) = Field(1, description="Choices per prompt.")
+    n: integer(ge=1, le=MAX_N) = Field(1, description="Choices per prompt (prompts × n ≤ 128 per request).")
     stop: StopString | list[StopString] | None = Field(None, description="Output ends before the first occurrence of any of these.")
     seed: integer() | None = Field(None, description="Same seed, same backend → same text, whatever runs beside it.")
     stream: bool = False
@@ -63,23 +63,20 @@ class CompletionRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
     user: str | None = Field(None, description="Ignored.")
-    # OpenAI parameters this server does not implement: refused (400) rather than silently ignored
-    best_of: integer(ge=1) | None = Field(None, description="Only null, 1 or `n`: every candidate is returned.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
-    suffix: str | None = Field(None, description="Not supported: only null.")
+    # OpenAI parameters this server does not implement: refused (400) rather than silently ignored; the schema
+    # says so too (maximum / maxProperties / maxLength apply to the non-null branch)
+    best_of: integer() | None = Field(None, description="Only null or 1 (no hidden candidates; use n).",
+                                      json_schema_extra={"minimum": 1, "maximum": 1})
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.",
+                                                json_schema_extra={"maxProperties": 0})
+    suffix: str | None = Field(None, description="Not supported: only null or \"\".", json_schema_extra={"maxLength": 0})
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v not in (1, info.data.get("n", 1)):
-            raise ValueError("best_of > n is not supported (every generated candidate is returned); use n")
-        return v
-
-    @field_validator("logit_bias", "suffix")
+    @field_validator("best_of", "logit_bias", "suffix")
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by this server")
+        if v is not None and (v != 1 if info.field_name == "best_of" else bool(v)):
+            raise ValueError(f"{info.field_name} is not supported by this server"
+                             + (" (only 1: use n for more choices)" if info.field_name == "best_of" else ""))
         return v
 
 

@@ -6,7 +6,9 @@ no 5xx, status codes, content types, headers and bodies as the schema declares t
 One declared exception: a schema-valid prompt whose tokens, with ``max_tokens``, overflow the context is a
 400 ``context_length_exceeded`` (a JSON schema cannot count tokens). Only that answer, and only when the
 prompt really overflows, is excused from schemathesis' "valid data is accepted" check; every other check still
-runs on it. ``max_tokens`` itself is bounded by the schema (``maximum`` = context − 1).
+runs on it. ``max_tokens`` itself is bounded by the schema (``maximum`` = context − 1). Likewise a request whose
+prompts × ``n`` exceed ``serve.app.MAX_CHOICES`` (400 ``too_many_completions``): each bound is in the schema, their
+product cannot be.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ def check(case, app, headers=None) -> None:
             assert case.operation.label == "POST /v1/completions", response.text
             assert overflows_context(app.state.shalik.lm, case.body), (case.body, response.text)
             assert f"context length {CONTEXT}" in error["message"]
+            excluded = [POSITIVE_DATA_ACCEPTANCE]
+        if error["code"] == "too_many_completions":  # prompts × n > MAX_CHOICES: a product no schema can bound
+            from serve.app import MAX_CHOICES
+
+            prompt = case.body["prompt"]
+            single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+            assert (1 if single else len(prompt)) * case.body.get("n", 1) > MAX_CHOICES, case.body
             excluded = [POSITIVE_DATA_ACCEPTANCE]
     case.validate_response(response, headers=headers, excluded_checks=excluded)
 
