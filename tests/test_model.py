@@ -154,7 +154,7 @@ def test_tr1_accumulation_normalised_by_target_tokens(fixture_m):
         m.zero_grad(set_to_none=True)
         loss = causal_lm_loss(m(torch.cat([a, b]))[0], torch.cat([la, lb]), reduction="mean")
         loss.backward()
-        return float(loss), {n: p.grad.clone() for n, p in m.named_parameters()}
+        return float(loss.detach()), {n: p.grad.clone() for n, p in m.named_parameters()}
 
     (l1, g1), (l2, g2) = grads_accumulated(), grads_big_batch()
     assert l1 == pytest.approx(l2, rel=1e-6)
