@@ -132,7 +132,8 @@ def val_documents(paths: list[str], val_fraction: float, max_chars: int) -> dict
 
     docs: dict[str, list[str]] = {}
     chars: dict[str, int] = {}
-    for doc in iter_documents(list_input_files(paths)):
+    resolved = [str(ROOT / p) if not Path(p).exists() and (ROOT / p).exists() else p for p in paths]
+    for doc in iter_documents(list_input_files(resolved)):
         text = nfc(doc.text)
         if not is_val(text, val_fraction):
             continue
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="compute threads for every engine (default: all cores)")
-    p.add_argument("--val", nargs="*", default=[str(ROOT / "data" / "sample")], help="inputs for the bpc split")
+    p.add_argument("--val", nargs="*", default=["data/sample"], help="inputs for the bpc split (a relative path not found here is taken from the repository root)")
     p.add_argument("--val-chars", type=int, default=100_000, help="characters per language to score (0 = skip)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
