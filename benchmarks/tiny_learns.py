@@ -4,7 +4,7 @@ must bring val NLL at least 2 nats/token below the random-init twin's, in under 
 Times the training run itself (data preparation is cached and reported apart) and writes
 benchmarks/results/tiny_learns.{md,json}.
 
-    python benchmarks/tiny_learns.py [--vocab 3000] [--steps 200]
+    python benchmarks/tiny_learns.py [--vocab 3000] [--steps 200] [--seeds 1337 0 1]
 """
 
 from __future__ import annotations
@@ -25,17 +25,14 @@ from train.data import prepare  # noqa: E402
 from train.run import Trainer  # noqa: E402
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocab", type=int, default=3000)
-    p.add_argument("--steps", type=int, default=200)
-    args = p.parse_args(argv)
+def run_once(vocab: int, steps: int, seed: int | None) -> dict:
+    """One tiny run in a temporary folder: its summary plus training and preparation seconds."""
     out_dir = Path(tempfile.mkdtemp(prefix="tiny-learns-"))
     try:
-        cfg = load_config("tiny", [f"tokenizer.vocab_size={args.vocab}", f"train.max_steps={args.steps}",
-                                   f"train.eval_every={args.steps}", "train.ckpt_every=100000", "train.preflight=false",
-                                   f"run.out_dir={json.dumps(str(out_dir))}",
-                                   f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"])
+        sets = [f"tokenizer.vocab_size={vocab}", f"train.max_steps={steps}", f"train.eval_every={steps}",
+                "train.ckpt_every=100000", "train.preflight=false", f"run.out_dir={json.dumps(str(out_dir))}",
+                f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"] + ([f"run.seed={seed}"] if seed is not None else [])
+        cfg = load_config("tiny", sets)
         t0 = time.time()
         prepare(cfg, log=lambda m: None)
         prep_s = time.time() - t0
@@ -45,18 +42,37 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     drop = s["random_init"]["all"]["nll"] - s["val"]["all"]["nll"]
-    res = {"vocab": args.vocab, "steps": args.steps, "tokens": s["tokens"], "train_seconds": train_s,
-           "prepare_seconds": prep_s, "random_init_nll": s["random_init"]["all"]["nll"], "val_nll": s["val"]["all"]["nll"],
-           "drop_nats": drop, "val": s["val"], "tokens_per_s": s["tokens_per_s"],
-           "passes": drop >= 2.0 and train_s < 120}
+    return {"seed": cfg.run.seed, "tokens": s["tokens"], "train_seconds": train_s, "prepare_seconds": prep_s,
+            "random_init_nll": s["random_init"]["all"]["nll"], "val_nll": s["val"]["all"]["nll"], "drop_nats": drop,
+            "val": s["val"], "tokens_per_s": s["tokens_per_s"], "passes": drop >= 2.0 and train_s < 120}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seeds", type=int, nargs="*", default=None,
+                   help="run.seed of each run (default: the preset's); the outcome at this budget moves with the seed")
+    args = p.parse_args(argv)
+    runs = [run_once(args.vocab, args.steps, seed) for seed in (args.seeds or [None])]
+    res = {"vocab": args.vocab, "steps": args.steps, "runs": runs, "passes": all(r["passes"] for r in runs)}
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "tiny_learns.json").write_text(json.dumps(res, indent=2) + "\n")
-    text = (f"# tiny learns\n\ntiny, vocab {args.vocab}, {args.steps} steps × 4,096 tokens on CPU: val NLL "
-            f"{res['random_init_nll']:.3f} → {res['val_nll']:.3f} nats/token (**{drop:.2f} nats** below the random-init "
-            f"twin; target ≥ 2) in **{train_s:.0f} s** of training (target < 120 s; data preparation {prep_s:.0f} s, "
-            f"cached after the first run), {res['tokens_per_s']:,.0f} tokens/s. Per language: "
-            + ", ".join(f"{k} {v['nll']:.3f}" for k, v in s["val"].items() if k != "all") + ".\n")
+    lines = ["# tiny learns", "",
+             f"tiny, vocab {args.vocab}, {args.steps} steps × 4,096 tokens on CPU; target: val NLL ≥ 2 nats/token below "
+             f"the random-init twin in < 120 s of training (data preparation is cached after the first run). "
+             f"`python benchmarks/tiny_learns.py{' --seeds ' + ' '.join(map(str, args.seeds)) if args.seeds else ''}`.", "",
+             "| seed | random-init NLL | val NLL | drop (nats) | training s | tokens/s | per language | passes |",
+             "|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in runs:
+        langs = ", ".join(f"{k} {v['nll']:.3f}" for k, v in r["val"].items() if k != "all")
+        lines.append(f"| {r['seed']} | {r['random_init_nll']:.3f} | {r['val_nll']:.3f} | **{r['drop_nats']:.2f}** | "
+                     f"{r['train_seconds']:.0f} | {r['tokens_per_s']:,.0f} | {langs} | {'yes' if r['passes'] else 'no'} |")
+    lines += ["", "At this budget the drop moves with the seed by about 0.4 nats (and with rounding alone: the same seed gave "
+              "1.65 with SDPA's enable_gqa, whose gradients differ by 5e-7): the check passes at the preset's seed and sits "
+              "at its edge, so read several seeds."]
+    text = "\n".join(lines) + "\n"
     (out / "tiny_learns.md").write_text(text)
     print(text)
     return 0 if res["passes"] else 1
