@@ -349,3 +349,11 @@ def test_tiny_learns(tmp_path):
                                "train.preflight=false"])
     s = Trainer(cfg, **QUIET).train()
     assert s["random_init"]["all"]["nll"] - s["val"]["all"]["nll"] >= 2.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
+def test_cpu_allocator_thresholds_are_set():
+    """train.device.setup_cpu_allocator raises glibc's mmap/trim thresholds (mallopt returns 1 on success)."""
+    from train.device import setup_cpu_allocator
+
+    assert setup_cpu_allocator() is True

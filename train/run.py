@@ -46,7 +46,14 @@ from train.checkpoint import (
 from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, to_toml
 from train.corpus import DataError
 from train.data import Prepared, prepare
-from train.device import autocast_ctx, peak_flops, resolve_device, resolve_dtype, setup_cuda_fast_paths
+from train.device import (
+    autocast_ctx,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    setup_cpu_allocator,
+    setup_cuda_fast_paths,
+)
 from train.evaluate import evaluate, greedy_samples
 from train.loader import TrainLoader, step_batches, val_windows
 from train.model import LlamaForCausalLM, ModelConfig, causal_lm_loss
@@ -164,6 +171,8 @@ class Trainer:
         random.seed(cfg.run.seed)
         if self.device.type == "cuda":
             setup_cuda_fast_paths()
+        else:
+            setup_cpu_allocator()
         self.model = LlamaForCausalLM(self.mcfg).to(self.device)
         self.at_init = True
         if self.init_from:
