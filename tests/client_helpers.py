@@ -39,38 +39,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerProcess:
+    """A server started by :func:`server_process`: ``url``, ``proc``, and ``log`` (its stderr) once it stopped."""
+
+    def __init__(self, url: str, proc: subprocess.Popen):
+        self.url, self.proc, self.log = url, proc, ""
+
+
+@contextmanager
+def server_process(argv: list[str], port: int, env: dict | None = None, health: int = 200,
+                   startup_s: float = 120) -> Iterator[ServerProcess]:
+    """Run ``python argv...`` (a server listening on ``port``), wait until its ``/health`` answers ``health``, and
+    yield it; stop it on exit and keep its stderr in ``.log``. Raises RuntimeError, with the stderr, when the
+    process exits first, when ``/health`` reports the model ``unavailable`` (a load that failed), or after
+    ``startup_s`` seconds."""
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    srv = ServerProcess(f"http://127.0.0.1:{port}", proc)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()}")
+            try:
+                h = httpx.get(f"{srv.url}/health", timeout=2)
+                if h.status_code == health:
+                    break
+                if h.json().get("status") == "unavailable":
+                    raise RuntimeError(f"the server cannot load its model: {h.json().get('detail')}")
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server's /health did not answer {health} within {startup_s:g} s")
+            time.sleep(0.1)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            srv.log = proc.communicate(timeout=15)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            srv.log = proc.communicate()[1]
+
+
 @contextmanager
 def uvicorn_server(bundle: str | Path, startup_s: float = 120, **env: str) -> Iterator[str]:
     """Serve ``bundle`` with ``python -m uvicorn serve.app:app`` and yield its base URL (``http://127.0.0.1:PORT``)
     once ``/health`` says the model is loaded. ``env`` adds SHALIK_* variables (e.g. ``SHALIK_API_KEY="k"``);
     SHALIK_THREADS defaults to 1. The process is stopped on exit; its stderr is in the error when it fails."""
     port = free_port()
-    full_env = {**os.environ, "SHALIK_MODEL": str(bundle), "SHALIK_THREADS": "1", **env}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "serve.app:app", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"uvicorn exited with {proc.returncode}: {proc.stderr.read()}")
-            try:
-                h = httpx.get(f"{url}/health", timeout=2)
-                if h.status_code == 200:
-                    break
-                if h.json().get("status") == "unavailable":
-                    raise RuntimeError(f"the server cannot load {bundle}: {h.json().get('detail')}")
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not load {bundle} within {startup_s:g} s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+    argv = ["-m", "uvicorn", "serve.app:app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    with server_process(argv, port, {"SHALIK_MODEL": str(bundle), "SHALIK_THREADS": "1", **env},
+                        startup_s=startup_s) as srv:
+        yield srv.url

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.client_helpers import ServerProcess, free_port, server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,53 +31,20 @@ uvicorn.run(create_app(Settings(**cfg["settings"]), lm), host="127.0.0.1", port=
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
-    """A running server: ``url``, and ``log`` (its stderr) once it has stopped."""
-
-    def __init__(self, url: str, proc: subprocess.Popen):
-        self.url, self.proc, self.log = url, proc, ""
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-        assert m, f"{name} not in /metrics"
-        return float(m.group(1))
+def metric(srv: ServerProcess, name: str) -> float:
+    """The value of the Prometheus sample ``name`` on the server's /metrics."""
+    text = httpx.get(f"{srv.url}/metrics", timeout=5).text
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
 
 
 @contextmanager
-def live_server(pieces=("ab",), lm=None, **settings) -> Iterator[Live]:
+def live_server(pieces=("ab",), lm=None, **settings) -> Iterator[ServerProcess]:
     cfg = {"pieces": list(pieces) if pieces is not None else None, "lm": lm or {}, "settings": settings,
            "port": free_port()}
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(cfg)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    live = Live(f"http://127.0.0.1:{cfg['port']}", proc)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read()}")
-            try:
-                if httpx.get(f"{live.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start within 60 s")
-            time.sleep(0.1)
-        yield live
-    finally:
-        proc.terminate()
-        try:
-            live.log = proc.communicate(timeout=10)[1]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            live.log = proc.communicate()[1]
+    with server_process(["-c", SERVER, json.dumps(cfg)], cfg["port"], startup_s=60) as srv:
+        yield srv
 
 
 def first_chunk(client: httpx.Client, url: str, body: dict) -> tuple[float, str]:
@@ -103,10 +69,10 @@ def test_h5_disconnect_cancels_generation():
         client.close()  # the response was not read to the end: the connection is closed
         closed = time.perf_counter()
         time.sleep(0.2)
-        at_200ms = srv.metric("shalik_completion_tokens_total")
-        assert srv.metric("shalik_in_flight") == 0
+        at_200ms = metric(srv, "shalik_completion_tokens_total")
+        assert metric(srv, "shalik_in_flight") == 0
         time.sleep(0.4)
-        assert srv.metric("shalik_completion_tokens_total") == at_200ms  # the counter stopped
+        assert metric(srv, "shalik_completion_tokens_total") == at_200ms  # the counter stopped
         assert at_200ms < 100  # ~10 ms/token: it ran ~(0.2 s + detection) worth, not 10,000 tokens
         with httpx.Client(timeout=10) as c2:  # the single slot is free again: the next request starts at once
             ttft, _ = first_chunk(c2, srv.url, {"prompt": "x", "max_tokens": 3})

@@ -13,9 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.client_helpers import free_port, server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or next((p for p in ("/usr/bin/chromium",) if Path(p).exists()), None)
@@ -44,41 +43,13 @@ uvicorn.run(app, host="127.0.0.1", port=cfg["port"], log_level="warning")
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def uvicorn_server(args: list[str], port: int, env: dict | None = None, health: int = 200) -> Iterator[str]:
     """Run ``python args...`` (a uvicorn server on ``port``) until /health answers ``health``; yield its URL;
-    stop it."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == health:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy within 120 s")
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            log = proc.communicate(timeout=10)[1]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log = proc.communicate()[1]
-        assert "Traceback" not in log, log
+    stop it, and fail when its log holds a traceback."""
+    with server_process(args, port, env, health) as srv:
+        yield srv.url
+    assert "Traceback" not in srv.log, srv.log
 
 
 def scripted_server(context: int, **settings) -> Iterator[str]:
