@@ -3,6 +3,9 @@ checkpoint computes, or could not be built)."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class ExportError(Exception):
     """An export that cannot start or finish; the message names the bad input. ``exit_code`` is 2 unless
@@ -20,3 +23,17 @@ class ParityError(ExportError):
         super().__init__(message, exit_code=1)
         self.cases = cases
         self.table = table
+
+
+def run_cli(action: Callable[[], object], nothing_written: str) -> int:
+    """Run a command line's ``action`` and return its exit code: 0 done, the ExportError's code (its message on
+    stderr as ``error: …``), or 130 on Ctrl-C with ``interrupted: <nothing_written>`` (e.g. "no bundle was written")."""
+    try:
+        action()
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"interrupted: {nothing_written}", file=sys.stderr)
+        return 130
+    return 0

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.errors import ExportError
+from export.errors import ExportError, run_cli
 from train.atomic import FILE_MODE, TMP_PREFIX, clean_stale, fsync_dir
 
 __all__ = ["TYPES", "PRE_TOKENIZER", "GgufConfig", "LlamaCppBackend", "export_gguf", "gguf_context_length",
@@ -437,15 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--type", default="f32", choices=TYPES, help="2-D weight type (default: f32; norms stay f32)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     a = p.parse_args(argv)
-    try:
-        export_gguf(a.bundle, a.out, a.type, a.force)
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: no GGUF was written", file=sys.stderr)
-        return 130
-    return 0
+    return run_cli(lambda: export_gguf(a.bundle, a.out, a.type, a.force), "no GGUF was written")
 
 
 if __name__ == "__main__":

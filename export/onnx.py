@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from export.errors import ExportError, ParityError
+from export.errors import ExportError, ParityError, run_cli
 from export.graph import EXPORTERS, OPSET, export_graph
 from export.source import Source, load_source
 from train.atomic import atomic_dir
@@ -217,16 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exporter", choices=["auto", *EXPORTERS], default="auto",
                    help="default auto: dynamo, falling back to TorchScript when it fails to export or to match")
     a = p.parse_args(argv)
-    try:
-        export_bundle(a.checkpoint, a.out, force=a.force, dtype=a.dtype, quantize=a.quantize, parity=a.parity,
-                      val_data=a.val_data, exporter=a.exporter)
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: no bundle was written", file=sys.stderr)
-        return 130
-    return 0
+    return run_cli(lambda: export_bundle(a.checkpoint, a.out, force=a.force, dtype=a.dtype, quantize=a.quantize,
+                                         parity=a.parity, val_data=a.val_data, exporter=a.exporter),
+                   "no bundle was written")
 
 
 if __name__ == "__main__":
