@@ -207,7 +207,7 @@ def test_tr5_process_killed_mid_write(tmp_path, session_cache):
         cfg = fast_config(Path({str(tmp_path)!r}), Path({str(session_cache)!r}),
                           **{{"run.name": "kill", "train.max_steps": 10}})
         t = Trainer(cfg, resume=True, log=lambda m: None)
-        t._prepare_run_dir(); t.setup(); import time; t.t_start = time.time(); t._resume()
+        t._refuse_existing_run(); t.setup(); t._write_run_dir(); import time; t.t_start = time.time(); t._resume()
         t.step = 20
         def half_then_die(obj, path):
             buf = io.BytesIO(); torch.save(obj, buf)
@@ -357,3 +357,15 @@ def test_cpu_allocator_thresholds_are_set():
     from train.device import setup_cpu_allocator
 
     assert setup_cpu_allocator() is True
+
+
+def test_bad_data_path_exits_2_and_leaves_no_run_folder(tmp_path, capsys):
+    """A data path that does not exist is a clear error (exit 2, naming the path) before runs/NAME is created."""
+    from train.run import main
+
+    missing = tmp_path / "no-such-corpus"
+    out = tmp_path / "runs"
+    rc = main(["--config", "tiny", "--data", str(missing), "--name", "bad", "--set", f"run.out_dir={json.dumps(str(out))}"])
+    assert rc == 2
+    assert f"data path '{missing}' does not exist" in capsys.readouterr().err
+    assert not (out / "bad").exists()

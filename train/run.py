@@ -198,7 +198,9 @@ class Trainer:
         if diffs:
             raise CheckpointError(f"the model config differs from {ckpt}: " + "; ".join(diffs))
 
-    def _prepare_run_dir(self) -> None:
+    def _refuse_existing_run(self) -> None:
+        """TrainError when runs/NAME already holds a checkpoint and this is not a --resume (checked before the data
+        is prepared, so the refusal is immediate)."""
         if not self.dist.is_main:
             return
         existing = None
@@ -212,6 +214,12 @@ class Trainer:
             raise TrainError(
                 f"{self.run_dir} already holds a run (checkpoint at step {state['step']}). Pass --resume to continue "
                 f"it, --name NEW for a new run, or delete {self.run_dir}.")
+
+    def _write_run_dir(self) -> None:
+        """Create runs/NAME with its config.toml — only once the data is prepared, so that bad input (a missing
+        data path, a corpus without a configured language) leaves no run folder behind."""
+        if not self.dist.is_main:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.toml", to_toml(self.cfg))
 
@@ -389,8 +397,9 @@ class Trainer:
     def train(self) -> dict:
         """Run to ``train.max_steps`` (or a stop signal); returns the summary dict."""
         cfg, t = self.cfg, self.cfg.train
-        self._prepare_run_dir()
+        self._refuse_existing_run()
         self.setup()
+        self._write_run_dir()
         self.t_start = time.time()
         if self.resume:
             self._resume()
