@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from serve.bundle import eot_id, parse_quantize
+from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
-from serve.errors import ContextLengthError, RequestError
+from serve.errors import RequestError
 from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
 from serve.stops import StopMatcher
 
-EOT = "<|endoftext|>"
 DEFAULT_MAX_NEW_TOKENS = 64
 PREFILL_BLOCK = 256  # positions per prefill call when every position's logits are needed (memory bound)
 BACKENDS = ("onnx", "rust")
@@ -171,8 +172,8 @@ class Generation:
             seq = lm.backend.new_sequence()
             full = [lm.eot_id, *self.prompt_ids]
             if self.echo:  # the prompt's own log-probs, the first predicted from <|endoftext|>
-                lp, tops, logits = lm._prefill_logprobs(seq, full, self.prompt_ids, self.top_n)
-                self.prompt = lm._describe(self.prompt_ids, lp, None if self.top_n is None else tops)
+                lp, tops, logits = lm.prefill_logprobs(seq, full, self.prompt_ids, self.top_n)
+                self.prompt = lm.describe(self.prompt_ids, lp, None if self.top_n is None else tops)
             else:
                 logits = np.asarray(seq.prefill(full))
             yield from self._decode_loop(seq, logits)
@@ -197,10 +198,10 @@ class Generation:
                 self.first_token_at = time.perf_counter()
             if tok == lm.eot_id and not self.ignore_eos:
                 self.finish_reason = "stop"
-                self.end_of_text = (float(lp[tok]), lm._top_dict(lp, self.top_n))
+                self.end_of_text = (float(lp[tok]), lm.top_alternatives(lp, self.top_n))
                 break
             offset = len(detok.text)
-            top = lm._top_dict(lp, self.top_n)
+            top = lm.top_alternatives(lp, self.top_n)
             pending.append((tok, float(lp[tok]), top, offset))
             released = stops.push(detok.push(tok))
             if stops.stop_at is not None:
@@ -244,8 +245,7 @@ class LM:
         self.name = name
         self.path = path
         self.table = TokenTable.from_tokenizer(tokenizer)
-        eot = tokenizer.token_to_id(EOT)
-        self.eot_id = 0 if eot is None else int(eot)
+        self.eot_id = eot_id(tokenizer)
         self.vocab_size = int(backend.vocab_size)
         self.context_length = int(backend.max_position_embeddings)
 
@@ -270,18 +270,9 @@ class LM:
         return [self.table.display(int(i)) for i in ids]
 
     def check_ids(self, ids: Sequence[int], param: str = "prompt", allow_empty: bool = False) -> list[int]:
-        """Validate token ids: ints in ``[0, vocab_size)``; RequestError (param ``param``) otherwise."""
-        out = []
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int | np.integer):
-                raise RequestError(f"token ids must be integers, got {i!r}", param=param)
-            if not 0 <= int(i) < self.vocab_size:
-                raise RequestError(f"token id {int(i)} is out of range: expected 0 <= id < {self.vocab_size}",
-                                   param=param, code="invalid_token_id")
-            out.append(int(i))
-        if not out and not allow_empty:
-            raise RequestError("the prompt is an empty list of token ids", param=param)
-        return out
+        """Validate token ids: ints in ``[0, vocab_size)`` (:func:`serve.checks.check_token_ids`); RequestError
+        (param ``param``) otherwise."""
+        return check_token_ids(ids, self.vocab_size, param=param, allow_empty=allow_empty)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt (text or token ids) → its ids, without the leading ``<|endoftext|>``."""
@@ -294,26 +285,10 @@ class LM:
 
     def new_token_budget(self, prompt_tokens: int, max_new_tokens: int | None,
                          default: int = DEFAULT_MAX_NEW_TOKENS) -> int:
-        """How many tokens a request may generate.
-
-        ``prompt_tokens`` includes the leading ``<|endoftext|>``. ``max_new_tokens=None`` means ``default``
-        capped by what the context leaves. An explicit value that does not fit raises
-        :class:`ContextLengthError` with both numbers; so does a prompt longer than the context.
-        """
-        ctx = self.context_length
-        if prompt_tokens > ctx:
-            raise ContextLengthError(
-                f"the prompt is {prompt_tokens} tokens (including the leading {EOT}), more than the context "
-                f"length {ctx}", param="prompt")
-        if max_new_tokens is None:
-            return max(0, min(int(default), ctx - prompt_tokens))
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 0:
-            raise RequestError(f"max_tokens must be an integer >= 0, got {max_new_tokens!r}", param="max_tokens")
-        if prompt_tokens + max_new_tokens > ctx:
-            raise ContextLengthError(
-                f"the prompt is {prompt_tokens} tokens (including the leading {EOT}) and max_tokens asks for "
-                f"{max_new_tokens} more: {prompt_tokens + max_new_tokens} tokens exceed the context length {ctx}")
-        return int(max_new_tokens)
+        """How many tokens a request may generate (:func:`serve.checks.new_token_budget` with this model's
+        context): ``max_new_tokens=None`` means ``default`` capped by the context; ContextLengthError when an
+        explicit value or the prompt does not fit."""
+        return new_token_budget(prompt_tokens, max_new_tokens, self.context_length, default)
 
     # ---- generation
 
@@ -393,12 +368,12 @@ class LM:
         while len(logprobs) < len(ids):
             end = min(begin + ctx, len(ids))  # inputs full[begin:end] predict full[begin + 1:end + 1]
             skip = len(logprobs) - begin  # targets already scored by the previous window
-            lp, top, _ = self._prefill_logprobs(self.backend.new_sequence(), full[begin:end],
+            lp, top, _ = self.prefill_logprobs(self.backend.new_sequence(), full[begin:end],
                                                 full[begin + 1:end + 1], top_logprobs, skip)
             logprobs += lp
             tops += top
             begin += stride
-        scored = self._describe(ids, logprobs, None if top_logprobs is None else tops)
+        scored = self.describe(ids, logprobs, None if top_logprobs is None else tops)
         nll = [-p for p in scored.logprobs]
         s = text if isinstance(text, str) else scored.text
         chars = len(unicodedata.normalize("NFC", s))
@@ -406,11 +381,15 @@ class LM:
         return Score(text=s, token_ids=ids, token_nll=nll, nll_sum=total, nll_mean=total / len(ids), chars=chars,
                      bits_per_char=total / math.log(2) / chars if chars else float("nan"))
 
-    def _prefill_logprobs(self, seq, inputs: list[int], targets: list[int], top_n: int | None, skip: int = 0
+    def prefill_logprobs(self, seq, inputs: list[int], targets: list[int], top_n: int | None, skip: int = 0
                           ) -> tuple[list[float], list[dict[str, float] | None], np.ndarray]:
         """Prefill ``inputs`` into ``seq`` in blocks of :data:`PREFILL_BLOCK` (bounded memory) and return the
         log-probs of ``targets[i]`` (predicted after ``inputs[:i + 1]``) for ``i >= skip``, their top-N
-        dicts, and the logits row after the last input (float32 ``[V]``)."""
+        dicts, and the logits row after the last input (float32 ``[V]``).
+
+        Part of the package-internal interface that :class:`Generation` (and a batching runner) drive: with
+        :meth:`describe` and :meth:`top_alternatives` it is everything a generation loop needs of the model
+        besides ``backend`` and ``table``."""
         logprobs: list[float] = []
         tops: list[dict[str, float] | None] = []
         row = None
@@ -424,11 +403,12 @@ class LM:
             lp = log_softmax(rows[lo - b:hi - b])
             for i in range(lo, hi):
                 logprobs.append(float(lp[i - lo, targets[i]]))
-                tops.append(self._top_dict(lp[i - lo], top_n))
+                tops.append(self.top_alternatives(lp[i - lo], top_n))
         return logprobs, tops, row
 
-    def _describe(self, ids: list[int], logprobs: list[float], tops: list | None) -> TokenLogprobs:
-        """Tokens with their log-probs, display strings, text and character offsets."""
+    def describe(self, ids: list[int], logprobs: list[float], tops: list | None) -> TokenLogprobs:
+        """Tokens ``ids`` with their ``logprobs`` (nats), display strings, the decoded text and each token's
+        character offset in it; ``tops`` are per-token top-N dicts or None."""
         detok = StreamDecoder(self.table)
         offsets = []
         for t in ids:
@@ -438,7 +418,9 @@ class LM:
         return TokenLogprobs(text=detok.text, token_ids=list(ids), tokens=self.token_strings(ids),
                              logprobs=logprobs, top_logprobs=tops, text_offset=offsets)
 
-    def _top_dict(self, lp: np.ndarray, n: int | None) -> dict[str, float] | None:
+    def top_alternatives(self, lp: np.ndarray, n: int | None) -> dict[str, float] | None:
+        """The ``n`` most likely tokens of a log-prob row ``lp`` (float ``[V]``) as {display string: log-prob},
+        largest first; None when ``n`` is None."""
         if n is None:
             return None
         return {self.table.display(i): p for i, p in top_logprobs(lp, n)}
@@ -473,9 +455,7 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
-    quantize = None if quantize in (None, "none") else quantize
-    if quantize not in (None, "int8"):
-        raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
+    quantize = parse_quantize(quantize)
     if backend == "onnx":
         from serve.backends.onnx import OnnxBackend
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.http_errors import HTTPError, error_response
+from serve.http.errors import HTTPError, error_response
 from serve.metrics import Metrics
 
 
