@@ -27,7 +27,7 @@ def check_token_ids(ids: Iterable, vocab_size: int, *, param: str | None = "prom
     def fail(message: str, code: str | None = None) -> ValueError:
         return error(message, param=param, code=code) if issubclass(error, RequestError) else error(message)
 
-    if isinstance(ids, str | bytes | bytearray):
+    if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Iterable):
         raise fail(f"token ids must be a list of integers, got {type(ids).__name__}")
     out = []
     for i in ids:

@@ -255,15 +255,23 @@ class LM:
 
     # ---- tokens
 
-    def tokenize(self, text: str) -> list[int]:
-        """Text → token ids (NFC-normalised by the tokenizer; no ``<|endoftext|>`` added)."""
+    def tokenize(self, text: str, param: str = "text") -> list[int]:
+        """Text → token ids (NFC-normalised by the tokenizer; no ``<|endoftext|>`` added).
+
+        Raises RequestError (param ``param``) for a non-string and for a string that is not valid Unicode (a lone
+        surrogate such as ``"\\ud800"``, which JSON can spell but UTF-8 cannot)."""
         if not isinstance(text, str):
-            raise RequestError(f"expected a string to tokenize, got {type(text).__name__}", param="prompt")
+            raise RequestError(f"{param} must be a string, got {type(text).__name__}", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{param} holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}: "
+                               "not valid Unicode text", param=param, code="invalid_unicode") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids → text (special tokens as their content; invalid UTF-8 as U+FFFD)."""
-        return self.table.decode(self.check_ids(ids, allow_empty=True))
+        return self.table.decode(self.check_ids(ids, param="tokens", allow_empty=True))
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Display strings of ids (text, or ``bytes:\\x..`` for tokens that are not valid UTF-8 alone)."""
@@ -274,14 +282,15 @@ class LM:
         (param ``param``) otherwise."""
         return check_token_ids(ids, self.vocab_size, param=param, allow_empty=allow_empty)
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """A prompt (text or token ids) → its ids, without the leading ``<|endoftext|>``."""
+    def encode_prompt(self, prompt: Prompt, param: str = "prompt") -> list[int]:
+        """A prompt (text or token ids) → its ids, without the leading ``<|endoftext|>``. RequestError (param
+        ``param``) for anything else — bytes included (not silently read as a list of byte values)."""
         if isinstance(prompt, str):
-            return self.tokenize(prompt)
-        if isinstance(prompt, Sequence | np.ndarray):
-            return self.check_ids(list(prompt))
-        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
-                           param="prompt")
+            return self.tokenize(prompt, param)
+        if isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, bytes | bytearray):
+            return self.check_ids(list(prompt), param)
+        raise RequestError(f"{param} must be a string or a list of token ids, got {type(prompt).__name__}",
+                           param=param)
 
     def new_token_budget(self, prompt_tokens: int, max_new_tokens: int | None,
                          default: int = DEFAULT_MAX_NEW_TOKENS) -> int:
@@ -356,7 +365,7 @@ class LM:
         sliding window (stride half the context): every token after the first window is predicted from at
         least half a context of the tokens before it. Raises RequestError for an empty text.
         """
-        ids = self.encode_prompt(text)
+        ids = self.encode_prompt(text, "text")
         if not ids:
             raise RequestError("nothing to score: the text is empty", param="text")
         full = [self.eot_id, *ids]
@@ -430,6 +439,8 @@ def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
     """``stop`` as a list of non-empty strings; RequestError (param "stop") otherwise."""
     if stop is None:
         return []
+    if not isinstance(stop, Sequence) or isinstance(stop, bytes | bytearray):
+        raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop")
     stops = [stop] if isinstance(stop, str) else list(stop)
     for s in stops:
         if not isinstance(s, str) or not s:
@@ -442,29 +453,38 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors) for serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
-    ``"none"`` or ``"int8"``; threads: compute threads (None = all cores); name: the model's label
+    ``"none"`` or ``"int8"``; threads: compute threads, an int >= 1 (None = all cores); name: the model's label
     (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``).
-    Raises FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or
-    quantization, ImportError when the backend's runtime is not installed.
+    Raises TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
+    FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
+    threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
+    anything is read.
     """
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # its Rust extension loads in ~50 ms; only load() needs it
 
+    if not isinstance(path, str | Path):
+        raise TypeError(f"path must be a bundle folder (str or pathlib.Path), got {type(path).__name__}")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int | np.integer):
+            raise TypeError(f"threads must be an int >= 1 or None (all cores), got {threads!r}")
+        if threads < 1:
+            raise ValueError(f"threads must be an int >= 1 or None (all cores), got {threads}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    quantize = parse_quantize(quantize)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no model bundle at {path} (expected a folder with tokenizer.json and the model)")
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
-    quantize = parse_quantize(quantize)
     if backend == "onnx":
-        from serve.backends.onnx import OnnxBackend
+        from serve.backends.onnx import OnnxBackend  # onnxruntime loads only when this backend is asked for
 
         model = OnnxBackend(path, quantize=quantize, threads=threads)
-    elif backend == "rust":
-        from serve.backends.rust import RustBackend
+    else:
+        from serve.backends.rust import RustBackend  # the optional Rust extension, likewise
 
         model = RustBackend(path, quantize=quantize, threads=threads)
-    else:
-        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
     label = name or path.resolve().parent.name or path.name
     return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path)
