@@ -63,6 +63,29 @@ def stream_error(exc: BaseException) -> dict:
     return error_body(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+def body_error(cause: BaseException) -> str:
+    """What is wrong with a body that FastAPI could not parse (it says only "There was an error parsing the
+    body"; the cause is the exception ``json.loads`` raised)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at offset {cause.start} "
+                "(JSON bodies must be UTF-8)")
+    if isinstance(cause, RecursionError):
+        return "the JSON body is nested too deeply to parse (arrays/objects inside each other)"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return f"a number in the JSON body has too many digits to parse ({cause})".replace(
+            "; use sys.set_int_max_str_digits() to increase the limit", "")
+    return f"malformed JSON body: {type(cause).__name__}: {cause}"
+
+
+#: union fields whose every branch pydantic reports: one message that says what the field may be
+UNION_FIELDS = {
+    "prompt": "prompt must be a string, a non-empty list of strings, a non-empty list of token ids (ints >= 0)"
+              " or a non-empty list of such lists",
+    "text": "text must be a string or a non-empty list of token ids (ints >= 0)",
+    "stop": "stop must be a non-empty string or a list of non-empty strings",
+}
+
+
 def validation_error(exc: RequestValidationError) -> JSONResponse:
     """A request that does not fit the schema → 400 naming the first offending field."""
     errors = exc.errors()
@@ -72,20 +95,31 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
         return error_response(400, f"malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
-    if param in ("prompt", "text") and len(loc) > 1:  # a union: pydantic reports every branch
-        msg = (f"{param} must be a string, a non-empty list of strings, a non-empty list of token ids (ints >= 0)"
-               " or a non-empty list of such lists" if param == "prompt"
-               else "text must be a string or a non-empty list of token ids (ints >= 0)")
-        return error_response(400, msg, param=param, code="invalid_type")
+    unicode = next((e for e in errors if e.get("type") == "string_unicode"), None)
+    if unicode is not None:  # a lone surrogate ("\ud800"): JSON can spell it, UTF-8 cannot
+        param = next((str(x) for x in unicode.get("loc", ()) if x != "body"), param)
+        return error_response(400, f"{param} holds a lone surrogate (such as \\ud800): not valid Unicode text",
+                              param=param, code="invalid_unicode")
+    if param in UNION_FIELDS and len(loc) > 1:  # a union: pydantic reports every branch
+        got = first.get("input")
+        return error_response(400, f"{UNION_FIELDS[param]}; got {json_repr(got)}", param=param, code="invalid_type")
     where = ".".join(loc) or "body"
     return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param=param,
                           code=str(first.get("type")) or None)
+
+
+def json_repr(value) -> str:
+    """A short JSON-ish rendering of an offending value for a message (at most 40 characters)."""
+    text = repr(value) if not isinstance(value, str) else f'"{value}"'
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every exception a route raises with OpenAI's error body (see the module doc for the statuses)."""
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None and not isinstance(exc, HTTPError):
+            return error_response(400, body_error(exc.__cause__), code="invalid_json")
         if isinstance(exc, HTTPError):
             return error_response(exc.status_code, exc.message, exc.param, exc.code, exc.headers)
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))

@@ -105,7 +105,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         internally when generating)."""
         lm = state.require_lm()
         state.check_model(req.model)
-        ids = await run_in_threadpool(lm.tokenize, req.prompt)
+        ids = await run_in_threadpool(lm.tokenize, req.prompt, "prompt")
         return TokenizeResponse(count=len(ids), max_model_len=lm.context_length, tokens=ids,
                                 token_strs=lm.token_strings(ids))
 

@@ -70,13 +70,18 @@ def empty_lists() -> dict[str, list]:
 
 
 def echo_part(lm: LM, gen: Generation, with_logprobs: bool) -> tuple[str, dict[str, list] | None]:
-    """The echoed prompt: its text, and (with logprobs) its tokens' OpenAI logprobs lists."""
+    """The echoed prompt: its text, and (with logprobs) its tokens' OpenAI logprobs lists (the first token's
+    log-prob and alternatives null, as OpenAI and vLLM return them)."""
     if gen.prompt is None:
         return lm.detokenize(gen.prompt_ids), (empty_lists() if with_logprobs else None)
     p = gen.prompt
-    lists = {"tokens": p.tokens, "token_logprobs": p.logprobs, "top_logprobs": p.top_logprobs or [{} for _ in p.tokens],
-             "text_offset": p.text_offset} if with_logprobs else None
-    return p.text, lists
+    if not with_logprobs:
+        return p.text, None
+    # OpenAI and vLLM: the first prompt token has no log-prob (null), the rest are scored after what precedes them
+    # (here the first is scored after the internal <|endoftext|>; LM.score and /v1/score keep that number)
+    logprobs: list[float | None] = [None, *p.logprobs[1:]] if p.logprobs else []
+    tops: list[dict | None] = [None, *(p.top_logprobs or [{} for _ in p.tokens])[1:]] if p.tokens else []
+    return p.text, {"tokens": p.tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": p.text_offset}
 
 
 def logprob_lists(lm: LM, chunk: Chunk, offset: int) -> dict[str, list]:
