@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.bundle import eot_id, parse_quantize
+from serve.bundle import eot_id, parse_quantize, verify_files
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
 from serve.errors import RequestError
@@ -448,14 +448,24 @@ def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
     return stops
 
 
+def bundle_files(backend: str, quantize: str | None) -> list[str]:
+    """The files of a bundle that ``backend`` reads (what :func:`load` verifies against the manifest)."""
+    if backend == "rust":  # int8 is quantized at load from the float weights
+        return ["config.json", "tokenizer.json", "model.safetensors"]
+    graph = "model.int8.onnx" if quantize == "int8" else "model.onnx"
+    return ["config.json", "tokenizer.json", graph, f"{graph}.data"]
+
+
 def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
-         name: str | None = None) -> LM:
+         name: str | None = None, verify: bool = True) -> LM:
     """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors) for serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
     ``"none"`` or ``"int8"``; threads: compute threads, an int >= 1 (None = all cores); name: the model's label
-    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``).
-    Raises TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
+    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``); verify: check the sha256
+    of every file the backend reads against ``manifest.json`` first (:func:`serve.bundle.verify_files`; False for
+    those who verify the bundle elsewhere).
+    Raises BundleError (a ValueError) naming a corrupt or unlisted file, or a missing manifest; TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
     FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
     threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
     anything is read.
@@ -478,6 +488,8 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
+    if verify:
+        verify_files(path, bundle_files(backend, quantize))
     if backend == "onnx":
         from serve.backends.onnx import OnnxBackend  # onnxruntime loads only when this backend is asked for
 

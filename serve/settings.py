@@ -15,6 +15,7 @@ SHALIK_MAX_QUEUE            64                        waiting requests; beyond �
 SHALIK_MAX_BODY_BYTES       1048576                   larger body → 413
 SHALIK_REQUEST_TIMEOUT_S    120                       → 504
 SHALIK_DEFAULT_MAX_TOKENS   64                        when max_tokens is absent or null
+SHALIK_VERIFY               1                         check the bundle's sha256 sums at load (0: skip)
 =========================== ========================= ==================================================
 """
 
@@ -34,6 +35,16 @@ T = TypeVar("T")
 
 class SettingsError(ValueError):
     """An environment variable with a value the server cannot use (the message names it)."""
+
+
+def parse_bool(raw: str) -> bool:
+    """``1/true/yes/on`` → True, ``0/false/no/off`` → False (any case); ValueError otherwise."""
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
 
 
 def newest_bundle(runs_dir: str | Path = "runs") -> Path | None:
@@ -62,6 +73,7 @@ class Settings:
     max_body_bytes: int = 1_048_576
     request_timeout_s: float = 120.0
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    verify: bool = True
     model_problem: str | None = None
 
     @property
@@ -123,5 +135,6 @@ class Settings:
             max_body_bytes=get("max_body_bytes", int, positive, "a positive integer"),
             request_timeout_s=get("request_timeout_s", float, positive, "a positive number"),
             default_max_tokens=get("default_max_tokens", int, lambda v: v >= 0, "an integer >= 0"),
+            verify=get("verify", parse_bool, lambda v: True, "1 or 0 (true/false)"),
             model_problem=problem,
         )

@@ -507,3 +507,25 @@ def test_echo_first_prompt_token_has_null_logprob_as_in_openai(random_client):
         assert all(len(d) == 2 for d in lp["top_logprobs"][1:])
     s = random_client.post("/v1/score", json={"text": "hello"}).json()
     assert s["token_nll"] == pytest.approx(lm.score("hello").token_nll) and s["token_nll"][0] > 0
+
+
+def test_corrupt_bundle_is_503_naming_the_file_and_verify_can_be_turned_off(bundle, tmp_path):
+    import shutil
+
+    shutil.copytree(bundle, tmp_path / "b")
+    data = bytearray((tmp_path / "b" / "model.onnx.data").read_bytes())
+    data[100] ^= 1
+    (tmp_path / "b" / "model.onnx.data").write_bytes(bytes(data))
+    for env, status in (({}, 503), ({"SHALIK_VERIFY": "0"}, 200)):
+        settings = Settings.from_env({"SHALIK_MODEL": str(tmp_path / "b"), **env})
+        with TestClient(create_app(settings)) as c:
+            for _ in range(400):
+                if c.get("/health").json()["status"] != "loading":
+                    break
+                time.sleep(0.05)
+            h = c.get("/health")
+            assert h.status_code == status, h.text
+            if status == 503:
+                assert "model.onnx.data is corrupt" in h.json()["detail"]
+    with pytest.raises(SettingsError, match="SHALIK_VERIFY"):
+        Settings.from_env({"SHALIK_VERIFY": "maybe"})

@@ -376,3 +376,41 @@ def test_load_arguments_are_checked_before_anything_loads(bundle, kwargs, exc, n
     kwargs = {"path": bundle, **kwargs}
     with pytest.raises(exc, match=needle):
         load(kwargs.pop("path"), **kwargs)
+
+
+# ---- bundle integrity: manifest.json's sha256 checked at load
+
+
+def _copy_with_one_byte_flipped(bundle: Path, dst: Path, name: str) -> Path:
+    import shutil
+
+    shutil.copytree(bundle, dst)
+    data = bytearray((dst / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (dst / name).write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("backend,name", [("onnx", "model.onnx.data"), ("onnx", "tokenizer.json"),
+                                          pytest.param("rust", "model.safetensors", marks=BACKENDS[1].marks)])
+def test_corrupt_bundle_file_is_refused_naming_it(bundle, tmp_path, backend, name):
+    from serve.bundle import BundleError
+
+    bad = _copy_with_one_byte_flipped(bundle, tmp_path / "b", name)
+    with pytest.raises(BundleError, match=rf"{name} is corrupt: sha256"):
+        load(bad, backend=backend)
+    if name != "tokenizer.json":  # a flipped weight byte still loads for those who verify elsewhere
+        assert load(bad, backend=backend, verify=False).vocab_size == load(bundle, backend=backend).vocab_size
+
+
+def test_bundle_without_manifest_needs_verify_false(bundle, tmp_path):
+    import shutil
+
+    from serve.bundle import BundleError
+
+    shutil.copytree(bundle, tmp_path / "b")
+    (tmp_path / "b" / "manifest.json").unlink()
+    with pytest.raises(BundleError, match="manifest.json is missing"):
+        load(tmp_path / "b")
+    assert load(tmp_path / "b", verify=False).generate("a", 2, temperature=0) == load(bundle).generate(
+        "a", 2, temperature=0)

@@ -58,7 +58,8 @@ class ServerState:
     def _load(self) -> None:
         s = self.settings
         try:
-            self.lm = load(s.model, backend=s.backend, quantize=s.quantize, threads=s.threads, name=self.name)
+            self.lm = load(s.model, backend=s.backend, quantize=s.quantize, threads=s.threads, name=self.name,
+                           verify=s.verify)
         except Exception as e:  # reported by /health; the server keeps answering
             self.problem = f"loading {s.model} with the {s.backend} backend failed: {type(e).__name__}: {e}"
         finally:
