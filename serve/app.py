@@ -15,6 +15,7 @@ away cancels its generation before the next token.
 
 from __future__ import annotations
 
+import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -26,7 +27,7 @@ from serve.http.routes import is_open_path, register_routes
 from serve.http.translate import MAX_CHOICES
 from serve.lm import LM
 from serve.middleware import GuardMiddleware, MetricsMiddleware
-from serve.settings import Settings
+from serve.settings import Settings, SettingsError
 
 __all__ = ["MAX_CHOICES", "ServerState", "app", "create_app"]
 VERSION = "0.1.0"
@@ -47,7 +48,7 @@ def create_app(settings: Settings | None = None, lm: LM | None = None) -> FastAP
                   description="A small Bangla-first language model served on CPU (OpenAI-style completions).")
     app.state.shalik = state
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       is_open=is_open_path)
+                       is_open=is_open_path, body_timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics, paths=lambda: [r.path for r in app.routes])
     install_error_handlers(app)
     install_openapi(app, settings.api_key, is_open_path, state.limits)
@@ -55,4 +56,8 @@ def create_app(settings: Settings | None = None, lm: LM | None = None) -> FastAP
     return app
 
 
-app = create_app()
+try:
+    app = create_app()
+except SettingsError as e:  # a bad SHALIK_* value: its message alone, not uvicorn's traceback of the import
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None

@@ -14,6 +14,7 @@ SHALIK_MAX_CONCURRENCY      2                         generations at once
 SHALIK_MAX_QUEUE            64                        waiting requests; beyond → 429 with Retry-After
 SHALIK_MAX_BODY_BYTES       1048576                   larger body → 413
 SHALIK_REQUEST_TIMEOUT_S    120                       → 504
+SHALIK_BODY_TIMEOUT_S       30                        longest wait for the next piece of a request body → 408
 SHALIK_DEFAULT_MAX_TOKENS   64                        when max_tokens is absent or null
 SHALIK_VERIFY               1                         check the bundle's sha256 sums at load (0: skip)
 =========================== ========================= ==================================================
@@ -72,6 +73,7 @@ class Settings:
     max_queue: int = 64
     max_body_bytes: int = 1_048_576
     request_timeout_s: float = 120.0
+    body_timeout_s: float = 30.0
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS
     verify: bool = True
     model_problem: str | None = None
@@ -134,6 +136,7 @@ class Settings:
             max_queue=get("max_queue", int, lambda v: v >= 0, "an integer >= 0"),
             max_body_bytes=get("max_body_bytes", int, positive, "a positive integer"),
             request_timeout_s=get("request_timeout_s", float, positive, "a positive number"),
+            body_timeout_s=get("body_timeout_s", float, positive, "a positive number"),
             default_max_tokens=get("default_max_tokens", int, lambda v: v >= 0, "an integer >= 0"),
             verify=get("verify", parse_bool, lambda v: True, "1 or 0 (true/false)"),
             model_problem=problem,

@@ -3,6 +3,7 @@ until it is loaded or when it cannot be, and hold what every route shares (setti
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -12,6 +13,8 @@ from serve.metrics import Metrics
 from serve.runner import Admission
 from serve.schemas import Health
 from serve.settings import Settings
+
+log = logging.getLogger("shalik.serve")
 
 
 class ServerState:
@@ -46,6 +49,8 @@ class ServerState:
         """At server start (inside its loop): fresh admission control, and start loading the model."""
         s = self.settings
         self._admission = Admission(s.max_concurrency, s.max_queue, self.metrics)
+        if self.problem is not None:
+            log.error("no model will be served: %s (/health answers 503 with this)", self.problem)
         self.start_loading()
 
     def start_loading(self) -> None:
@@ -62,6 +67,7 @@ class ServerState:
                            verify=s.verify)
         except Exception as e:  # reported by /health; the server keeps answering
             self.problem = f"loading {s.model} with the {s.backend} backend failed: {type(e).__name__}: {e}"
+            log.error("%s (/health answers 503 with this)", self.problem)
         finally:
             self.loading = False
 
