@@ -112,3 +112,96 @@ def test_atomic_write_keeps_umask_permissions_and_leaves_nothing(tmp_path):
         t.write_text("half")
         raise RuntimeError("boom")
     assert p.read_text(encoding="utf-8").startswith("{") and _tmps(p.parent) == []
+
+
+# ---------------------------------------------------------------- replacing a folder: a kill at every point
+
+_KILL = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {root!r})
+    from pathlib import Path
+    from train import atomic as A
+    mode, kill_at, parent = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    if mode == "fallback":
+        A._renameat2 = None                  # as on an OS or file system without RENAME_EXCHANGE
+    events = [0]
+
+    def traced(name, fn):
+        def call(*a, **k):
+            for when in ("before", "after"):
+                if when == "after":
+                    out = fn(*a, **k)
+                if events[0] == kill_at:
+                    print(name, when, flush=True)
+                    os._exit(9)
+                events[0] += 1
+            return out
+        return call
+
+    for name in ("fsync_tree", "fsync_dir", "exchange", "remove_path"):
+        setattr(A, name, traced(name, getattr(A, name)))
+    A.os.rename = traced("rename", os.rename)
+    with A.atomic_dir(parent / "bundle", overwrite=True) as tmp:
+        (tmp / "a").write_text("new")
+        (tmp / "b").write_text("new")
+    print("events", events[0], flush=True)
+""")
+
+
+def _kill_run(mode: str, kill_at: int, parent: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _KILL.format(root=str(ROOT)), mode, str(kill_at), str(parent)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _bundle_state(parent: Path) -> str:
+    files = {p.name: p.read_text() for p in (parent / "bundle").iterdir()}
+    assert set(files) == {"a", "b"} and len(set(files.values())) == 1, files   # complete, never a mixture
+    return files["a"]
+
+
+@pytest.mark.parametrize("mode", ["exchange", "fallback"])
+def test_replace_survives_a_kill_at_every_point(tmp_path, mode):
+    if mode == "exchange" and A._renameat2 is None:
+        pytest.fail("renameat2 is not available through libc here (glibc >= 2.28 on Linux has it)")
+    seen = []
+    for kill_at in range(100):
+        parent = tmp_path / f"k{kill_at}"
+        (parent / "bundle").mkdir(parents=True)
+        for n in ("a", "b"):
+            (parent / "bundle" / n).write_text("old")
+        res = _kill_run(mode, kill_at, parent)
+        if res.returncode == 0:                         # ran past every event: done
+            assert _bundle_state(parent) == "new" and _tmps(parent) == []
+            break
+        assert res.returncode == 9, res.stderr
+        seen.append(res.stdout.strip())
+        if not (parent / "bundle").exists():            # only between the fallback's two renames
+            assert mode == "fallback" and seen[-1].startswith("rename")
+            A.clean_stale(parent)                       # what the next write in this folder does first
+        state = _bundle_state(parent)
+        A.clean_stale(parent)
+        assert _tmps(parent) == [] and _bundle_state(parent) == state
+        with A.atomic_dir(parent / "bundle", overwrite=True) as tmp:   # and the next export succeeds
+            (tmp / "a").write_text("next")
+            (tmp / "b").write_text("next")
+        assert _bundle_state(parent) == "next" and _tmps(parent) == []
+    else:
+        pytest.fail("the write never finished")
+    swap = "exchange after" if mode == "exchange" else "rename after"
+    assert swap in seen                                  # the kill points did include the swap itself
+    assert len(seen) >= 6
+
+
+def test_replace_a_file_leaves_no_leftover(tmp_path):
+    (tmp_path / "bundle").write_text("a file")
+    with A.atomic_dir(tmp_path / "bundle", overwrite=True) as tmp:
+        (tmp / "a").write_text("new")
+    assert (tmp_path / "bundle" / "a").read_text() == "new" and _tmps(tmp_path) == []
+    A._renameat2, saved = None, A._renameat2
+    try:
+        (tmp_path / "f").write_text("a file")
+        with A.atomic_dir(tmp_path / "f", overwrite=True) as tmp:
+            (tmp / "a").write_text("new")
+    finally:
+        A._renameat2 = saved
+    assert (tmp_path / "f" / "a").read_text() == "new" and _tmps(tmp_path) == []

@@ -7,18 +7,28 @@ A reader never sees a half-written file at the final name. Every temporary is na
 removes a temporary only when it is provably stale: its owner process is gone (no such pid, a pid reused by a
 process that started at another time, or another boot) **and** no process holds its lock. A live writer's
 temporary is never touched, also not by a process in another PID namespace (the lock covers that case); names
-without an owner tag are not ours to judge and are left alone. See docs/design.md, "Atomic writes".
+without an owner tag are not ours to judge and are left alone.
+
+:func:`atomic_dir` replaces an existing folder (or file) in one step on Linux: ``renameat2(RENAME_EXCHANGE)``
+(glibc ≥ 2.28, called through ctypes) swaps the new folder and the old one, then the old one, now under the
+temporary name, is removed. Where the exchange is not available (another OS, a file system that refuses it) it
+falls back to two renames; a crash between them leaves the old folder parked as ``….old``, and the next
+:func:`clean_stale` in that folder (every :func:`atomic_dir` starts with one) renames it back. At no point of a
+crash is the final name's data lost. See docs/design.md, "Atomic writes".
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,13 +257,71 @@ def atomic_write_json(path: str | Path, obj, indent: int | None = 2) -> None:
 
 # ------------------------------------------------------------------------------------------- atomic folders
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _load_renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc before 2.28, or another libc
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the entries ``a`` and ``b`` (both must exist; a folder and a file may swap) in one atomic step with
+    Linux ``renameat2(RENAME_EXCHANGE)``. Returns False where that is not available (not Linux, an old libc, or a
+    file system that refuses it: EINVAL, ENOSYS, EOPNOTSUPP), and then nothing was changed. Raises OSError for
+    any other failure (missing entry, permissions)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Put the finished folder ``tmp`` at the existing ``final`` (module doc), removing the old entry."""
+    if exchange(tmp, final):        # tmp now names the old entry, under this (live) process's tag
+        fsync_dir(final.parent)
+        remove_path(tmp)
+        return
+    old = final.with_name(tmp_prefix(final.name) + OLD)
+    fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        _hold(fd)                   # the parked old entry is ours while we swap
+        os.rename(final, old)       # a crash from here until the next rename: clean_stale puts it back
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)
+            raise
+        fsync_dir(final.parent)
+    finally:
+        os.close(fd)
+    remove_path(old)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside ``final``; on success fsync it and rename it to ``final``.
 
-    On an exception the temporary folder is removed and ``final`` is untouched. Raises FileExistsError when
-    ``final`` exists and ``overwrite`` is false (checked before any work). Stale temporaries of dead writers in
-    the parent are cleaned first (:func:`clean_stale`); a live writer's are left alone.
+    On an exception the temporary folder is removed and ``final`` is untouched. An existing ``final`` (folder or
+    file) is replaced only when ``overwrite`` is true, in one atomic step where the OS allows (module doc), and
+    leaves nothing behind. Raises FileExistsError when ``final`` exists and ``overwrite`` is false (checked before
+    any work), OSError as the file system does. Stale temporaries of dead writers in the parent are cleaned (or
+    restored) first (:func:`clean_stale`); a live writer's are left alone.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -268,15 +336,12 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
         yield tmp
         fsync_tree(tmp)
         if os.path.lexists(final):
-            old = final.with_name(tmp_prefix(final.name) + OLD)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            remove_path(old)
+            _replace(tmp, final)
         else:
-            os.replace(tmp, final)
-        fsync_dir(final.parent)
+            os.rename(tmp, final)
+            fsync_dir(final.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
         raise
     finally:
         os.close(fd)
