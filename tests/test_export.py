@@ -123,8 +123,12 @@ def test_parity_table_covers_every_case(exported):
     logit_cases = [c for c in p["cases"] if c["runtime"].startswith("onnx (") and not c["case"].startswith("greedy")]
     assert all(0 <= c["value"] <= TOL for c in logit_cases)
     assert {r for r, _ in names} >= {"onnx", "safetensors", "transformers"}
-    int8 = [c for c in p["cases"] if c["runtime"] == "onnx int8"]
-    assert len(int8) == 1 and int8[0]["value"] <= 0.05
+    int8 = {c["case"]: c for c in p["cases"] if c["runtime"] == "onnx int8"}
+    assert int8["val NLL change, nats/token"]["value"] <= 0.05
+    for lang in ("bn", "en"):                       # per language: NLL change, top-1 agreement, |Δ log p|
+        assert int8[f"{lang}: top-1 agreement with fp32"]["value"] >= 0.85
+        assert 0 < int8[f"{lang}: mean |Δ log p| of fp32's top token, nats"]["value"] <= 0.1
+        assert all(int8[k]["ok"] for k in int8)
 
 
 def test_int8_delta_recorded(exported):
@@ -132,6 +136,11 @@ def test_int8_delta_recorded(exported):
     d = m["int8"]["val_nll_delta"]
     assert isinstance(d, float) and abs(d) <= 0.05 and m["int8"]["tokens"] > 0
     assert m["int8"]["val_nll_int8"] == pytest.approx(m["int8"]["val_nll_fp32"] + d)
+    assert set(m["int8"]["by_lang"]) == {"bn", "en"} and m["int8"]["ok"] is True
+    for v in m["int8"]["by_lang"].values():
+        assert 0.85 <= v["top1_agreement"] <= 1 and 0 < v["mean_abs_top_logprob_delta"] <= 0.1
+    assert m["int8"]["thresholds"] == {"val_nll_delta_max": 0.05, "top1_agreement_min": 0.85,
+                                       "mean_abs_top_logprob_delta_max": 0.1}
     q = OnnxBackend(exported, quantize="int8", threads=1)
     f = OnnxBackend(exported, threads=1)
     ids = tokens(exported, "আমি বাংলায় গান গাই")
@@ -576,6 +585,25 @@ def test_example_sizes_below_two_name_the_axis(ref, tmp_path):
         with pytest.raises(ValueError, match=f"example {axis} = {sizes[G.AXES.index(axis)]}.*at least 2"):
             G.export_graph(ref, tmp_path / "m.onnx", "dynamo", sizes=sizes)
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_int8_gate_fails_on_agreement_even_when_nll_is_fine():
+    from export.quantize import compare_logits, passes
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(2, 50, 30)).astype(np.float32)
+    targets = rng.integers(0, 30, size=(2, 50))
+    same = compare_logits(ref, ref, targets)
+    assert same["top1_agree"] == 100 and same["top_logprob_absdiff"] == 0 and same["nll_ref"] == same["nll_got"]
+    swapped = ref[..., ::-1].copy()                 # another winner at every position, similar NLL on average
+    c = compare_logits(ref, swapped, targets)
+    v = {"delta": (c["nll_got"] - c["nll_ref"]) / 100, "top1_agreement": c["top1_agree"] / 100,
+         "mean_abs_top_logprob_delta": c["top_logprob_absdiff"] / 100}
+    assert v["top1_agreement"] < 0.2 and not passes(v)
+    rows = PL.int8_cases({"val_nll_delta": 0.0, "tokens": 100,
+                          "by_lang": {"bn": {"delta": 0.0, "top1_agreement": 0.5, "mean_abs_top_logprob_delta": 0.01,
+                                             "tokens": 100}}})
+    assert [r.ok for r in rows] == [True, True, False, True]
 
 
 def test_compare_greedy_near_tie():
