@@ -41,7 +41,7 @@ def ensure_gguf(bundle: Path, kind: str, gguf: Path | None) -> Path:
     when absent."""
     path = gguf or bundle / f"model-{kind}.gguf"
     if not path.is_file():
-        subprocess.run([sys.executable, "-m", "export.gguf", str(bundle), "--type", kind, "--out", str(path)],
+        subprocess.run([sys.executable, "-m", "export.gguf", str(bundle), "--type", kind, "--out", str(path), "--approximate-pretokenizer"],
                        cwd=ROOT, check=True)
     return path
 

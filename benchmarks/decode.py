@@ -278,7 +278,7 @@ def prepare(bundle: Path, names: list[str], log: Callable[[str], None]) -> dict[
             if not path.is_file():
                 from export.gguf import export_gguf
 
-                export_gguf(bundle, path, BACKENDS[name][2], log=log)
+                export_gguf(bundle, path, BACKENDS[name][2], log=log, approximate_pretokenizer=True)
         if why:
             skipped[name] = why
             log(f"skip {name}: {why}")

@@ -93,7 +93,7 @@ def pairs(bundle: Path, threads: int | None, which: list[str],
             for t in ("f32", "q8_0"):
                 path = bundle / f"model-{t}.gguf"
                 if not path.is_file():
-                    export_gguf(bundle, path, t)
+                    export_gguf(bundle, path, t, approximate_pretokenizer=True)
                 lc = LlamaCppBackend(path, threads=threads, logits_all=True)
                 opened.append(lc)
                 fns.append(lambda ids, lc=lc: lc.new_sequence().prefill(ids, all_logits=True))

@@ -2,16 +2,17 @@
 
 * ``model.safetensors`` is the checkpoint's file, copied byte for byte (Hugging Face Llama names; a tied lm_head
   is not stored, ``transformers`` re-ties it because config.json says ``tie_word_embeddings: true``).
-* ``config.json`` from :meth:`ModelConfig.hf_config`: every LlamaConfig key explicit, rope_theta at the top level
-  and in ``rope_parameters``, special token ids from the tokenizer, ``torch_dtype`` float32 (the weights').
-* ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``: the checkpoint's.
+* ``config.json`` from ``train.hf_files`` (the one builder of the sidecar files): every LlamaConfig key
+  explicit, rope_theta at the top level and in ``rope_parameters``, special token ids from the tokenizer,
+  ``torch_dtype`` float32 (the weights').
+* ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``: the checkpoint's (the sidecars
+  built by ``train.hf_files`` when an older checkpoint lacks them).
 * ``manifest.json`` (written last): DESIGN.md's keys, with the sha256 and size of every other file.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import time
@@ -20,12 +21,12 @@ from pathlib import Path
 
 from export.errors import ExportError
 from export.source import Source
-from train.atomic import atomic_write_json, sha256_file
+from export.target import FORMAT, MANIFEST
+from train.atomic import DIR_MODE, FILE_MODE, atomic_write_json, sha256_file
+from train.hf_files import write_hf_files as write_sidecars
 
-FORMAT = "shalik-bundle"
 FORMAT_VERSION = 1
 COPIED = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
-MANIFEST = "manifest.json"
 
 
 def write_hf_files(src: Source, out: Path) -> None:
@@ -36,15 +37,8 @@ def write_hf_files(src: Source, out: Path) -> None:
             shutil.copyfile(f, out / name)
         elif name in ("model.safetensors", "tokenizer.json"):
             raise ExportError(f"{f}: missing")
-    if not (out / "tokenizer_config.json").is_file():
-        from train.tokenizer import tokenizer_config
-
-        atomic_write_json(out / "tokenizer_config.json", tokenizer_config(src.cfg.max_position_embeddings))
-    if not (out / "generation_config.json").is_file():
-        from train.run import generation_config
-
-        atomic_write_json(out / "generation_config.json", generation_config(src.eot_id, src.pad_id))
-    atomic_write_json(out / "config.json", src.cfg.hf_config("float32", src.eot_id, src.pad_id))
+    missing = tuple(n for n in ("generation_config.json", "tokenizer_config.json") if not (out / n).is_file())
+    write_sidecars(out, src.cfg, src.eot_id, src.pad_id, ("config.json", *missing))
 
 
 def file_table(folder: Path) -> dict[str, dict]:
@@ -100,12 +94,10 @@ def write_manifest(out: Path, src: Source, *, exporter: str, opset: int, dtype: 
 def make_readable(folder: Path) -> None:
     """Give the bundle ordinary permissions (the temporary folder and atomic writes start private, 0700/0600):
     folder 0777 and files 0666, less the process umask, so a server running as another user can read it."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    folder.chmod(DIR_MODE)
     for p in folder.iterdir():
         if p.is_file():
-            p.chmod(0o666 & ~umask)
+            p.chmod(FILE_MODE)
 
 
 def read_manifest(bundle: Path) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from export.parity import format_table
 from export.source import Source
+from train.atomic import atomic_write_json, atomic_write_text
 
 EVAL_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "eval.json"
 EVAL_BEGIN = "<!-- shalik-eval: written from benchmarks/results/eval.json -->"
@@ -99,6 +100,15 @@ def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
                     f"{int8['val_nll_int8']:.4f} vs {int8['val_nll_fp32']:.4f} for fp32, a change of "
                     f"{int8['val_nll_delta']:+.4f} nats/token over {int8['tokens']:,} tokens (target ≤ "
                     f"{int8['target']}).", ""]
+            if int8.get("by_lang") and "top1_agreement" in int8:
+                th = int8.get("thresholds") or {}
+                out += ["| language | Δ NLL | top-1 agreement with fp32 | mean abs Δ log p of fp32's top token | tokens |",
+                        "|---|---:|---:|---:|---:|"]
+                out += [f"| {lang} | {v['delta']:+.4f} | {_pct(v['top1_agreement'])} | "
+                        f"{v['mean_abs_top_logprob_delta']:.4f} | {v['tokens']:,} |" for lang, v in int8["by_lang"].items()]
+                out += ["", f"Gate: Δ NLL ≤ {th.get('val_nll_delta_max')}, top-1 agreement ≥ "
+                        f"{_pct(th.get('top1_agreement_min', 0))}, mean abs Δ log p ≤ "
+                        f"{th.get('mean_abs_top_logprob_delta_max')} nats, for every language.", ""]
     return out
 
 
@@ -172,8 +182,6 @@ def refresh_card(bundle: str | Path, results_path: str | Path | None = None) -> 
     """Rewrite the benchmark section of ``bundle``'s README.md from eval results (default
     ``benchmarks/results/eval.json``), and the card's sha256 and size in ``manifest.json``. Returns True when the
     card changed. A card without the section (written before it existed) gets it before "## Limits"."""
-    from train.atomic import atomic_write_json, atomic_write_text
-
     bundle = Path(bundle)
     manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
     source = manifest.get("source") or {}
@@ -282,6 +290,4 @@ def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str
 
 def write_card(path: Path, text: str) -> None:
     """Write the card (UTF-8) atomically."""
-    from train.atomic import atomic_write_text
-
     atomic_write_text(path, text)

@@ -20,39 +20,57 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   with neither is an error, never a silent 10000 (case X6).
 * tokenizer ``gpt2`` (byte-level BPE): tokens, merges, token types (specials CONTROL), bos/eos/pad ids and
   add_bos/add_eos from tokenizer_config.json (both false: Shalik prepends ``<|endoftext|>`` itself).
-  ``tokenizer.ggml.pre`` is ``qwen35``: llama.cpp hard-codes its pre-tokenizer regexes by name, none equals ours,
-  and qwen35's is the nearest (letter runs keep their combining marks, so Bangla vowel signs stay with their
-  consonant). It still differs — digits split one by one (ours: up to three), ZWJ/ZWNJ break a word (ours keep
-  them inside it) — and llama.cpp applies no NFC normalisation. **Feed llama.cpp our token ids** (or at least
-  NFC-normalised text and accept slightly different tokens); the benchmarks and tests do.
+  ``tokenizer.ggml.pre``: llama.cpp hard-codes its pre-tokenizer regexes by name and none equals Shalik's
+  (tokenizer.json's Split regex after NFC). The nearest, ``qwen35`` (letter runs keep their combining marks, so
+  Bangla vowel signs stay with their consonant), still differs: digits split one per token (ours: up to three),
+  ZWJ/ZWNJ break a word (ours keep them inside it), and llama.cpp applies no NFC (precomposed nukta letters
+  tokenize differently). llama.cpp would then tokenize text differently from training, so the exporter
+  **refuses** unless ``--approximate-pretokenizer`` asks for that approximation; the GGUF then records it
+  (``shalik.pretokenizer`` = ``approximate:qwen35``, and the description) and users must feed llama.cpp the
+  token ids of the bundle's tokenizer.json (the benchmarks and tests do).
 
 Exit codes: 0 done, 2 bad input (not a bundle, an unknown ``--type``, an existing output without ``--force``, a
-config or weights that do not describe a plain Llama), 130 interrupted.
+config or weights that do not describe a plain Llama, no ``--approximate-pretokenizer``), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import errno
 import json
 import logging
-import os
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, TokenType
+from safetensors import safe_open
 
+from export.bundle import read_manifest
 from export.errors import ExportError, run_cli
-from train.atomic import FILE_MODE, TMP_PREFIX, clean_stale, fsync_dir
+from train.atomic import atomic_path, clean_stale
 
-__all__ = ["TYPES", "PRE_TOKENIZER", "GgufConfig", "LlamaCppBackend", "export_gguf", "gguf_context_length",
+__all__ = ["TYPES", "PRE_TOKENIZER", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "LlamaCppBackend", "export_gguf", "gguf_context_length",
            "permute_qk", "unpermute_qk", "main"]
 
 TYPES = ("f32", "f16", "q8_0")
 PRE_TOKENIZER = "qwen35"
+PRETOKENIZER_KEY = "shalik.pretokenizer"   # our own GGUF key: how faithful tokenizer.ggml.pre is
+APPROXIMATION = f"approximate:{PRE_TOKENIZER}"
+PRETOKENIZER_REFUSAL = (
+    "llama.cpp has no pre-tokenizer equal to Shalik's: the nearest, tokenizer.ggml.pre = "
+    f"{PRE_TOKENIZER!r}, splits digits one per token (Shalik: up to three), breaks words at ZWJ/ZWNJ (Shalik keeps "
+    "them inside a word) and applies no NFC (precomposed nukta letters tokenize differently), so llama.cpp would "
+    "tokenize text differently from training. Pass --approximate-pretokenizer to write that approximation anyway "
+    f"(recorded in the GGUF as {PRETOKENIZER_KEY} = {APPROXIMATION!r}) and feed llama.cpp the token ids of the "
+    "bundle's tokenizer.json")
+
+
+class PretokenizerError(ExportError):
+    """The GGUF would tokenize text differently from training and the approximation was not asked for."""
 ARCH = "llama"
 LAYER_TENSORS = {  # HF name inside model.layers.N → GGUF name inside blk.N
     "input_layernorm": "attn_norm",
@@ -143,8 +161,6 @@ class GgufConfig:
 def check_bundle(bundle: Path) -> GgufConfig:
     """Validate that ``bundle`` is a Shalik bundle folder (manifest, config.json, model.safetensors,
     tokenizer.json) and return its config. Raises ExportError saying what is missing."""
-    from export.bundle import read_manifest
-
     if not bundle.is_dir():
         raise ExportError(f"{bundle}: not a folder (expected a bundle written by python -m export.onnx)")
     missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
@@ -214,8 +230,6 @@ def vocab_arrays(bundle: Path, n_vocab: int) -> tuple[list[str], list[int]]:
     """(tokens by id, token types) from tokenizer.json: byte-level BPE strings, specials CONTROL, other added
     tokens USER_DEFINED, ids up to ``n_vocab`` that the tokenizer lacks ``[PADn]`` UNUSED. Raises ExportError for
     a tokenizer that is not byte-level BPE, has holes in its ids, or is larger than the model's vocabulary."""
-    from gguf import TokenType
-
     t = json.loads((bundle / "tokenizer.json").read_text(encoding="utf-8"))
     model = t.get("model", {})
     if model.get("type") != "BPE" or model.get("byte_fallback") or (t.get("decoder") or {}).get("type") != "ByteLevel":
@@ -236,8 +250,7 @@ def vocab_arrays(bundle: Path, n_vocab: int) -> tuple[list[str], list[int]]:
 def storage_type(kind: str, shape: tuple[int, ...]):
     """The GGML type a tensor is stored as: 1-D (norms) F32; 2-D ``kind`` — but F16 for q8_0 when the row length
     is not a multiple of q8_0's block of 32 (llama.cpp's converter falls back the same way)."""
-    from gguf import GGMLQuantizationType as Q
-
+    Q = GGMLQuantizationType
     if len(shape) == 1 or kind == "f32":
         return Q.F32
     if kind == "f16" or shape[-1] % 32:
@@ -245,38 +258,16 @@ def storage_type(kind: str, shape: tuple[int, ...]):
     return Q.Q8_0
 
 
-@contextlib.contextmanager
-def _atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``final``; on success fsync it and rename it to ``final`` (else remove it)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(final.parent)
-    fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{final.name}.", dir=final.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        tmp.chmod(FILE_MODE)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-
-
 def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "f32", force: bool = False,
-                log: Callable[[str], None] = print) -> Path:
+                log: Callable[[str], None] = print, *, approximate_pretokenizer: bool = False) -> Path:
     """Write ``bundle`` as a GGUF file and return its path (default ``bundle/model-<type>.gguf``).
 
-    ``type``: "f32", "f16" or "q8_0" for the 2-D weights (norms stay f32). Raises ExportError (exit code 2) for a
-    folder that is not a bundle, an unknown type, an existing ``out`` without ``force``, or weights/config/tokenizer
-    that cannot be represented; nothing is left at ``out`` then.
+    ``type``: "f32", "f16" or "q8_0" for the 2-D weights (norms stay f32). ``approximate_pretokenizer`` must be
+    true: llama.cpp cannot reproduce Shalik's pre-tokenizer (module doc), and the GGUF records the approximation.
+    Raises PretokenizerError (an ExportError, exit code 2) without it, ExportError for a folder that is not a
+    bundle, an unknown type, an existing ``out`` without ``force``, weights/config/tokenizer that cannot be
+    represented, or a failed write (naming the errno); nothing is left at ``out`` then.
     """
-    import gguf
-    from safetensors import safe_open
-
     if type not in TYPES:
         raise ExportError(f"--type {type!r}: expected one of {', '.join(TYPES)}")
     bundle = Path(bundle)
@@ -286,15 +277,35 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
         raise ExportError(f"--out {out} is a folder; give a file name")
     if out.exists() and not force:
         raise ExportError(f"{out} already exists (use --force to replace it)")
+    if not approximate_pretokenizer:
+        raise PretokenizerError(PRETOKENIZER_REFUSAL)
     tokens, toktypes = vocab_arrays(bundle, cfg.vocab_size)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type]
     logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer logs every step at INFO
-    with _atomic_path(out) as tmp, safe_open(str(bundle / "model.safetensors"), framework="np") as st:
+    clean_stale(out.parent)
+    try:
+        fallbacks = _write(bundle, out, cfg, type, file_type, tokens, toktypes)
+    except OSError as e:
+        raise ExportError(f"cannot write {out}: {e.strerror or e} ({errno.errorcode.get(e.errno, '?')}); "
+                          "no GGUF was written") from None
+    if fallbacks:
+        log(f"gguf: {len(fallbacks)} tensor(s) kept in f16 (rows not a multiple of 32): {', '.join(fallbacks[:4])}")
+    log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
+        f"pre-tokenizer {APPROXIMATION}: feed llama.cpp our token ids)")
+    return out
+
+
+def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, tokens: list[str],
+           toktypes: list[int]) -> list[str]:
+    """Write the GGUF atomically; returns the 2-D tensors kept in f16 for q8_0. Raises OSError for a failed write."""
+    with atomic_path(out) as tmp, safe_open(str(bundle / "model.safetensors"), framework="np") as st:
         w = gguf.GGUFWriter(tmp, ARCH)
         w.add_name(bundle.resolve().parent.name if bundle.name == "bundle" else bundle.resolve().name)
-        w.add_description("Shalik Llama-style model (feed NFC-normalised text, or better the token ids of the "
-                          "bundle's tokenizer.json: llama.cpp's pre-tokenizer differs)")
+        w.add_description(f"Shalik Llama-style model. Pre-tokenizer {APPROXIMATION}: llama.cpp splits text "
+                          "differently from training (digits, ZWJ/ZWNJ, no NFC); feed it the token ids of the "
+                          "bundle's tokenizer.json")
+        w.add_string(PRETOKENIZER_KEY, APPROXIMATION)
         w.add_file_type(int(file_type))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_vocab_size(cfg.vocab_size)
@@ -330,11 +341,7 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
                 w.write_tensor_data(gguf.quants.quantize(load_tensor(t, st.get_tensor), q))
         finally:
             w.close()
-    if fallbacks:
-        log(f"gguf: {len(fallbacks)} tensor(s) kept in f16 (rows not a multiple of 32): {', '.join(fallbacks[:4])}")
-    log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
-        f"pre-tokenizer {PRE_TOKENIZER}: feed llama.cpp our token ids)")
-    return out
+    return fallbacks
 
 
 class LlamaCppSequence:
@@ -385,7 +392,7 @@ class LlamaCppBackend:
 
     def __init__(self, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
                  logits_all: bool = False, f32_cache: bool = True, extra_bufts: bool = False):
-        import llama_cpp
+        import llama_cpp  # deferred: the optional bench extra (a source build); only benchmarks and tests use it
         import llama_cpp.llama_cpp as C
 
         default_params = C.llama_model_default_params
@@ -421,8 +428,6 @@ class LlamaCppBackend:
 
 def gguf_context_length(path: str | Path) -> int:
     """``<arch>.context_length`` of a GGUF file (memory-mapped read; tensors are not loaded). KeyError if absent."""
-    from gguf import GGUFReader
-
     r = GGUFReader(str(path))
     arch = r.fields["general.architecture"].contents()
     return int(r.fields[f"{arch}.context_length"].contents())
@@ -436,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output file (default: BUNDLE/model-<type>.gguf)")
     p.add_argument("--type", default="f32", choices=TYPES, help="2-D weight type (default: f32; norms stay f32)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.add_argument("--approximate-pretokenizer", action="store_true",
+                   help=f"write tokenizer.ggml.pre = {PRE_TOKENIZER} although llama.cpp then splits text differently "
+                        "from training (digits, ZWJ/ZWNJ, no NFC); recorded in the GGUF. Required: without it the "
+                        "export is refused")
     a = p.parse_args(argv)
-    return run_cli(lambda: export_gguf(a.bundle, a.out, a.type, a.force), "no GGUF was written")
+    return run_cli(lambda: export_gguf(a.bundle, a.out, a.type, a.force,
+                                       approximate_pretokenizer=a.approximate_pretokenizer), "no GGUF was written")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ import io
 import warnings
 from pathlib import Path
 
+import onnx
 import torch
+from torch.export import Dim
 
 from train.model import LlamaForCausalLM
 
@@ -56,7 +58,7 @@ class FlatDecoder(torch.nn.Module):
         return (logits, *[t for kv in presents for t in kv])
 
 
-def example_inputs(model: LlamaForCausalLM, sizes: tuple[int, int, int] = (2, 5, 3),
+def example_inputs(model: LlamaForCausalLM, sizes: tuple[int, int, int] = EXAMPLE_SIZES,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """Example feed for tracing: ``sizes`` = (batch, sequence, past); past K/V in ``dtype``."""
     c = model.config
@@ -70,17 +72,29 @@ def example_inputs(model: LlamaForCausalLM, sizes: tuple[int, int, int] = (2, 5,
     return (ids, mask, pos, *past)
 
 
+def check_example_sizes(sizes: tuple[int, int, int]) -> None:
+    """Refuse example (batch, sequence, past) sizes below 2, naming the axis: torch.export specialises an axis
+    traced at size 0 or 1 (its "0/1 specialization"), so the graph would accept no other size, and torch's own
+    error for it names no axis. Raises ValueError."""
+    for axis, n in zip(AXES, sizes, strict=False):
+        if not isinstance(n, int) or n < 2:
+            raise ValueError(f"example {axis} = {n}: trace with at least 2 on every axis (an axis traced at 0 or 1 "
+                             f"is specialised to that size by torch.export); the default is {EXAMPLE_SIZES}")
+
+
 def export_graph(model: LlamaForCausalLM, path: Path, exporter: str = "dynamo", dtype: str = "float32",
                  sizes: tuple[int, int, int] | None = None, opset: int = OPSET) -> None:
     """Write ``path`` (``model.onnx``) and its external data ``path.name + ".data"`` beside it.
 
-    ``sizes``: the example (batch, sequence, past) traced, default :data:`EXAMPLE_SIZES`. ``model`` is not
+    ``sizes``: the example (batch, sequence, past) traced, default :data:`EXAMPLE_SIZES`, each at least 2
+    (:func:`check_example_sizes`, ValueError naming the axis). ``model`` is not
     modified (a float16 export works on a half-precision copy: weights and KV cache in float16, norms, rotary
     angles and logits in float32). ``exporter`` is "dynamo" (``torch.export``) or "torchscript".
     Raises whatever the exporter raises (the caller falls back to the other exporter).
     """
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter {exporter!r}; expected one of {EXPORTERS}")
+    check_example_sizes(sizes or EXAMPLE_SIZES)
     tdtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
     m = model if tdtype == torch.float32 else _half_copy(model)
     m.eval()
@@ -96,8 +110,6 @@ def export_graph(model: LlamaForCausalLM, path: Path, exporter: str = "dynamo", 
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(sink):
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
-            from torch.export import Dim
-
             B = Dim(AXES[0], min=1, max=1024)
             S = Dim(AXES[1], min=1, max=ctx)
             P = Dim(AXES[2], min=0, max=ctx)
@@ -116,8 +128,6 @@ def export_graph(model: LlamaForCausalLM, path: Path, exporter: str = "dynamo", 
             try:
                 torch.onnx.export(wrapper, ex, str(tmp), dynamo=False, input_names=ins, output_names=outs,
                                   dynamic_axes=axes, opset_version=opset)
-                import onnx
-
                 mp = onnx.load(str(tmp))
                 onnx.save(mp, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                           location=path.name + ".data", size_threshold=1024)
@@ -129,8 +139,6 @@ def _rename_total_axis(path: Path) -> None:
     """dynamo names the presents' length axis "past_sequence_length + sequence_length"; call it
     ``total_sequence_length``, the attention mask's name (ORT accepts the rename: export-facts.md). Rewrites
     only the graph file; the external data stays where it is."""
-    import onnx
-
     mp = onnx.load(str(path), load_external_data=False)
     changed = False
     for v in mp.graph.output:

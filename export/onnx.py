@@ -1,204 +1,29 @@
 """``python -m export.onnx CKPT_OR_RUN [--out DIR] [--force] [--dtype float32|float16] [--quantize int8] [--no-parity]``
 
 Turns a checkpoint (a step folder, a ``checkpoints/`` folder or a run folder, meaning its latest checkpoint) into
-the bundle of DESIGN.md — ``model.safetensors``, ``config.json``, ``generation_config.json``, ``tokenizer.json``,
-``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ ``model.int8.onnx``), ``README.md`` (model
-card) and ``manifest.json`` — and refuses to finish unless the bundle computes what the checkpoint computes
-(the parity gate, :mod:`export.parity`). Default output: ``<run dir>/bundle``.
+the bundle of docs/design.md — ``model.safetensors``, ``config.json``, ``generation_config.json``,
+``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ ``model.int8.onnx``),
+``README.md`` (model card) and ``manifest.json`` — and refuses to finish unless the bundle computes what the
+checkpoint computes (the parity gate, :mod:`export.parity`). Default output: ``<run dir>/bundle``.
 
-The bundle is built in a temporary folder beside the output and renamed into place at the end
-(``train.atomic.atomic_dir``): a failure, a failed gate or Ctrl-C leaves no partial bundle, and ``--force``
-replaces an existing one only once the new one is complete.
-
-Exporter: dynamo (``torch.export``) first; if it raises or its graph fails the ONNX parity cases, TorchScript;
-the manifest records which. Exit codes: 0 done, 1 parity failure (the table is printed), 2 bad input (a path that
-is not a checkpoint, a file that fails its sha256, a config that does not match the weights, an existing output
-without ``--force``), 130 interrupted.
+This module is the command line; the pipeline is :mod:`export.pipeline`, the graph :mod:`export.graph`.
+``--force`` replaces an existing bundle (a folder whose manifest says ``shalik-bundle``) or an empty folder,
+never another folder or a file. Exit codes: 0 done, 1 parity failure (the table is printed) or no exporter
+could build the graph, 2 bad input (a path that is not a checkpoint, a file that fails its sha256, a config that
+does not match the weights, an existing output without ``--force``, an output that cannot be written: the
+message names the path and the errno, e.g. ENOSPC), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import shutil
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
 from export.errors import ExportError, ParityError, run_cli
-from export.graph import EXPORTERS, OPSET, export_graph
-from export.source import Source, load_source
-from train.atomic import atomic_dir
+from export.graph import EXPORTERS
+from export.pipeline import DTYPES, export_bundle
 
 __all__ = ["ExportError", "ParityError", "export_bundle", "main"]
-
-DTYPES = ("float32", "float16")
-
-
-def _up_to_date(src: Source, out: Path, dtype: str, quantize: str | None, parity: bool) -> bool:
-    """True when ``out`` is a complete bundle of this very checkpoint with the same dtype, an int8 model when one
-    is asked for (an extra one does no harm), and a passed gate: re-running the README's main job then skips
-    the export instead of failing."""
-    try:
-        m = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (m.get("format") == "shalik-bundle" and m.get("source", {}).get("sha256") == src.sha256
-            and m.get("dtype", "float32") == dtype and (quantize != "int8" or bool(m.get("int8")))
-            and (not parity or bool(m.get("parity", {}).get("ok"))))
-
-
-def _check_out(src: Source, out: Path, force: bool) -> None:
-    """Refuse an existing output without --force, and an output that would replace the checkpoint itself."""
-    if out.exists() and not force:
-        raise ExportError(f"{out} already exists and is not an up-to-date bundle of {src.ckpt} "
-                          f"(use --force to replace it)")
-    o, c = out.resolve(), src.ckpt.resolve()
-    if o == c or o in c.parents:
-        raise ExportError(f"--out {out} would replace the checkpoint {src.ckpt} it is exported from")
-    if c in o.parents:
-        raise ExportError(f"--out {out} lies inside the checkpoint folder {src.ckpt} (its SHA256SUMS would no longer "
-                          "describe it); choose another folder")
-
-
-def _val_data(src: Source, val_data: str | Path | None, log: Callable[[str], None]):
-    """Validation windows for the int8 measurement (ExportError for a bad --val-data; None when none found)."""
-    from export.valdata import find_run_shards, from_shards, load_val_data, run_seq_len
-
-    tok = src.ckpt / "tokenizer.json"
-    seq = run_seq_len(src.run_dir, src.cfg.max_position_embeddings)
-    if val_data is not None:
-        return load_val_data(Path(val_data), src.cfg.vocab_size, tok, src.eot_id, seq)
-    shards = find_run_shards(src.run_dir, tok)
-    if shards is None:
-        log("int8: no validation shards found through the run's config.toml (pass --val-data PATH); "
-            "the NLL change will not be measured")
-        return None
-    from train.atomic import sha256_file
-
-    return from_shards(shards, src.cfg.vocab_size, sha256_file(tok), seq)
-
-
-def _build_graph(src: Source, tmp: Path, dtype: str, exporter: str, greedy_ref, log) -> tuple[str, list]:
-    """Export ``tmp/model.onnx`` with the first exporter whose graph passes the ONNX cases (all of them when
-    ``greedy_ref`` is None, i.e. without the gate: the first that exports). Returns (exporter, ONNX rows)."""
-    from export.parity import all_ok, format_table, onnx_cases
-
-    order = list(EXPORTERS) if exporter == "auto" else [exporter]
-    errors: list[str] = []
-    last: tuple[str, list] | None = None
-    for ex in order:
-        t = time.time()
-        try:
-            export_graph(src.model, tmp / "model.onnx", ex, dtype)
-        except Exception as e:  # noqa: BLE001 - any exporter failure means: try the next exporter
-            errors.append(f"{ex}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-            log(f"onnx: the {ex} exporter failed ({errors[-1]})")
-            continue
-        log(f"onnx: {ex} export took {time.time() - t:.1f} s")
-        if greedy_ref is None:
-            return ex, []
-        rows = onnx_cases(tmp, src.model, src.pad_id, greedy_ref, dtype, runtime=f"onnx ({ex})")
-        if all_ok(rows):
-            return ex, rows
-        log(f"onnx: the {ex} graph fails parity:\n{format_table(rows)}")
-        last = (ex, rows)
-    if last is None:
-        raise ExportError("no exporter could turn the model into an ONNX graph: " + "; ".join(errors), exit_code=1)
-    return last
-
-
-def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool = False, dtype: str = "float32",
-                  quantize: str | None = None, parity: bool = True, val_data: str | Path | None = None,
-                  exporter: str = "auto", log: Callable[[str], None] = print) -> Path:
-    """Export a checkpoint (or a run's latest) into a bundle folder and return the folder.
-
-    ``out`` defaults to ``<run dir>/bundle``; ``dtype`` "float32" or "float16" (ONNX weights and KV cache; the
-    safetensors stay float32; fp16 parity uses atol = rtol = 5e-2); ``quantize="int8"`` adds ``model.int8.onnx``
-    and its validation NLL change (from the run's val shards or ``val_data``: a shard folder or text);
-    ``parity=False`` skips the gate (the card says the bundle is unchecked); ``exporter`` "auto", "dynamo" or
-    "torchscript". Raises ExportError (exit_code 2) for bad input and ParityError (exit_code 1) when the gate
-    fails; nothing is left at ``out`` then.
-    """
-    from export import bundle as B
-    from export import parity as P
-    from export.card import render_card, write_card
-    from export.quantize import TARGET, int8_report, quantize_int8
-    from export.runinfo import data_summary, eval_summary
-
-    t0 = time.time()
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if quantize not in (None, "none", "int8"):
-        raise ExportError(f"--quantize {quantize!r}: expected int8")
-    quantize = None if quantize == "none" else quantize
-    if exporter not in ("auto", *EXPORTERS):
-        raise ExportError(f"--exporter {exporter!r}: expected auto, {', '.join(EXPORTERS)}")
-    source = load_source(src)
-    out = Path(out) if out is not None else source.default_out()
-    if out.exists() and not force and _up_to_date(source, out, dtype, quantize, parity):
-        log(f"export: {out} is already an up-to-date bundle of {source.ckpt} (step {source.step}); nothing to do "
-            f"(use --force to rebuild it)")
-        return out
-    _check_out(source, out, force)
-    log(f"export: {source.ckpt} (step {source.step}, {source.model.num_params():,} parameters) → {out}")
-    val = _val_data(source, val_data, log) if quantize else None
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-
-    with atomic_dir(out, overwrite=force) as tmp:
-        B.write_hf_files(source, tmp)
-        greedy_ref = P.greedy_reference(source.model, tmp / "tokenizer.json", source.eot_id) if parity else None
-        chosen, rows = _build_graph(source, tmp, dtype, exporter, greedy_ref, log)
-        if parity:
-            rows += P.safetensors_cases(tmp, source.ckpt, source.model)
-            rows += P.transformers_cases(tmp, source.model, tmp / "tokenizer.json")
-            if P.rust_available():
-                rows += P.rust_cases(tmp, source.model, greedy_ref)
-            else:
-                log("parity: rust_runtime is not importable here; the Rust runtime is not checked")
-        int8 = None
-        if quantize:
-            t = time.time()
-            fp32_graph = tmp / "model.onnx"
-            if dtype != "float32":  # quantize from float32 weights, not from the float16 graph
-                fp32_graph = tmp / ".fp32" / "model.onnx"
-                fp32_graph.parent.mkdir()
-                export_graph(source.model, fp32_graph, chosen, "float32")
-            quantize_int8(fp32_graph, tmp / "model.int8.onnx")
-            shutil.rmtree(tmp / ".fp32", ignore_errors=True)
-            int8 = int8_report(tmp, val)
-            log(f"int8: quantized in {time.time() - t:.1f} s; val NLL change "
-                f"{'not measured' if int8['val_nll_delta'] is None else format(int8['val_nll_delta'], '+.4f')}")
-            if parity and int8["val_nll_delta"] is not None:
-                rows.append(P.Case("onnx int8", "val NLL change, nats/token", int8["val_nll_delta"], TARGET,
-                                   int8["ok"], f"{int8['tokens']:,} tokens"))
-        table = P.format_table(rows)
-        ok = P.all_ok(rows) if parity else None
-        info = {
-            "exporter": chosen, "opset": OPSET, "dtype": dtype,
-            "parity": {"ok": ok, "tol": P.FP32_TOL if dtype == "float32" else P.FP16_TOL, "near_tie": P.NEAR_TIE,
-                       "cases": [r.as_dict() for r in rows]} if parity else {"ok": None, "skipped": True, "cases": []},
-            "int8": int8, "eval": eval_summary(source), "data": data_summary(source),
-        }
-        if parity:
-            log(table)
-            if not ok:
-                bad = [r for r in rows if not r.ok]
-                raise ParityError(f"parity gate failed on {len(bad)} of {len(rows)} cases (first: {bad[0].runtime}, "
-                                  f"{bad[0].case}); no bundle was written", [r.as_dict() for r in rows], table)
-        write_card(tmp / "README.md", render_card(source, str(out), info))
-        manifest = B.write_manifest(tmp, source, exporter=chosen, opset=OPSET, dtype=dtype, parity=info["parity"],
-                                    int8=int8, eval_=info["eval"], data=info["data"],
-                                    export_seconds=time.time() - t0)
-        B.make_readable(tmp)
-    files = sorted(manifest["files"].items(), key=lambda kv: -kv[1]["bytes"])
-    sizes = f"{sum(v['bytes'] for _, v in files) / 1e6:.1f} MB (" + ", ".join(
-        f"{k} {v['bytes'] / 1e6:.1f}" for k, v in files[:4]) + ")"
-    log(f"export: {'parity ok' if parity else 'parity SKIPPED'}; {chosen} exporter; {time.time() - t0:.1f} s; "
-        f"{sizes}; wrote {out}")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
+from tokenizers import Tokenizer
 
+from serve.backends.onnx import OnnxBackend
+from train.checkpoint import load_weights
 from train.model import LlamaForCausalLM
 
 FP32_TOL = 1e-4
@@ -230,8 +234,6 @@ class GreedyRef:
 
 def greedy_reference(model: LlamaForCausalLM, tokenizer_path: Path, eot_id: int) -> GreedyRef:
     """Encode the prompts as ``<|endoftext|>`` + prompt (DESIGN.md) and continue them greedily in PyTorch."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tokenizer_path))
     ctx = model.config.max_position_embeddings
     items = []
@@ -275,8 +277,6 @@ def onnx_cases(bundle: Path, model: LlamaForCausalLM, pad_id: int, greedy_ref: G
                model_file: str = "model.onnx", runtime: str = "onnx") -> list[Case]:
     """Every ONNX case (batch-1 logits, padded batch, greedy) through serve's OnnxBackend on ``bundle``;
     ``runtime`` labels the rows."""
-    from serve.backends.onnx import OnnxBackend
-
     tol = FP32_TOL if dtype == "float32" else FP16_TOL
     near_tie = NEAR_TIE if dtype == "float32" else 2 * FP16_TOL
     try:
@@ -294,10 +294,6 @@ def onnx_cases(bundle: Path, model: LlamaForCausalLM, pad_id: int, greedy_ref: G
 
 def safetensors_cases(bundle: Path, ckpt: Path, model: LlamaForCausalLM) -> list[Case]:
     """The bundle's weights equal the checkpoint's bit for bit, store a tied matrix once and reload tied (X5)."""
-    import safetensors.torch
-
-    from train.checkpoint import load_weights
-
     def same_bits() -> Case:
         a = safetensors.torch.load_file(str(ckpt / "model.safetensors"))
         b = safetensors.torch.load_file(str(bundle / "model.safetensors"))
@@ -326,7 +322,7 @@ def safetensors_cases(bundle: Path, ckpt: Path, model: LlamaForCausalLM) -> list
 
 def transformers_cases(bundle: Path, model: LlamaForCausalLM, tokenizer_path: Path) -> list[Case]:
     """``AutoModelForCausalLM`` and ``AutoTokenizer`` load the bundle unchanged and agree with us."""
-    import transformers
+    import transformers  # deferred: seconds to import, and only the gate's transformers cases need it
 
     def lm() -> Case:
         transformers.utils.logging.disable_progress_bar()
@@ -354,8 +350,6 @@ def transformers_cases(bundle: Path, model: LlamaForCausalLM, tokenizer_path: Pa
                     ok and tied_ok and theta_ok, "; ".join(notes) or f"tied, rope_theta {theta}")
 
     def tok() -> Case:
-        from tokenizers import Tokenizer
-
         ours = Tokenizer.from_file(str(tokenizer_path))
         hf = transformers.AutoTokenizer.from_pretrained(str(bundle))
         bad = [t for _, t in PROMPTS if hf(t, add_special_tokens=False)["input_ids"] != ours.encode(t).ids]
@@ -369,7 +363,7 @@ def transformers_cases(bundle: Path, model: LlamaForCausalLM, tokenizer_path: Pa
 def rust_available() -> bool:
     """``rust_runtime`` importable and exposing ``Model``."""
     try:
-        import rust_runtime
+        import rust_runtime  # deferred: an optional extension, absent where it was not built
     except ImportError:
         return False
     return hasattr(rust_runtime, "Model")
@@ -377,7 +371,7 @@ def rust_available() -> bool:
 
 def rust_cases(bundle: Path, model: LlamaForCausalLM, greedy_ref: GreedyRef) -> list[Case]:
     """The batch-1 logits cases and the greedy prompts through ``rust_runtime.Model`` (fp32)."""
-    import rust_runtime
+    import rust_runtime  # deferred: optional (rust_available() said it is there)
 
     try:
         rm = rust_runtime.Model.load(str(bundle), threads=None, quantize=None)

@@ -13,10 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from export.errors import ExportError
 from train.atomic import sha256_file
+from train.config import resolve_path
+from train.corpus import DataError, iter_documents, list_input_files
 from train.loader import val_windows
+from train.shards import ShardError, open_shard
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 MAX_TOKENS_PER_LANG = 4096
 
@@ -38,8 +47,6 @@ def from_shards(folder: Path, vocab_size: int, tokenizer_sha: str | None, seq_le
                 max_tokens: int = MAX_TOKENS_PER_LANG) -> ValData:
     """Windows from ``folder/val-*.bin``. Raises ExportError when the shards were made with another tokenizer
     or hold ids outside the vocabulary."""
-    from train.shards import ShardError, open_shard
-
     index = _read_index(folder)
     if tokenizer_sha and index.get("tokenizer_sha256") not in (None, tokenizer_sha):
         raise ExportError(f"{folder}: shards were tokenized with another tokenizer "
@@ -64,10 +71,6 @@ def from_shards(folder: Path, vocab_size: int, tokenizer_sha: str | None, seq_le
 def from_text(path: Path, tokenizer_path: Path, eot_id: int, seq_len: int,
               max_tokens: int = MAX_TOKENS_PER_LANG) -> ValData:
     """Windows from text inputs, tokenized with the bundle's tokenizer, grouped by detected language."""
-    from tokenizers import Tokenizer
-
-    from train.corpus import DataError, iter_documents, list_input_files
-
     tok = Tokenizer.from_file(str(tokenizer_path))
     streams: dict[str, list[int]] = {}
     try:
@@ -96,8 +99,6 @@ def load_val_data(path: Path, vocab_size: int, tokenizer_path: Path, eot_id: int
 
 def find_run_shards(run_dir: Path | None, tokenizer_path: Path) -> Path | None:
     """The cached shard folder made with this tokenizer, found through the run's config.toml; None if none."""
-    from train.config import resolve_path
-
     conf = read_run_config(run_dir)
     if conf is None:
         return None
@@ -127,10 +128,6 @@ def read_run_config(run_dir: Path | None) -> dict | None:
     """The run's resolved ``config.toml`` as a dict, or None when there is none (or it is unreadable)."""
     if run_dir is None or not (run_dir / "config.toml").is_file():
         return None
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
     try:
         return tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
     except (OSError, ValueError):

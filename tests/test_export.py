@@ -18,6 +18,7 @@ import torch
 
 from export import graph as G
 from export import onnx as E
+from export import pipeline as PL
 from export.parity import PROMPTS, compare_greedy, max_diff
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
@@ -122,8 +123,12 @@ def test_parity_table_covers_every_case(exported):
     logit_cases = [c for c in p["cases"] if c["runtime"].startswith("onnx (") and not c["case"].startswith("greedy")]
     assert all(0 <= c["value"] <= TOL for c in logit_cases)
     assert {r for r, _ in names} >= {"onnx", "safetensors", "transformers"}
-    int8 = [c for c in p["cases"] if c["runtime"] == "onnx int8"]
-    assert len(int8) == 1 and int8[0]["value"] <= 0.05
+    int8 = {c["case"]: c for c in p["cases"] if c["runtime"] == "onnx int8"}
+    assert int8["val NLL change, nats/token"]["value"] <= 0.05
+    for lang in ("bn", "en"):                       # per language: NLL change, top-1 agreement, |Δ log p|
+        assert int8[f"{lang}: top-1 agreement with fp32"]["value"] >= 0.85
+        assert 0 < int8[f"{lang}: mean |Δ log p| of fp32's top token, nats"]["value"] <= 0.1
+        assert all(int8[k]["ok"] for k in int8)
 
 
 def test_int8_delta_recorded(exported):
@@ -131,6 +136,11 @@ def test_int8_delta_recorded(exported):
     d = m["int8"]["val_nll_delta"]
     assert isinstance(d, float) and abs(d) <= 0.05 and m["int8"]["tokens"] > 0
     assert m["int8"]["val_nll_int8"] == pytest.approx(m["int8"]["val_nll_fp32"] + d)
+    assert set(m["int8"]["by_lang"]) == {"bn", "en"} and m["int8"]["ok"] is True
+    for v in m["int8"]["by_lang"].values():
+        assert 0.85 <= v["top1_agreement"] <= 1 and 0 < v["mean_abs_top_logprob_delta"] <= 0.1
+    assert m["int8"]["thresholds"] == {"val_nll_delta_max": 0.05, "top1_agreement_min": 0.85,
+                                       "mean_abs_top_logprob_delta_max": 0.1}
     q = OnnxBackend(exported, quantize="int8", threads=1)
     f = OnnxBackend(exported, threads=1)
     ids = tokens(exported, "আমি বাংলায় গান গাই")
@@ -469,7 +479,7 @@ def test_planted_parity_failure(ckpt, exported, tmp_path, capsys, monkeypatch):
     sd["model.norm.weight"] = sd["model.norm.weight"] * 1.05        # other weights, same shapes
     safetensors.torch.save_file(sd, str(c / "model.safetensors"), metadata={"format": "pt"})
     write_sums(c)
-    monkeypatch.setattr(E, "export_graph", _copy_graph(exported))   # a graph of the original weights
+    monkeypatch.setattr(PL, "export_graph", _copy_graph(exported))   # a graph of the original weights
     out = tmp_path / "run" / "bundle"
     rc, stdout, err = run_cli([tmp_path / "run"], capsys)           # default out: <run>/bundle
     assert rc == 1 and "parity gate failed" in err and "no bundle was written" in err
@@ -486,7 +496,7 @@ def test_dynamo_failure_falls_back_to_torchscript(ckpt, tmp_path, monkeypatch):
             raise RuntimeError("planted dynamo failure")
         return real(model, path, exporter, *a, **kw)
 
-    monkeypatch.setattr(E, "export_graph", dynamo_breaks)
+    monkeypatch.setattr(PL, "export_graph", dynamo_breaks)
     logs: list[str] = []
     out = E.export_bundle(ckpt, tmp_path / "b", log=logs.append)
     m = json.loads((out / "manifest.json").read_text())
@@ -497,21 +507,103 @@ def test_dynamo_failure_falls_back_to_torchscript(ckpt, tmp_path, monkeypatch):
 
 def test_interrupt_and_force(ckpt, exported, tmp_path, monkeypatch, capsys):
     out = tmp_path / "b"
-    out.mkdir()
+    shutil.copytree(exported, out)                                   # an existing bundle
     (out / "old.txt").write_text("old bundle")
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(E, "export_graph", interrupted)
+    monkeypatch.setattr(PL, "export_graph", interrupted)
     rc, _, err = run_cli([ckpt, "--out", out, "--force"], capsys)
     assert rc == 130 and "no bundle" in err
     assert (out / "old.txt").read_text() == "old bundle" and no_leftovers(tmp_path)
-    monkeypatch.setattr(E, "export_graph", _copy_graph(exported))
+    monkeypatch.setattr(PL, "export_graph", _copy_graph(exported))
     rc, _, err = run_cli([ckpt, "--out", out, "--force", "--no-parity"], capsys)
     assert rc == 0, err
     assert not (out / "old.txt").exists() and (out / "manifest.json").is_file() and no_leftovers(tmp_path)
     assert "unchecked" in (out / "README.md").read_text()
+
+
+# ---------------------------------------------------------------- the output target (issue: --force, OSError)
+
+def test_force_refuses_what_is_not_a_bundle(ckpt, tmp_path, capsys):
+    data = tmp_path / "photos"
+    data.mkdir()
+    (data / "holiday.jpg").write_bytes(b"\xff\xd8 mine")
+    rc, _, err = run_cli([ckpt, "--out", data, "--force"], capsys)
+    assert rc == 2 and "not a Shalik bundle" in err and str(data) in err and "Traceback" not in err
+    assert (data / "holiday.jpg").read_bytes() == b"\xff\xd8 mine"
+    (data / "manifest.json").write_text('{"format": "something-else"}')
+    rc, _, err = run_cli([ckpt, "--out", data, "--force"], capsys)
+    assert rc == 2 and "not a Shalik bundle" in err and (data / "holiday.jpg").is_file()
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    rc, _, err = run_cli([ckpt, "--out", f, "--force"], capsys)
+    assert rc == 2 and "is a file" in err and f.read_text() == "mine" and no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["under a file", "proc", "read-only"])
+def test_unwritable_target_is_a_clear_error(ckpt, tmp_path, capsys, monkeypatch, where):
+    if where == "under a file":
+        (tmp_path / "afile").write_text("x")
+        out, want = tmp_path / "afile" / "b", "is a file, not a folder"
+    elif where == "proc":
+        out, want = Path("/proc") / "shalik-bundle-test", "cannot create a folder in /proc"
+    else:                                 # a read-only file system, as statvfs reports it (root ignores modes)
+        real = PL.check_target.__globals__["os"].statvfs
+
+        class RO:
+            def __init__(self, st):
+                self.f_flag = st.f_flag | __import__("os").ST_RDONLY
+
+        monkeypatch.setattr(PL.check_target.__globals__["os"], "statvfs", lambda p: RO(real(p)))
+        out, want = tmp_path / "ro" / "b", "read-only file system (EROFS)"
+    rc, _, err = run_cli([ckpt, "--out", out, "--no-parity"], capsys)
+    assert rc == 2 and want in err and "Traceback" not in err, err
+    assert no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("stage", ["graph", "weights"])
+def test_full_disk_names_enospc(ckpt, tmp_path, capsys, monkeypatch, stage):
+    import errno
+    import os
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "b" / "model.onnx.data"))
+
+    if stage == "graph":
+        monkeypatch.setattr(PL, "export_graph", full)
+    else:
+        monkeypatch.setattr(PL.B.shutil, "copyfile", full)
+    rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--no-parity"], capsys)
+    assert rc == 2 and "No space left on device (ENOSPC)" in err and "no exporter" not in err, err
+    assert not (tmp_path / "b").exists() and no_leftovers(tmp_path)
+
+
+def test_example_sizes_below_two_name_the_axis(ref, tmp_path):
+    for sizes, axis in (((1, 5, 3), "batch"), ((2, 1, 3), "sequence_length"), ((2, 5, 0), "past_sequence_length")):
+        with pytest.raises(ValueError, match=f"example {axis} = {sizes[G.AXES.index(axis)]}.*at least 2"):
+            G.export_graph(ref, tmp_path / "m.onnx", "dynamo", sizes=sizes)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_int8_gate_fails_on_agreement_even_when_nll_is_fine():
+    from export.quantize import compare_logits, passes
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(2, 50, 30)).astype(np.float32)
+    targets = rng.integers(0, 30, size=(2, 50))
+    same = compare_logits(ref, ref, targets)
+    assert same["top1_agree"] == 100 and same["top_logprob_absdiff"] == 0 and same["nll_ref"] == same["nll_got"]
+    swapped = ref[..., ::-1].copy()                 # another winner at every position, similar NLL on average
+    c = compare_logits(ref, swapped, targets)
+    v = {"delta": (c["nll_got"] - c["nll_ref"]) / 100, "top1_agreement": c["top1_agree"] / 100,
+         "mean_abs_top_logprob_delta": c["top_logprob_absdiff"] / 100}
+    assert v["top1_agreement"] < 0.2 and not passes(v)
+    rows = PL.int8_cases({"val_nll_delta": 0.0, "tokens": 100,
+                          "by_lang": {"bn": {"delta": 0.0, "top1_agreement": 0.5, "mean_abs_top_logprob_delta": 0.01,
+                                             "tokens": 100}}})
+    assert [r.ok for r in rows] == [True, True, False, True]
 
 
 def test_compare_greedy_near_tie():

@@ -23,7 +23,9 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from train.atomic import TMP_PREFIX, atomic_dir, atomic_write_text, sha256_file
+from train.atomic import TMP_PREFIX, atomic_dir, atomic_write_bytes, atomic_write_text, sha256_file
+from train.hf_files import NAMES as HF_NAMES
+from train.hf_files import write_hf_files
 from train.model import LlamaForCausalLM, ModelConfig
 
 SUMS = "SHA256SUMS"
@@ -143,21 +145,27 @@ def verify_sums(folder: Path) -> None:
 
 def save_checkpoint(ckpt_root: Path, step: int, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer | None,
                     trainer_state: dict, extra_files: dict[str, Path | str | bytes], keep_last: int,
-                    serializer=None) -> Path:
+                    serializer=None, special_ids: tuple[int, int] | None = None) -> Path:
     """Write ``ckpt_root/step-NNNNNN`` atomically, then point ``latest`` at it and prune old ones.
 
     ``extra_files`` maps file names to a source path (copied), a str (written as text) or bytes.
-    ``serializer(obj, path)`` replaces ``torch.save`` for the optimizer (tests plant a failing one).
-    Returns the step folder.
+    ``special_ids`` = (eot_id, pad_id): also write the Hugging Face sidecar files (config.json,
+    generation_config.json, tokenizer_config.json) with ``train.hf_files``; ``extra_files`` may then not name
+    them (ValueError). ``serializer(obj, path)`` replaces ``torch.save`` for the optimizer (tests plant a failing
+    one). Returns the step folder.
     """
+    if special_ids is not None and set(extra_files) & set(HF_NAMES):
+        raise ValueError(f"extra_files names {sorted(set(extra_files) & set(HF_NAMES))}, which special_ids writes")
     final = ckpt_root / step_name(step)
     with atomic_dir(final, overwrite=True) as tmp:
         save_weights(model, tmp / "model.safetensors")
+        if special_ids is not None:
+            write_hf_files(tmp, model.config, *special_ids)
         for name, src in extra_files.items():
             if isinstance(src, bytes):
-                (tmp / name).write_bytes(src)
+                atomic_write_bytes(tmp / name, src)
             elif isinstance(src, str):
-                (tmp / name).write_text(src)
+                atomic_write_text(tmp / name, src)
             else:
                 shutil.copyfile(src, tmp / name)
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1) + "\n")
