@@ -438,3 +438,33 @@ def test_prepare_cli_workers_option(prepared, capsys):
     assert capsys.readouterr().out.strip() == str(prep.shard_dir)
     assert main(["prepare", "--workers", "-1"]) == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_two_preparations_sharing_a_cache_at_once(tmp_path):
+    """Issue 18: two `train.data prepare` into one cache at the same moment. The second used to delete the first's
+    temporary shard folder (ShardError traceback); both must succeed, with the same shards."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import MINI, ROOT, fast_overrides
+
+    cache = tmp_path / "cache"
+    args = [sys.executable, "-m", "train.data", "prepare", "--config", "tiny", "--workers", "1"]
+    for o in fast_overrides(tmp_path, cache, **{"data.paths": [str(MINI)]}):
+        if o.startswith(("data.", "tokenizer.")):
+            args += ["--set", o]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert "Traceback" not in err
+    dirs = {out.strip() for out, _ in outs}
+    assert len(dirs) == 1
+    shard_dir = Path(dirs.pop())
+    index = json.loads((shard_dir / "index.json").read_text())
+    for name in index["splits"]["train"]["shards"] + index["splits"]["val"]["shards"]:
+        assert read_header(shard_dir / name)["tokens"] > 0
+    assert not [p.name for p in (cache / "shards").iterdir() if p.name.startswith(".tmp-")]
