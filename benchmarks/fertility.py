@@ -28,17 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from train.config import load_config  # noqa: E402
-from train.corpus import input_fingerprints, list_input_files  # noqa: E402
+from train.corpus import list_input_files  # noqa: E402
 from train.data import build_shards, ensure_tokenizer  # noqa: E402
-from train.tokenizer import (  # noqa: E402
-    BASELINE_PATTERN,
-    fertility,
-    load_any_tokenizer,
-    sample_texts,
-    save_tokenizer,
-    split_docs,
-    train_tokenizer,
-)
+from train.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
+from train.inputs import scan_inputs  # noqa: E402
+from train.tokenizer import BASELINE_PATTERN, save_tokenizer, train_tokenizer  # noqa: E402
+from train.tokenizer_sample import sample_texts  # noqa: E402
 
 ANCHORS = ["gpt2", "llama2", "mistral-v0.3", "gpt-neox-20b", "bnlp-bangla-spm", "bangla-bert-base"]
 
@@ -55,7 +50,7 @@ def main(argv=None) -> int:
     group = lambda d: Path(d.origin).name.split(".")[0]  # noqa: E731 - per input file, as in figures.md
 
     t0 = time.time()
-    ours_dir = ensure_tokenizer(cfg, files, input_fingerprints(files), log=lambda m: print(m, flush=True))
+    ours_dir = ensure_tokenizer(cfg, files, scan_inputs(files), log=lambda m: print(m, flush=True))
     ours_s = time.time() - t0
     work = Path(tempfile.mkdtemp(prefix="fertility-"))
     try:
@@ -82,7 +77,7 @@ def main(argv=None) -> int:
         shard_dir = work / "shards"
         shard_dir.mkdir()
         t0 = time.time()
-        index = build_shards(cfg, files, input_fingerprints(files), ours_dir, shard_dir, log=lambda m: None)
+        index = build_shards(cfg, files, scan_inputs(files), ours_dir, shard_dir, log=lambda m: None)
         prep_s = time.time() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)

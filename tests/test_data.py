@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import unicodedata
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from tests.conftest import fast_config
 from train.config import ConfigError, load_config, parse_value
 from train.corpus import DataError, ReadReport, iter_documents, list_input_files, parse_hf_spec
-from train.data import mix_report, prepare, repeat_factors
+from train.data import main, mix_report, prepare, repeat_factors
 from train.shards import ShardError, ShardWriter, dtype_for_vocab, open_shard, read_header, write_shard
 from train.textutil import detect_language, is_val, nfc, split_value
 from train.tokenizer import load_tokenizer
@@ -62,8 +63,6 @@ def test_split_is_stable_and_hash_based():
     text = nfc("আমি বাংলায় গান গাই")
     v = split_value(text)
     assert v == split_value(text) and 0 <= v < 1
-    import hashlib
-
     assert v == int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32
     assert is_val(text, v + 1e-9) and not is_val(text, v)
 
@@ -278,8 +277,6 @@ def test_fertility_trap_warning():
 
 def test_prepare_cli_prints_shard_dir(prepared, capsys):
     cfg, prep = prepared
-    from train.data import main
-
     args = ["prepare", "--config", "tiny", "--data", *cfg.data.paths]
     for k, v in (("data.cache_dir", cfg.data.cache_dir), ("data.val_fraction", cfg.data.val_fraction),
                  ("tokenizer.vocab_size", cfg.tokenizer.vocab_size)):
@@ -289,8 +286,6 @@ def test_prepare_cli_prints_shard_dir(prepared, capsys):
 
 
 def test_prepare_cli_bad_path(capsys):
-    from train.data import main
-
     assert main(["prepare", "--data", "no/such/folder"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -333,3 +328,143 @@ def test_toml_fallback_writer_round_trips():
 
     cfg = load_config("tiny", ["data.mix={bn=0.6, en=0.4}", 'run.name="নাম"'])
     assert tomllib.loads(_dump_flat_toml(cfg.to_dict())) == tomllib.loads(to_toml(cfg)) == cfg.to_dict()
+
+
+# ----------------------------------------------------------------------------------------------- issue 18: bad input
+
+def test_bad_lines_skipped_with_file_and_line(tmp_path):
+    """A 5000-digit integer (int parsing limit), 100k-deep nesting (RecursionError) and a lone surrogate are
+    bad lines like any other: skipped with a warning naming file and line, never a traceback."""
+    p = tmp_path / "bad.jsonl"
+    lines = ['{"text": "first"}', '{"text": "x", "n": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000,
+             '{"text": "lone \\ud800 surrogate"}', '{"text": "ok", "source": "s\\udc00"}', '{"text": "last"}']
+    p.write_text("\n".join(lines) + "\n")
+    report = ReadReport()
+    docs = list(iter_documents([str(p)], report=report))
+    assert [d.text for d in docs] == ["first", "last"]
+    assert len(report.skipped) == 4
+    for lineno, msg in zip((2, 3, 4, 5), report.skipped):
+        assert f"{p}:{lineno}" in msg
+    assert "surrogate" in report.skipped[2] and "U+D800" in report.skipped[2] and "source" in report.skipped[3]
+    with pytest.raises(DataError, match=r"bad.jsonl:2"):
+        list(iter_documents([str(p)], strict=True))
+
+
+def test_only_non_utf8_file_error_says_why(tmp_path):
+    """A folder holding only a Latin-1 file: the error says no documents AND which file was skipped and why."""
+    d = tmp_path / "latin1"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    cfg = fast_config(tmp_path, tmp_path / "cache", **{"data.paths": [str(d)]})
+    with pytest.raises(DataError, match=r"(?s)no such documents.*a\.jsonl: not valid UTF-8 at byte offset 13"):
+        prepare(cfg, log=lambda m: None)
+
+
+# ----------------------------------------------------------------------------------------------- issue 16: at scale
+
+def _shard_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_shards_identical_whatever_the_number_of_workers(tmp_path, fixture_tok, mini_corpus, monkeypatch):
+    """Preparation in 1, 2 or 3 processes, with chunks far smaller than a file (so every file is cut), and a .txt
+    with CRLF and blank-line runs beside the corpus: the same shard files and index, byte for byte."""
+    from train.corpus import iter_chunks
+    from train.data import build_shards
+    from train.inputs import scan_inputs
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for f in mini_corpus.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "notes.txt").write_bytes(b"first doc\r\nline two\r\n\r\n\r\nsecond doc\n \n\n\nthird\r\n\r\n" * 300)
+    cfg = fast_config(tmp_path, tmp_path / "cache", **{"data.paths": [str(d)]})
+    files = list_input_files(cfg.data.paths)
+    inputs = scan_inputs(files)
+    outs = {}
+    with monkeypatch.context() as m:
+        m.setattr("train.data.iter_chunks", lambda fs, unreadable: iter_chunks(fs, unreadable, chunk_bytes=4096))
+        for workers in (1, 2, 3):
+            out = tmp_path / f"w{workers}"
+            out.mkdir()
+            index = build_shards(cfg, files, inputs, fixture_tok, out, log=lambda m: None, shard_tokens=50_000,
+                                 workers=workers)
+            (out / "index.json").write_text(json.dumps(index, sort_keys=True))
+            outs[workers] = _shard_bytes(out)
+    assert len([n for n in outs[1] if n.startswith("train-")]) > 1
+    assert outs[1] == outs[2] == outs[3]
+    big = tmp_path / "w-default"
+    big.mkdir()
+    index = build_shards(cfg, files, inputs, fixture_tok, big, log=lambda m: None, shard_tokens=50_000, workers=1)
+    (big / "index.json").write_text(json.dumps(index, sort_keys=True))
+    assert _shard_bytes(big) == outs[1]  # 1 MB chunks (whole files here) or 4 KB chunks: the same
+
+
+def test_input_hashes_are_cached_by_path_size_and_mtime(tmp_path, monkeypatch):
+    import train.inputs as inputs_module
+
+    f = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello"}])
+    first = inputs_module.scan_inputs([str(f)], tmp_path / "cache")
+    assert first[0].sha256 == hashlib.sha256(f.read_bytes()).hexdigest() and first[0].unreadable is None
+    calls = []
+    monkeypatch.setattr(inputs_module, "_scan_file", lambda p: calls.append(p))
+    again = inputs_module.scan_inputs([str(f)], tmp_path / "cache")
+    assert again == first and calls == []  # a hit: no read
+    monkeypatch.undo()
+    f.write_bytes(b'{"text": "caf\xe9"}\n')  # another size: scanned again
+    changed = inputs_module.scan_inputs([str(f)], tmp_path / "cache")
+    assert changed[0].sha256 != first[0].sha256 and "not valid UTF-8 at byte offset 13" in changed[0].unreadable
+
+
+def test_tokenizer_key_ignores_the_context_length(prepared):
+    from train.data import tokenizer_fingerprint
+    from train.inputs import scan_inputs
+
+    cfg, _prep = prepared
+    inputs = scan_inputs(list_input_files(cfg.data.paths))
+    other = load_config("tiny", [])
+    other.data, other.tokenizer = cfg.data, cfg.tokenizer
+    other.model.max_position_embeddings = cfg.model.max_position_embeddings * 2
+    assert tokenizer_fingerprint(other, inputs) == tokenizer_fingerprint(cfg, inputs)
+
+
+def test_prepare_cli_workers_option(prepared, capsys):
+    cfg, prep = prepared
+    args = ["prepare", "--config", "tiny", "--data", *cfg.data.paths, "--workers", "2"]
+    for k, v in (("data.cache_dir", cfg.data.cache_dir), ("data.val_fraction", cfg.data.val_fraction),
+                 ("tokenizer.vocab_size", cfg.tokenizer.vocab_size)):
+        args += ["--set", f"{k}={json.dumps(v)}"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip() == str(prep.shard_dir)
+    assert main(["prepare", "--workers", "-1"]) == 2
+    assert "--workers" in capsys.readouterr().err
+
+
+def test_two_preparations_sharing_a_cache_at_once(tmp_path):
+    """Issue 18: two `train.data prepare` into one cache at the same moment. The second used to delete the first's
+    temporary shard folder (ShardError traceback); both must succeed, with the same shards."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import MINI, ROOT, fast_overrides
+
+    cache = tmp_path / "cache"
+    args = [sys.executable, "-m", "train.data", "prepare", "--config", "tiny", "--workers", "1"]
+    for o in fast_overrides(tmp_path, cache, **{"data.paths": [str(MINI)]}):
+        if o.startswith(("data.", "tokenizer.")):
+            args += ["--set", o]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert "Traceback" not in err
+    dirs = {out.strip() for out, _ in outs}
+    assert len(dirs) == 1
+    shard_dir = Path(dirs.pop())
+    index = json.loads((shard_dir / "index.json").read_text())
+    for name in index["splits"]["train"]["shards"] + index["splits"]["val"]["shards"]:
+        assert read_header(shard_dir / name)["tokens"] > 0
+    assert not [p.name for p in (cache / "shards").iterdir() if p.name.startswith(".tmp-")]

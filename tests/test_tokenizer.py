@@ -11,16 +11,12 @@ from hypothesis import strategies as st
 from tokenizers import Regex, pre_tokenizers
 
 from tests.conftest import shared_path
-from train.tokenizer import (
-    SPLIT_PATTERN,
-    TokenizerAdapter,
-    fertility,
-    load_any_tokenizer,
-    load_tokenizer,
-    new_tokenizer,
-    sample_quotas,
-    token_char_counts,
-)
+from train.byte_level import bytes_to_unicode
+from train.corpus import Document, iter_documents, list_input_files
+from train.fertility import TokenizerAdapter, fertility, load_any_tokenizer
+from train.tokenizer import MAX_PRETOKEN_CHARS, SPLIT_PATTERN, load_tokenizer, new_tokenizer, token_char_counts
+from train.tokenizer_cli import main
+from train.tokenizer_sample import sample_quotas
 
 PROBES = {
     "বাংলা": ["বাংলা"],
@@ -144,7 +140,6 @@ def test_t4_autotokenizer_loads_folder_without_cleanup(fixture_tok):
 
 
 def _token_bytes(tok, i: int) -> bytes:
-    from train.tokenizer import bytes_to_unicode
 
     inv = {c: b for b, c in bytes_to_unicode().items()}
     return bytes(inv[c] for c in tok.id_to_token(i))
@@ -182,7 +177,6 @@ def _cached(path):
 
 
 def test_round_trip_on_corpus_documents(fixture_tok, mini_corpus):
-    from train.corpus import iter_documents, list_input_files
 
     tok = load_tokenizer(fixture_tok)
     docs = list(iter_documents(list_input_files([str(mini_corpus)])))
@@ -195,7 +189,6 @@ def test_round_trip_on_corpus_documents(fixture_tok, mini_corpus):
 
 def test_fertility_hand_counted():
     """A fake tokenizer with one token per whitespace-separated word: counts are checkable by hand."""
-    from train.corpus import Document
 
     words = lambda t: t.split()  # noqa: E731
     ad = TokenizerAdapter("words", "test", encode=lambda t: list(range(len(words(t)))),
@@ -214,7 +207,6 @@ def test_fertility_hand_counted():
 
 
 def test_fertility_of_real_tokenizer_counts_code_points(fixture_tok):
-    from train.corpus import Document
 
     tok = load_tokenizer(fixture_tok)
     ad = load_any_tokenizer(fixture_tok)
@@ -265,7 +257,6 @@ def test_anchor_formats_detected(name, kind):
 
 
 def test_fertility_cli_json(fixture_tok, mini_corpus, capsys):
-    from train.tokenizer import main
 
     assert main(["fertility", "--tokenizer", str(fixture_tok), "--data", str(mini_corpus), "--split", "all",
                  "--json"]) == 0
@@ -276,7 +267,6 @@ def test_fertility_cli_json(fixture_tok, mini_corpus, capsys):
 
 
 def test_fertility_cli_bad_tokenizer(tmp_path, mini_corpus, capsys):
-    from train.tokenizer import main
 
     (tmp_path / "junk.txt").write_text("nothing")
     assert main(["fertility", "--tokenizer", str(tmp_path), "--data", str(mini_corpus), "--split", "all"]) == 2
@@ -284,7 +274,6 @@ def test_fertility_cli_bad_tokenizer(tmp_path, mini_corpus, capsys):
 
 
 def test_train_cli_writes_a_loadable_tokenizer(tmp_path, mini_corpus, capsys):
-    from train.tokenizer import main
 
     out = tmp_path / "tok"
     assert main(["train", "--data", str(mini_corpus), "--vocab-size", "400", "--out", str(out)]) == 0
@@ -293,3 +282,15 @@ def test_train_cli_writes_a_loadable_tokenizer(tmp_path, mini_corpus, capsys):
     assert "sampling" in capsys.readouterr().out
     assert main(["train", "--data", str(mini_corpus), "--vocab-size", "400", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_long_runs_are_cut_into_bounded_pre_tokens(fixture_tok):
+    """Issue 18: a 2 MB word made BPE quadratic. Runs of letters, punctuation, spaces or newlines longer than
+    MAX_PRETOKEN_CHARS are cut into pieces of at most that many characters; the text round-trips exactly."""
+    tok = load_tokenizer(fixture_tok)
+    for text in ["ক" * 5000, "a" * 5000, "=" * 5000, " " * 5000 + "x", "\n" * 5000, "আমি" + "ব" * 3000 + " গান"]:
+        pieces = pre_tokens(tok, text)
+        assert "".join(p for p, _ in pieces) == text
+        assert max(len(p) for p, _ in pieces) <= MAX_PRETOKEN_CHARS
+        assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == unicodedata.normalize("NFC", text)
+    assert len(pre_tokens(tok, "অনুচ্ছেদগুলোতে antidisestablishmentarianism")) == 2  # real words stay whole

@@ -47,6 +47,7 @@ class DataSection:
     val_fraction: float = 0.01
     strict: bool = False
     cache_dir: str = "cache"
+    num_workers: int = 0  # processes that prepare the data; 0 = os.cpu_count() (not part of any fingerprint)
 
 
 @dataclass
@@ -281,6 +282,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.paths: expected at least one non-empty path, got {d.paths!r}")
     if not d.languages or any(lang not in ("bn", "en") for lang in d.languages):
         raise ConfigError(f"data.languages: expected a non-empty subset of ['bn', 'en'], got {d.languages!r}")
+    if isinstance(d.num_workers, bool) or not isinstance(d.num_workers, int) or d.num_workers < 0:
+        raise ConfigError(f"data.num_workers: expected 0 (all cores) or a positive integer, got {d.num_workers!r}")
     if not (0 < d.val_fraction < 1):
         raise ConfigError(f"data.val_fraction: expected a number in (0, 1), got {d.val_fraction}")
     for name, table in (("data.mix", d.mix), ("tokenizer.sample_weights", cfg.tokenizer.sample_weights)):

@@ -6,16 +6,20 @@ a line with a string field ``text``; optional ``lang``, ``source``, ``license``,
 sources ``hf:NAME[:CONFIG][:SPLIT]`` streamed through ``datasets.load_dataset(..., streaming=True)``
 (``NAME`` may be a hub id or a local dataset folder).
 
-Bad input never aborts a long read: a file that is not valid UTF-8 (or not valid gzip) is skipped and its path
-and byte offset reported; a JSON line that is not an object with a string ``text`` is skipped and reported. With
-``strict=True`` each of those is a :class:`DataError` instead. An empty path, a path that does not exist or a
-folder without documents is always a :class:`DataError` naming it.
+Bad input never aborts a long read: a file that is not valid UTF-8 (or not valid gzip) is skipped whole and its
+path and byte offset reported; a JSON line that is not valid JSON (a 5000-digit integer and nesting too deep to
+parse included), not an object with a string ``text``, or whose text holds a lone surrogate is skipped and its
+path and line reported. With ``strict=True`` each of those is a :class:`DataError` instead. An empty path, a path
+that does not exist or a folder without documents is always a :class:`DataError` naming it.
+
+Files are read in :class:`Chunk` s with bounded memory, cut where parsing the whole file would cut too, so
+``train.parallel`` can parse them in several processes and get the documents of one serial read.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
-import hashlib
 import json
 import re
 import zlib
@@ -23,9 +27,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.atomic import sha256_file
+from train.config import resolve_path
 from train.textutil import bengali_letter_share, language_of_share, nfc
 
+LANG_NAMES = {"bn": "Bangla", "en": "English"}
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 
@@ -89,8 +94,6 @@ def list_input_files(paths: list[str]) -> list[str]:
     Returns a list of file paths (as strings) and ``hf:`` specs, in a deterministic order. Raises DataError
     for an empty path, a missing path, a file with an unsupported suffix or a folder with no corpus files.
     """
-    from train.config import resolve_path
-
     out: list[str] = []
     if not paths:
         raise DataError("no data paths given: expected at least one folder, file or hf:NAME source")
@@ -117,43 +120,6 @@ def list_input_files(paths: list[str]) -> list[str]:
     return out
 
 
-def input_fingerprints(files: list[str]) -> list[dict]:
-    """``[{path, sha256, bytes}]`` for every input; an ``hf:`` source is keyed by its spec (and, for a local
-    dataset folder, by the hashes of its files)."""
-    out = []
-    for f in files:
-        if is_hf_spec(f):
-            name, _, _ = parse_hf_spec(f)
-            h = hashlib.sha256(f.encode())
-            local = Path(name)
-            nbytes = 0
-            if local.is_dir():
-                for sub in sorted(x for x in local.rglob("*") if x.is_file()):
-                    h.update(sha256_file(str(sub)).encode())
-                    nbytes += sub.stat().st_size
-            out.append({"path": f, "sha256": h.hexdigest(), "bytes": nbytes})
-        else:
-            out.append({"path": f, "sha256": sha256_file(f), "bytes": Path(f).stat().st_size})
-    return out
-
-
-def _read_text(path: str, report: ReadReport, strict: bool) -> str | None:
-    """The file's text (gunzipped, strict UTF-8), or None after reporting why it was skipped."""
-    try:
-        raw = Path(path).read_bytes()
-        if path.endswith(".gz"):
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as e:
-        report.warn(f"skipped {path}: cannot read it as {'gzip' if path.endswith('.gz') else 'a file'} ({e})", strict)
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        where = "after decompression" if path.endswith(".gz") else "in the file"
-        report.warn(f"skipped {path}: not valid UTF-8 at byte offset {e.start} {where} ({e.reason})", strict)
-        return None
-
-
 def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Document | None:
     t = nfc(text)
     if not t.strip():
@@ -172,47 +138,110 @@ def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Docume
     )
 
 
-def _iter_file(path: str, report: ReadReport, strict: bool,
-               progress: Callable[[float], None] | None) -> Iterator[Document]:
-    text = _read_text(path, report, strict)
-    if text is None:
-        if progress:
-            progress(1.0)
-        return
-    report.files += 1
-    name = Path(path).name
-    stem = name.split(".")[0]
-    total = max(len(text), 1)
-    done = 0
-    if ".jsonl" in name:
-        for lineno, line in enumerate(text.split("\n"), start=1):
-            done += len(line) + 1
-            if progress:
-                progress(min(done / total, 1.0))
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                report.warn(f"skipped {path}:{lineno}: not valid JSON ({e.msg})", strict)
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                report.warn(f"skipped {path}:{lineno}: expected a JSON object with a string field \"text\"", strict)
-                continue
-            doc = _make_doc(obj["text"], obj, stem, path)
-            if doc is not None:
-                yield doc
-    else:
-        for piece in _BLANK_LINES.split(text.replace("\r\n", "\n")):
-            done += len(piece) + 2
-            if progress:
-                progress(min(done / total, 1.0))
-            doc = _make_doc(piece.strip("\n"), {}, stem, path)
-            if doc is not None:
-                yield doc
+@dataclass
+class Chunk:
+    """A piece of one input, cut where reading the whole file would cut too (after a line of a ``.jsonl``, after
+    a blank-line separator of a ``.txt``), so parsing the chunks one by one — in any process — gives the documents
+    of parsing the whole file. ``kind`` is ``jsonl``, ``txt`` or ``rows`` (``hf:`` rows as ``(row number, text,
+    meta)``; ``text`` then holds the default source name); ``first_line`` numbers the chunk's first line in its
+    file; ``nbytes`` is how many bytes of the input file reading the chunk advanced (for progress)."""
+
+    file_index: int
+    origin: str
+    kind: str
+    first_line: int = 1
+    text: str = ""
+    rows: list = field(default_factory=list)
+    nbytes: int = 0
 
 
-def _iter_hf(spec: str) -> Iterator[Document]:
+@dataclass
+class Skip:
+    """A whole input skipped (not readable as gzip or as UTF-8): the warning, where reading reaches the file."""
+
+    file_index: int
+    message: str
+
+
+def _open_bytes(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def unreadable_reason(path: str, block_bytes: int = 1 << 22) -> str | None:
+    """Why ``path`` cannot be read as (gzipped) strict UTF-8 text — ``"not valid UTF-8 at byte offset N in the
+    file (reason)"``, ``"cannot read it as gzip (…)"`` — or None when it can. Streams the file (bounded memory);
+    the offset is the first bad byte's in the (decompressed) stream, as a whole-file decode reports it."""
+    gz = path.endswith(".gz")
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    consumed = 0
+    try:
+        with _open_bytes(path) as f:
+            while True:
+                block = f.read(block_bytes)
+                pending = len(decoder.getstate()[0])
+                try:
+                    decoder.decode(block, final=not block)
+                except UnicodeDecodeError as e:
+                    where = "after decompression" if gz else "in the file"
+                    return f"not valid UTF-8 at byte offset {consumed - pending + e.start} {where} ({e.reason})"
+                consumed += len(block)
+                if not block:
+                    return None
+    except (OSError, EOFError, zlib.error) as e:
+        return f"cannot read it as {'gzip' if gz else 'a file'} ({e})"
+
+
+def _text_blocks(path: str, block_bytes: int) -> Iterator[tuple[str, int, bool]]:
+    """``(decoded text, input bytes advanced, at the end)`` of a readable file, block by block."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    with open(path, "rb") as raw:
+        f = gzip.open(raw, "rb") if path.endswith(".gz") else raw
+        pos = 0
+        while True:
+            block = f.read(block_bytes)
+            text = decoder.decode(block, final=not block)
+            now = raw.tell()
+            yield text, now - pos, not block
+            pos = now
+            if not block:
+                return
+
+
+def _file_chunks(i: int, path: str, chunk_bytes: int) -> Iterator[Chunk]:
+    jsonl = ".jsonl" in Path(path).name
+    kind = "jsonl" if jsonl else "txt"
+    carry = ""  # text after the last cut (CRLF already replaced in .txt)
+    hold = ""  # a .txt block's trailing CR, kept back until the next block says whether a LF follows
+    line = 1
+    advanced = 0
+    for text, nbytes, end in _text_blocks(path, chunk_bytes):
+        advanced += nbytes
+        if end:
+            break
+        if jsonl:
+            buf = carry + text
+            cut = buf.rfind("\n") + 1
+        else:
+            # the whole-file reading replaces CRLF once, before splitting: replace each new stretch once
+            new = hold + text
+            new, hold = (new[:-1], "\r") if new.endswith("\r") else (new, "")
+            buf = carry + new.replace("\r\n", "\n")
+            # cut after the last blank-line separator: the separators that splitting the whole text finds before it
+            # are found the same way in this buffer (a match ends at its second newline; an attempt that fails
+            # stops at the next newline, so none reads past the cut)
+            cut = 0
+            for m in _BLANK_LINES.finditer(buf):
+                cut = m.end()
+        piece, carry = buf[:cut], buf[cut:]
+        if piece:
+            yield Chunk(i, path, kind, first_line=line, text=piece, nbytes=advanced)
+            advanced = 0
+            line += piece.count("\n") if jsonl else 0
+    yield Chunk(i, path, kind, first_line=line, text=carry + hold, nbytes=advanced)
+
+
+def _hf_chunks(i: int, spec: str, rows_per_chunk: int) -> Iterator[Chunk]:
+    # datasets is imported only for an hf: source: it is heavy, and most runs read files
     try:
         import datasets
     except ImportError as e:  # pragma: no cover - datasets is in the train extra
@@ -222,26 +251,142 @@ def _iter_hf(spec: str) -> Iterator[Document]:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
     except Exception as e:  # noqa: BLE001 - datasets raises many types; name the source and pass the reason on
         raise DataError(f"data source {spec!r}: cannot open it with datasets.load_dataset: {e}") from None
-    for row in ds:
+    default_source = name.rstrip("/").split("/")[-1]
+    rows: list = []
+    for n, row in enumerate(ds, start=1):
         if isinstance(row, dict) and isinstance(row.get("text"), str):
-            doc = _make_doc(row["text"], row, name.rstrip("/").split("/")[-1], spec)
+            rows.append((n, row["text"], {k: row[k] for k in _META if row.get(k) is not None}))
+        if len(rows) >= rows_per_chunk:
+            yield Chunk(i, spec, "rows", rows=rows, text=default_source)
+            rows = []
+    yield Chunk(i, spec, "rows", rows=rows, text=default_source)
+
+
+def iter_chunks(files: list[str], unreadable: dict[str, str | None] | None = None,
+                chunk_bytes: int = 1 << 20, rows_per_chunk: int = 256) -> Iterator[Chunk | Skip]:
+    """Cut already-expanded inputs into :class:`Chunk` s of about ``chunk_bytes`` of text, in reading order.
+
+    ``unreadable`` maps a path to its :func:`unreadable_reason` when the caller knows it already (the input
+    scan, ``train.inputs``); other files are checked here first. An unreadable file yields one :class:`Skip`
+    and no chunk: a file is used whole or not at all. Memory is bounded by one block and one chunk.
+    Raises DataError for an ``hf:`` source that cannot be opened.
+    """
+    for i, f in enumerate(files):
+        if is_hf_spec(f):
+            yield from _hf_chunks(i, f, rows_per_chunk)
+            continue
+        reason = unreadable[f] if unreadable is not None and f in unreadable else unreadable_reason(f)
+        if reason is not None:
+            yield Skip(i, f"skipped {f}: {reason}")
+        else:
+            yield from _file_chunks(i, f, chunk_bytes)
+
+
+_META = ("source", "license", "title")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(obj: dict, origin: str, where: int) -> str | None:
+    """A warning when a field we keep (text, source, license, title) holds a lone surrogate: such a string is not
+    Unicode text (it has no UTF-8 form) and would abort the run later, when it is hashed or written."""
+    for key in ("text", *_META):
+        v = obj.get(key)
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m:
+                return (f"skipped {origin}:{where}: field \"{key}\" holds a lone surrogate U+{ord(m.group()):04X} at "
+                        f"character {m.start()} (expected Unicode text; a JSON \\ud800-\\udfff escape needs its pair)")
+    return None
+
+
+def parse_chunk(chunk: Chunk) -> tuple[list[Document], list[str]]:
+    """The documents of one chunk, and the warnings for what it skipped (``path:line: why``), in order.
+
+    Never raises for bad input: a line that is not JSON (a 5000-digit integer, or nesting too deep to parse,
+    included), not an object with a string ``text``, or whose kept fields hold a lone surrogate is a warning.
+    """
+    docs: list[Document] = []
+    warnings: list[str] = []
+    if chunk.kind == "txt":
+        stem = Path(chunk.origin).name.split(".")[0]
+        for piece in _BLANK_LINES.split(chunk.text):
+            doc = _make_doc(piece.strip("\n"), {}, stem, chunk.origin)
             if doc is not None:
-                yield doc
+                docs.append(doc)
+        return docs, warnings
+    if chunk.kind == "rows":
+        for n, text, meta in chunk.rows:
+            bad = _lone_surrogate({"text": text, **meta}, chunk.origin, n)
+            doc = None if bad else _make_doc(text, meta, chunk.text, chunk.origin)
+            if bad:
+                warnings.append(bad)
+            elif doc is not None:
+                docs.append(doc)
+        return docs, warnings
+    stem = Path(chunk.origin).name.split(".")[0]
+    for lineno, line in enumerate(chunk.text.split("\n"), start=chunk.first_line):
+        if not line.strip():
+            continue
+        where = f"skipped {chunk.origin}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            warnings.append(f"{where}: not valid JSON ({e.msg})")
+            continue
+        except ValueError as e:  # an integer longer than sys.get_int_max_str_digits() digits
+            warnings.append(f"{where}: not valid JSON ({str(e).split(';')[0]})")
+            continue
+        except RecursionError:
+            warnings.append(f"{where}: not valid JSON (nested too deeply to parse)")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            warnings.append(f"{where}: expected a JSON object with a string field \"text\"")
+            continue
+        bad = _lone_surrogate(obj, chunk.origin, lineno)
+        if bad:
+            warnings.append(bad)
+            continue
+        doc = _make_doc(obj["text"], obj, stem, chunk.origin)
+        if doc is not None:
+            docs.append(doc)
+    return docs, warnings
 
 
 def iter_documents(files: list[str], strict: bool = False, report: ReadReport | None = None,
                    progress: Callable[[int, float], None] | None = None) -> Iterator[Document]:
-    """Yield the documents of already-expanded inputs (see :func:`list_input_files`) in order.
+    """Yield the documents of already-expanded inputs (see :func:`list_input_files`) in order, in this process
+    (``train.parallel`` parses the same chunks in several).
 
     ``progress(i, fraction)`` is called as file ``i`` is read (fraction of it done, 0..1).
     Raises DataError only in strict mode or for an unreadable ``hf:`` source.
     """
     report = report if report is not None else ReadReport()
-    for i, f in enumerate(files):
-        cb = (lambda frac, i=i: progress(i, frac)) if progress else None
-        if is_hf_spec(f):
-            yield from _iter_hf(f)
-            if cb:
-                cb(1.0)
+    sizes = [0 if is_hf_spec(f) else Path(f).stat().st_size for f in files]
+    done = [0] * len(files)
+    for c in iter_chunks(files):
+        if isinstance(c, Skip):
+            report.warn(c.message, strict)
+            done[c.file_index] = sizes[c.file_index]
         else:
-            yield from _iter_file(f, report, strict, cb)
+            docs, warnings = parse_chunk(c)
+            for w in warnings:
+                report.warn(w, strict)
+            yield from docs
+            done[c.file_index] += c.nbytes
+        if progress:
+            progress(c.file_index, min(done[c.file_index] / max(sizes[c.file_index], 1), 1.0))
+
+
+def check_languages_present(docs_by_lang: dict[str, int], inputs: list[str], skipped: list[str] = ()) -> None:
+    """Raise DataError naming every configured language without a single document in ``inputs``; the message
+    lists what was skipped, and why (``skipped``: a ReadReport's warnings)."""
+    missing = [lang for lang, n in docs_by_lang.items() if n == 0]
+    if missing:
+        names = ", ".join(f"{lang} ({LANG_NAMES.get(lang, lang)})" for lang in missing)
+        shown = ", ".join(inputs[:3]) + (" …" if len(inputs) > 3 else "")
+        msg = (f"data.languages includes {names} but no such documents were found in {shown} "
+               f"(language is decided by script: bn when most letters are Bengali)")
+        if skipped:
+            msg += f"; skipped {len(skipped)} input(s) or line(s): " + "; ".join(skipped[:5])
+            msg += " …" if len(skipped) > 5 else ""
+        raise DataError(msg)

@@ -7,11 +7,18 @@ writes shards (``train.shards``) into ``cache/shards/<fingerprint>/``:
   the TOKEN mix of languages meets ``data.mix`` (a language short of its share is repeated, whole copies plus
   a hash-chosen fraction, up to ``MAX_REPEAT`` times; past that the others are subsampled), in a shuffled order;
 * ``val-bn.bin``, ``val-en.bin`` — the val split per language, not resampled;
-* ``index.json`` — DESIGN.md's fields, plus what was skipped and the Bangla letter share.
+* ``index.json`` — docs/design.md's fields, plus what was skipped and the Bangla letter share.
 
 A fingerprint is the sha256 of the input files' content hashes (sorted: path-independent), the ``[data]`` and
 ``[tokenizer]`` keys that change the result, the tokenizer's sha256 (for shards) and ``FORMAT_VERSION``. A hit
-is reused and says so; a miss is built in a temporary folder and renamed into place.
+is reused and says so; a miss is built in a temporary folder and renamed into place. The context length is not
+in the tokenizer's key: a tokenizer serves any ``max_position_embeddings``.
+
+Scale: each input is hashed once (``train.inputs``, cached by path, size and mtime); the tokenizer's sample is
+chosen in one streaming pass (``train.tokenizer_sample``); the shards are built by :class:`ShardBuild` in named
+phases, its tokenizing pass spread over ``data.num_workers`` processes (``train.parallel``) with bounded memory:
+chunks of the inputs go out, token ids come back in reading order and stream into per-language raw files; the
+shards are bit for bit the same whatever the number of processes.
 
 The fertility trap guard prints the language mix as characters and as tokens beside the target, and warns
 loudly when Bangla characters per token fall below 0.75 × English's (the report's 1.4 vs 3.9).
@@ -24,27 +31,35 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from train.atomic import atomic_dir, atomic_write_json
 from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
-from train.corpus import DataError, ReadReport, input_fingerprints, iter_documents, list_input_files
-from train.shards import ShardWriter, dtype_for_vocab, open_shard
-from train.tokenizer import (
-    EOT,
-    SPLIT_PATTERN,
+from train.corpus import (
+    Chunk,
+    DataError,
+    ReadReport,
+    Skip,
     check_languages_present,
-    load_tokenizer,
-    sample_texts,
-    save_tokenizer,
-    tokenizer_sha256,
-    train_tokenizer,
+    iter_chunks,
+    list_input_files,
+    parse_chunk,
 )
+from train.inputs import InputFile, scan_inputs
+from train.parallel import ordered_map, resolve_workers
+from train.shards import ShardWriter, dtype_for_vocab, open_shard
+from train.tokenizer import EOT, SPLIT_PATTERN, load_tokenizer, save_tokenizer, tokenizer_sha256, train_tokenizer
+from train.tokenizer_sample import choose_sample
 
-FORMAT_VERSION = 1
+# 2: pre-tokens bounded to MAX_PRETOKEN_CHARS (the split pattern changed, so every tokenizer and shard key did)
+# and the context length out of the tokenizer's key
+FORMAT_VERSION = 2
 MAX_REPEAT = 4.0  # "Scaling Data-Constrained Language Models" (Muennighoff et al. 2023): ~4 epochs ≈ fresh data
 SHARD_TOKENS = 1 << 28
 FERTILITY_TRAP_RATIO = 0.75
@@ -63,30 +78,31 @@ def _fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def tokenizer_fingerprint(cfg: Config, inputs: list[dict]) -> str:
-    """Fingerprint of a tokenizer trained from these inputs with these settings."""
+def tokenizer_fingerprint(cfg: Config, inputs: list[InputFile]) -> str:
+    """Fingerprint of a tokenizer trained from these inputs with these settings (not the model's context)."""
     t = cfg.tokenizer
     return _fingerprint({
-        "format": FORMAT_VERSION, "kind": "tokenizer", "inputs": sorted(i["sha256"] for i in inputs),
+        "format": FORMAT_VERSION, "kind": "tokenizer", "inputs": sorted(i.sha256 for i in inputs),
         "languages": sorted(cfg.data.languages), "val_fraction": cfg.data.val_fraction,
         "vocab_size": t.vocab_size, "sample_chars": t.sample_chars, "sample_weights": t.sample_weights,
         "min_frequency": t.min_frequency, "pattern": SPLIT_PATTERN,
-        "max_len": cfg.model.max_position_embeddings,
     })
 
 
-def shards_fingerprint(cfg: Config, inputs: list[dict], tok_sha: str) -> str:
+def shards_fingerprint(cfg: Config, inputs: list[InputFile], tok_sha: str) -> str:
     """Fingerprint of the shards for these inputs, [data] keys and tokenizer."""
     d = cfg.data
     return _fingerprint({
-        "format": FORMAT_VERSION, "kind": "shards", "inputs": sorted(i["sha256"] for i in inputs),
+        "format": FORMAT_VERSION, "kind": "shards", "inputs": sorted(i.sha256 for i in inputs),
         "languages": sorted(d.languages), "mix": d.mix, "val_fraction": d.val_fraction, "tokenizer": tok_sha,
     })
 
 
-def ensure_tokenizer(cfg: Config, files: list[str], inputs: list[dict], log=print) -> Path:
+def ensure_tokenizer(cfg: Config, files: list[str], inputs: list[InputFile], log=print) -> Path:
     """The tokenizer folder: ``tokenizer.path`` if set, else the cached one for this fingerprint, trained on a
-    miss (on the train split, balanced by ``tokenizer.sample_weights``)."""
+    miss (on the train split, balanced by ``tokenizer.sample_weights``, sampled in one pass by
+    ``data.num_workers`` processes). Raises DataError when the inputs hold no documents to train on (saying
+    what was skipped and why)."""
     if cfg.tokenizer.path:
         path = resolve_path(cfg.tokenizer.path)
         load_tokenizer(path)
@@ -98,15 +114,17 @@ def ensure_tokenizer(cfg: Config, files: list[str], inputs: list[dict], log=prin
         log(f"tokenizer: cache hit, reusing {path}")
         return path
     t0 = time.time()
-    make_iter, stats = sample_texts(files, cfg.data.languages, cfg.tokenizer.sample_weights,
-                                    cfg.tokenizer.sample_chars, cfg.data.val_fraction, cfg.data.strict)
+    texts, stats = choose_sample(files, cfg.data.languages, cfg.tokenizer.sample_weights, cfg.tokenizer.sample_chars,
+                                 cfg.data.val_fraction, cfg.data.strict, resolve_workers(cfg.data.num_workers),
+                                 {i.path: i.unreadable for i in inputs})
     for lang, s in stats.items():
         log(f"tokenizer: sampling {s['sampled']:,} of {s['available']:,} train characters of {lang} "
             f"({s['docs']} documents)")
     if sum(s["sampled"] for s in stats.values()) == 0:
         raise DataError(f"no train documents in {cfg.data.languages} to train a tokenizer on in {cfg.data.paths}")
-    tok = train_tokenizer(make_iter(), cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
-    save_tokenizer(tok, path, cfg.model.max_position_embeddings, overwrite=True)
+    tok = train_tokenizer(texts, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
+    del texts
+    save_tokenizer(tok, path, None, overwrite=True)  # no model_max_length: checkpoints write the model's
     log(f"tokenizer: trained {tok.get_vocab_size():,} tokens in {time.time() - t0:.1f} s → {path}")
     return path
 
@@ -133,175 +151,338 @@ def _doc_hash_pair(text: str) -> tuple[float, float]:
     return int(h[:8], 16) / 2**32, int(h[8:16], 16) / 2**32
 
 
-def _batched(it, n):
-    batch = []
-    for x in it:
-        batch.append(x)
-        if len(batch) >= n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+# ------------------------------------------------------------------------------------- the tokenizing workers
+
+@dataclass
+class EncodedChunk:
+    """One chunk's documents of the configured languages, tokenized (what a worker sends back).
+
+    Per document, in reading order: ``lang`` (index into the languages), ``key``/``u`` (the two hashes of
+    :func:`_doc_hash_pair`: split and resampling), ``tokens`` (with the leading ``<|endoftext|>``), ``chars``,
+    ``bengali_chars`` (Bengali letter share × chars); ``ids`` all their token ids back to back (uint32);
+    ``sources`` ``[((source, license), docs, chars)]`` in order of first appearance.
+    """
+
+    file_index: int
+    nbytes: int
+    warnings: list[str]
+    other_language_docs: int
+    lang: np.ndarray
+    key: np.ndarray
+    u: np.ndarray
+    tokens: np.ndarray
+    chars: np.ndarray
+    bengali_chars: np.ndarray
+    ids: np.ndarray
+    sources: list
 
 
-def build_shards(cfg: Config, files: list[str], inputs: list[dict], tok_dir: Path, out: Path, log=print,
-                 shard_tokens: int = SHARD_TOKENS) -> dict:
-    """Tokenize every document into ``out`` (an empty folder) and return the index dict."""
+_WORKER: dict = {}
+
+
+def _init_encoder(tok_dir: str, languages: list[str]) -> None:
     tok = load_tokenizer(tok_dir)
-    vocab = tok.get_vocab_size()
-    eot = tok.token_to_id(EOT)
-    languages = list(cfg.data.languages)
-    report = ReadReport()
-    stats = {lang: {"docs": 0, "chars": 0, "tokens": 0, "bengali_letters_share": 0.0} for lang in languages}
-    split_stats = {s: {lang: {"docs": 0, "chars": 0, "tokens": 0} for lang in languages} for s in ("train", "val")}
-    sources: dict[tuple[str, str | None], dict] = {}
-    train_docs: dict[str, list[tuple[float, float, int, int, int]]] = {lang: [] for lang in languages}  # key, u, start, n, chars
-    raw_writers = {lang: ShardWriter(out / f".train-{lang}.raw", vocab) for lang in languages}
-    val_pending: dict[str, list[tuple[float, list[int], int]]] = {lang: [] for lang in languages}
-    skipped_lang = 0
+    _WORKER.update(tok=tok, eot=tok.token_to_id(EOT), lang_index={lang: i for i, lang in enumerate(languages)})
 
-    sizes = [max(i["bytes"], 1) for i in inputs]
-    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="tokenizing", dynamic_ncols=True, mininterval=0.5)
-    done_before = [sum(sizes[:i]) for i in range(len(sizes))]
 
-    def progress(i: int, frac: float) -> None:
-        bar.update(int(done_before[i] + frac * sizes[i]) - bar.n)
+def _encode_chunk(chunk: Chunk | Skip) -> EncodedChunk | Skip:
+    if isinstance(chunk, Skip):
+        return chunk
+    docs, warnings = parse_chunk(chunk)
+    lang_index = _WORKER["lang_index"]
+    keep = [d for d in docs if d.lang in lang_index]
+    encs = _WORKER["tok"].encode_batch_fast([d.text for d in keep], add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) + 1 for e in encs), dtype=np.int64, count=len(encs))
+    ids = np.empty(int(lengths.sum()), dtype=np.uint32)
+    pos = 0
+    for e, n in zip(encs, lengths.tolist()):
+        ids[pos] = _WORKER["eot"]
+        ids[pos + 1:pos + n] = e.ids
+        pos += n
+    pairs = [_doc_hash_pair(d.text) for d in keep]
+    sources: dict[tuple, list] = {}
+    for d in keep:
+        s = sources.setdefault((d.source, d.license), [0, 0])
+        s[0] += 1
+        s[1] += len(d.text)
+    return EncodedChunk(
+        file_index=chunk.file_index, nbytes=chunk.nbytes, warnings=warnings, other_language_docs=len(docs) - len(keep),
+        lang=np.fromiter((lang_index[d.lang] for d in keep), dtype=np.int8, count=len(keep)),
+        key=np.array([p[0] for p in pairs], dtype=np.float64), u=np.array([p[1] for p in pairs], dtype=np.float64),
+        tokens=lengths, chars=np.fromiter((len(d.text) for d in keep), dtype=np.int64, count=len(keep)),
+        bengali_chars=np.array([d.bengali_share * len(d.text) for d in keep], dtype=np.float64),
+        ids=ids, sources=[(k, v[0], v[1]) for k, v in sources.items()])
 
-    docs_iter = iter_documents(files, strict=cfg.data.strict, report=report, progress=progress)
-    for batch in _batched(docs_iter, 256):
-        keep = [d for d in batch if d.lang in stats]
-        skipped_lang += len(batch) - len(keep)
-        encs = tok.encode_batch([d.text for d in keep], add_special_tokens=False)
-        for d, enc in zip(keep, encs):
-            ids = [eot] + enc.ids
-            key, u = _doc_hash_pair(d.text)
-            st = stats[d.lang]
-            st["docs"] += 1
-            st["chars"] += len(d.text)
-            st["tokens"] += len(ids)
-            st["bengali_letters_share"] += d.bengali_share * len(d.text)
-            src = sources.setdefault((d.source, d.license), {"source": d.source, "license": d.license, "docs": 0,
-                                                              "chars": 0})
-            src["docs"] += 1
-            src["chars"] += len(d.text)
-            if key < cfg.data.val_fraction:
-                val_pending[d.lang].append((key, ids, len(d.text)))
-            else:
-                w = raw_writers[d.lang]
-                train_docs[d.lang].append((key, u, w.tokens, len(ids), len(d.text)))
-                w.write(ids)
-    bar.close()
-    for w in raw_writers.values():
-        w.close()
-    for msg in report.skipped:
-        log(f"warning: {msg}")
-    check_languages_present({lang: stats[lang]["docs"] for lang in languages}, files)
 
-    # every language needs val text: borrow the train document with the lowest split hash when val is empty
-    raws = {lang: open_shard(out / f".train-{lang}.raw") for lang in languages}
-    for lang in languages:
-        if not val_pending[lang] and len(train_docs[lang]) > 1:
-            i = min(range(len(train_docs[lang])), key=lambda j: train_docs[lang][j][0])
-            key, _u, start, n, nchars = train_docs[lang].pop(i)
-            val_pending[lang].append((key, [int(x) for x in raws[lang][start:start + n]], nchars))
-            log(f"note: no {lang} document fell into val at val_fraction={cfg.data.val_fraction}; "
-                f"moved one train document to val-{lang}.bin")
-    val_files = {}
-    for lang in languages:
-        with ShardWriter(out / f"val-{lang}.bin", vocab) as w:
-            for _key, ids, nchars in sorted(val_pending[lang], key=lambda x: x[0]):
-                w.write(ids)
-                split_stats["val"][lang]["docs"] += 1
-                split_stats["val"][lang]["chars"] += nchars
-                split_stats["val"][lang]["tokens"] += len(ids)
-        val_files[lang] = f"val-{lang}.bin"
-    for lang in languages:
-        for _key, _u, _start, n, nchars in train_docs[lang]:
-            split_stats["train"][lang]["docs"] += 1
-            split_stats["train"][lang]["chars"] += nchars
-            split_stats["train"][lang]["tokens"] += n
+# ------------------------------------------------------------------------------------- building the shards
 
-    # resample the train split to the target TOKEN mix
-    natural = {lang: split_stats["train"][lang]["tokens"] for lang in languages}
-    mix = {lang: cfg.data.mix.get(lang, 0.0) for lang in languages}
-    factors = repeat_factors(natural, mix)
-    order: list[tuple[float, str, int]] = []
-    for lang in languages:
-        f = factors[lang]
-        whole = int(f)
-        # the fractional part: documents in hash order until their tokens reach it (exact to one document)
-        extra_tokens = (f - whole) * natural[lang]
-        chosen: set[int] = set()
-        taken = 0
-        for j in sorted(range(len(train_docs[lang])), key=lambda j: train_docs[lang][j][1]):
-            if taken + train_docs[lang][j][3] / 2 > extra_tokens:
-                break
-            chosen.add(j)
-            taken += train_docs[lang][j][3]
-        for j, (key, u, _start, _n, _c) in enumerate(train_docs[lang]):
-            for c in range(whole + (1 if j in chosen else 0)):
-                order.append((_doc_hash_pair(f"{key!r}:{u!r}:{c}")[0], lang, j))
-    order.sort()
-    shards: list[str] = []
-    resampled = {lang: 0 for lang in languages}
-    writer = None
-    for _h, lang, j in tqdm(order, desc="writing shards", unit="doc", dynamic_ncols=True, mininterval=0.5,
-                            disable=len(order) < 2000):
-        if writer is None or writer.tokens >= shard_tokens:
-            if writer is not None:
-                writer.close()
-            name = f"train-{len(shards):05d}.bin"
-            shards.append(name)
-            writer = ShardWriter(out / name, vocab)
-        _key, _u, start, n, _c = train_docs[lang][j]
-        writer.write(raws[lang][start:start + n])
-        resampled[lang] += n
-    if writer is None:
-        raise DataError(f"no train documents left in {cfg.data.paths} after the val split "
-                        f"(val_fraction={cfg.data.val_fraction}); add data or lower data.val_fraction")
-    writer.close()
-    del raws
-    for lang in languages:
-        (out / f".train-{lang}.raw").unlink()
+@dataclass
+class _Docs:
+    """Documents of one language and split, in reading order: their hashes, their place in a raw token file
+    (``start``, ``tokens``) and their characters."""
 
-    total_train = sum(resampled.values())
-    languages_out = {}
-    for lang in languages:
-        st = stats[lang]
-        languages_out[lang] = {
-            "docs": st["docs"], "chars": st["chars"], "tokens": st["tokens"],
-            "chars_per_token": st["chars"] / max(st["tokens"], 1),
-            "bengali_letters_share": st["bengali_letters_share"] / max(st["chars"], 1),
-            "repeat_factor": factors[lang],
+    key: array = field(default_factory=lambda: array("d"))
+    u: array = field(default_factory=lambda: array("d"))
+    start: array = field(default_factory=lambda: array("q"))
+    tokens: array = field(default_factory=lambda: array("q"))
+    chars: array = field(default_factory=lambda: array("q"))
+
+    def pop(self, j: int) -> tuple[float, float, int, int, int]:
+        return tuple(col.pop(j) for col in (self.key, self.u, self.start, self.tokens, self.chars))
+
+
+@dataclass
+class ShardBuild:
+    """``build_shards`` in named phases; each phase reads the state the earlier ones left.
+
+    :meth:`tokenize` streams every document through the workers into per-language raw files (train and val) and
+    keeps one small record per document; :meth:`ensure_val` gives every language a val document;
+    :meth:`write_val` writes ``val-<lang>.bin`` in split-hash order; :meth:`resample` computes the order of the
+    train documents (with repeats) that meets ``data.mix``; :meth:`write_train` writes ``train-NNNNN.bin`` in
+    that order; :meth:`index` returns ``index.json``'s dict. Nothing depends on the number of workers.
+    """
+
+    cfg: Config
+    files: list[str]
+    inputs: list[InputFile]
+    tok_dir: Path
+    out: Path
+    log: Callable[[str], None] = print
+    shard_tokens: int = SHARD_TOKENS
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        tok = load_tokenizer(self.tok_dir)
+        self.vocab = tok.get_vocab_size()
+        self.eot = tok.token_to_id(EOT)
+        self.languages = list(self.cfg.data.languages)
+        self.report = ReadReport()
+        self.stats = {lang: {"docs": 0, "chars": 0, "tokens": 0, "bengali_letters_share": 0.0} for lang in self.languages}
+        self.sources: dict[tuple[str, str | None], dict] = {}
+        self.train = {lang: _Docs() for lang in self.languages}
+        self.val = {lang: _Docs() for lang in self.languages}
+        self.borrowed: dict[str, tuple] = {}
+        self.skipped_lang = 0
+
+    def _raw(self, split: str, lang: str) -> Path:
+        return self.out / f".{split}-{lang}.raw"
+
+    def tokenize(self) -> None:
+        """Read, parse and tokenize every input in ``workers`` processes, in reading order."""
+        writers = {(s, lang): ShardWriter(self._raw(s, lang), self.vocab) for s in ("train", "val")
+                   for lang in self.languages}
+        val_fraction = self.cfg.data.val_fraction
+        unreadable = {f.path: f.unreadable for f in self.inputs}
+        bar = tqdm(total=sum(max(f.bytes, 1) for f in self.inputs), unit="B", unit_scale=True, desc="tokenizing",
+                   dynamic_ncols=True, mininterval=0.5)
+        with bar:
+            results = ordered_map(_encode_chunk, iter_chunks(self.files, unreadable), self.workers, _init_encoder,
+                                  (str(self.tok_dir), self.languages))
+            for part in results:
+                if isinstance(part, Skip):
+                    self.report.warn(part.message, self.cfg.data.strict)
+                    continue
+                for w in part.warnings:
+                    self.report.warn(w, self.cfg.data.strict)
+                self._take(part, writers, val_fraction)
+                bar.update(part.nbytes)
+        for w in writers.values():
+            w.close()
+        for msg in self.report.skipped:
+            self.log(f"warning: {msg}")
+        check_languages_present({lang: self.stats[lang]["docs"] for lang in self.languages}, self.files,
+                                self.report.skipped)
+
+    def _take(self, part: EncodedChunk, writers: dict, val_fraction: float) -> None:
+        self.skipped_lang += part.other_language_docs
+        ends = np.cumsum(part.tokens)
+        starts = ends - part.tokens
+        for li, lang in enumerate(self.languages):
+            st = self.stats[lang]
+            mine = np.flatnonzero(part.lang == li)
+            for j in mine.tolist():
+                st["bengali_letters_share"] += float(part.bengali_chars[j])  # in reading order, as one reader adds
+            st["docs"] += len(mine)
+            st["chars"] += int(part.chars[mine].sum())
+            st["tokens"] += int(part.tokens[mine].sum())
+            is_val = part.key[mine] < val_fraction
+            for split, sel in (("val", mine[is_val]), ("train", mine[~is_val])):
+                if len(sel) == 0:
+                    continue
+                w = writers[(split, lang)]
+                docs = (self.val if split == "val" else self.train)[lang]
+                n = part.tokens[sel]
+                docs.start.frombytes((w.tokens + np.cumsum(n) - n).astype(np.int64).tobytes())
+                docs.tokens.frombytes(n.astype(np.int64).tobytes())
+                docs.key.frombytes(part.key[sel].tobytes())
+                docs.u.frombytes(part.u[sel].tobytes())
+                docs.chars.frombytes(part.chars[sel].astype(np.int64).tobytes())
+                w.write(np.concatenate([part.ids[a:b] for a, b in zip(starts[sel].tolist(), ends[sel].tolist())]))
+        for (source, lic), docs, chars in part.sources:
+            src = self.sources.setdefault((source, lic), {"source": source, "license": lic, "docs": 0, "chars": 0})
+            src["docs"] += docs
+            src["chars"] += chars
+
+    def ensure_val(self) -> None:
+        """Every language needs val text: borrow the train document with the lowest split hash when val is empty."""
+        for lang in self.languages:
+            tr = self.train[lang]
+            if len(self.val[lang].key) == 0 and len(tr.key) > 1:
+                j = min(range(len(tr.key)), key=tr.key.__getitem__)
+                self.borrowed[lang] = tr.pop(j)
+                self.log(f"note: no {lang} document fell into val at val_fraction={self.cfg.data.val_fraction}; "
+                         f"moved one train document to val-{lang}.bin")
+
+    def write_val(self) -> None:
+        """``val-<lang>.bin``: the val documents in split-hash order (ties in reading order)."""
+        self.val_stats = {}
+        for lang in self.languages:
+            docs = self.val[lang]
+            raw = open_shard(self._raw("val", lang)) if len(docs.key) else None
+            items = [(docs.key[j], raw, docs.start[j], docs.tokens[j], docs.chars[j]) for j in range(len(docs.key))]
+            if lang in self.borrowed:
+                key, _u, start, n, chars = self.borrowed[lang]
+                items.append((key, open_shard(self._raw("train", lang)), start, n, chars))
+            items.sort(key=lambda x: x[0])
+            with ShardWriter(self.out / f"val-{lang}.bin", self.vocab) as w:
+                for _key, src, start, n, _chars in items:
+                    w.write(src[start:start + n])
+            self.val_stats[lang] = {"docs": len(items), "chars": sum(x[4] for x in items),
+                                    "tokens": sum(x[3] for x in items)}
+            del raw, items
+            self._raw("val", lang).unlink()
+
+    def resample(self) -> None:
+        """The train documents, each ``whole`` times plus a hash-chosen share once more, shuffled by hash."""
+        self.natural = {lang: sum(self.train[lang].tokens) for lang in self.languages}
+        self.mix = {lang: self.cfg.data.mix.get(lang, 0.0) for lang in self.languages}
+        self.factors = repeat_factors(self.natural, self.mix)
+        rank = {lang: r for r, lang in enumerate(sorted(self.languages))}
+        hashes: list[float] = []
+        langs: list[int] = []
+        index: list[int] = []
+        for li, lang in enumerate(self.languages):
+            docs = self.train[lang]
+            f = self.factors[lang]
+            whole = int(f)
+            # the fractional part: documents in hash order until their tokens reach it (exact to one document)
+            extra_tokens = (f - whole) * self.natural[lang]
+            chosen: set[int] = set()
+            taken = 0
+            for j in sorted(range(len(docs.u)), key=docs.u.__getitem__):
+                if taken + docs.tokens[j] / 2 > extra_tokens:
+                    break
+                chosen.add(j)
+                taken += docs.tokens[j]
+            for j, (key, u) in enumerate(zip(docs.key, docs.u)):
+                for c in range(whole + (1 if j in chosen else 0)):
+                    hashes.append(_doc_hash_pair(f"{key!r}:{u!r}:{c}")[0])
+                    langs.append(li)
+                    index.append(j)
+        lang_rank = np.array([rank[self.languages[li]] for li in range(len(self.languages))], dtype=np.int64)
+        langs_a, index_a = np.array(langs, dtype=np.int64), np.array(index, dtype=np.int64)
+        order = np.lexsort((index_a, lang_rank[langs_a] if len(langs_a) else langs_a, np.array(hashes)))
+        self.order = (langs_a[order], index_a[order])
+
+    def write_train(self) -> None:
+        """``train-NNNNN.bin`` in the resampled order; a shard closes once it holds ``shard_tokens`` tokens."""
+        raws = {lang: open_shard(self._raw("train", lang)) for lang in self.languages}
+        self.shards: list[str] = []
+        self.resampled = {lang: 0 for lang in self.languages}
+        writer = None
+        pending: list[np.ndarray] = []
+        pending_tokens = 0
+        langs, index = self.order
+        for li, j in tqdm(zip(langs.tolist(), index.tolist()), total=len(langs), desc="writing shards", unit="doc",
+                          dynamic_ncols=True, mininterval=0.5, disable=len(langs) < 2000):
+            if writer is None or writer.tokens + pending_tokens >= self.shard_tokens:
+                if writer is not None:
+                    if pending:
+                        writer.write(np.concatenate(pending))
+                    writer.close()
+                pending, pending_tokens = [], 0
+                name = f"train-{len(self.shards):05d}.bin"
+                self.shards.append(name)
+                writer = ShardWriter(self.out / name, self.vocab)
+            lang = self.languages[li]
+            docs = self.train[lang]
+            start, n = docs.start[j], docs.tokens[j]
+            pending.append(raws[lang][start:start + n])
+            pending_tokens += n
+            self.resampled[lang] += n
+            if pending_tokens >= 1 << 20:
+                writer.write(np.concatenate(pending))
+                pending, pending_tokens = [], 0
+        if writer is None:
+            raise DataError(f"no train documents left in {self.cfg.data.paths} after the val split "
+                            f"(val_fraction={self.cfg.data.val_fraction}); add data or lower data.val_fraction")
+        if pending:
+            writer.write(np.concatenate(pending))
+        writer.close()
+        del raws, pending
+        for lang in self.languages:
+            self._raw("train", lang).unlink()
+
+    def index(self) -> dict:
+        """``index.json``'s dict (docs/design.md, "Data")."""
+        langs, stats = self.languages, self.stats
+        natural = {lang: {"docs": len(self.train[lang].key), "chars": sum(self.train[lang].chars),
+                          "tokens": self.natural[lang]} for lang in langs}
+        total_train = sum(self.resampled.values())
+        languages_out = {lang: {
+            "docs": stats[lang]["docs"], "chars": stats[lang]["chars"], "tokens": stats[lang]["tokens"],
+            "chars_per_token": stats[lang]["chars"] / max(stats[lang]["tokens"], 1),
+            "bengali_letters_share": stats[lang]["bengali_letters_share"] / max(stats[lang]["chars"], 1),
+            "repeat_factor": self.factors[lang],
+        } for lang in langs}
+        val_files = {lang: f"val-{lang}.bin" for lang in langs}
+        return {
+            "format_version": FORMAT_VERSION,
+            "dtype": str(dtype_for_vocab(self.vocab)),
+            "vocab_size": self.vocab,
+            "eot_id": self.eot,
+            "tokenizer_sha256": tokenizer_sha256(self.tok_dir),
+            "tokenizer_dir": str(self.tok_dir),
+            "inputs": [f.fingerprint() for f in self.inputs],
+            "splits": {
+                "train": {"shards": self.shards, "tokens": total_train, "tokens_by_lang": self.resampled,
+                          "natural": natural},
+                "val": {"shards": [val_files[lang] for lang in langs],
+                        "tokens": sum(self.val_stats[lang]["tokens"] for lang in langs),
+                        "tokens_by_lang": {lang: self.val_stats[lang]["tokens"] for lang in langs},
+                        "chars_by_lang": {lang: self.val_stats[lang]["chars"] for lang in langs},
+                        "docs_by_lang": {lang: self.val_stats[lang]["docs"] for lang in langs},
+                        "files": val_files},
+            },
+            "languages": languages_out,
+            "target_mix": {lang: self.mix[lang] / max(sum(self.mix.values()), 1e-12) for lang in langs},
+            "token_mix": {lang: self.resampled[lang] / max(total_train, 1) for lang in langs},
+            "char_mix": {lang: stats[lang]["chars"] / max(sum(s["chars"] for s in stats.values()), 1) for lang in langs},
+            "sources": sorted(self.sources.values(), key=lambda s: (-s["chars"], s["source"])),
+            "skipped": self.report.skipped,
+            "skipped_other_language_docs": self.skipped_lang,
         }
-    index = {
-        "format_version": FORMAT_VERSION,
-        "dtype": str(dtype_for_vocab(vocab)),
-        "vocab_size": vocab,
-        "eot_id": eot,
-        "tokenizer_sha256": tokenizer_sha256(tok_dir),
-        "tokenizer_dir": str(tok_dir),
-        "inputs": inputs,
-        "splits": {
-            "train": {"shards": shards, "tokens": total_train, "tokens_by_lang": resampled,
-                      "natural": split_stats["train"]},
-            "val": {"shards": [val_files[lang] for lang in languages],
-                    "tokens": sum(split_stats["val"][lang]["tokens"] for lang in languages),
-                    "tokens_by_lang": {lang: split_stats["val"][lang]["tokens"] for lang in languages},
-                    "chars_by_lang": {lang: split_stats["val"][lang]["chars"] for lang in languages},
-                    "docs_by_lang": {lang: split_stats["val"][lang]["docs"] for lang in languages},
-                    "files": val_files},
-        },
-        "languages": languages_out,
-        "target_mix": {lang: mix[lang] / max(sum(mix.values()), 1e-12) for lang in languages},
-        "token_mix": {lang: resampled[lang] / max(total_train, 1) for lang in languages},
-        "char_mix": {lang: stats[lang]["chars"] / max(sum(s["chars"] for s in stats.values()), 1)
-                     for lang in languages},
-        "sources": sorted(sources.values(), key=lambda s: (-s["chars"], s["source"])),
-        "skipped": report.skipped,
-        "skipped_other_language_docs": skipped_lang,
-    }
-    return index
+
+    def run(self) -> dict:
+        """All phases in order; returns the index dict."""
+        self.tokenize()
+        self.ensure_val()
+        self.write_val()
+        self.resample()
+        self.write_train()
+        return self.index()
+
+
+def build_shards(cfg: Config, files: list[str], inputs: list[InputFile], tok_dir: Path, out: Path, log=print,
+                 shard_tokens: int = SHARD_TOKENS, workers: int | None = None) -> dict:
+    """Tokenize every document into ``out`` (an empty folder) with ``workers`` processes (default
+    ``data.num_workers``) and return the index dict. The files written do not depend on ``workers``.
+
+    Raises DataError for a configured language without documents, for no train documents, or (strict mode)
+    for the first bad input.
+    """
+    workers = resolve_workers(cfg.data.num_workers if workers is None else workers)
+    return ShardBuild(cfg, files, inputs, tok_dir, out, log, shard_tokens, workers).run()
 
 
 def mix_report(index: dict) -> list[str]:
@@ -337,10 +518,11 @@ def prepare(cfg: Config, log=print) -> Prepared:
     Raises DataError / ConfigError with a message naming the bad input.
     """
     files = list_input_files(cfg.data.paths)
-    inputs = input_fingerprints(files)
+    cache = resolve_path(cfg.data.cache_dir)
+    inputs = scan_inputs(files, cache, resolve_workers(cfg.data.num_workers))
     tok_dir = ensure_tokenizer(cfg, files, inputs, log)
     fp = shards_fingerprint(cfg, inputs, tokenizer_sha256(tok_dir))
-    shard_dir = resolve_path(cfg.data.cache_dir) / "shards" / fp
+    shard_dir = cache / "shards" / fp
     if (shard_dir / "index.json").is_file():
         index = json.loads((shard_dir / "index.json").read_text())
         log(f"shards: cache hit, reusing {shard_dir}")
@@ -350,7 +532,7 @@ def prepare(cfg: Config, log=print) -> Prepared:
             index = build_shards(cfg, files, inputs, tok_dir, tmp, log)
             atomic_write_json(tmp / "index.json", index)
         dt = time.time() - t0
-        mb = sum(i["bytes"] for i in inputs) / 1e6
+        mb = sum(i.bytes for i in inputs) / 1e6
         log(f"shards: wrote {index['splits']['train']['tokens']:,} train tokens in "
             f"{len(index['splits']['train']['shards'])} shard(s) in {dt:.1f} s ({mb / max(dt, 1e-9):.2f} MB/s of input) "
             f"→ {shard_dir}")
@@ -369,11 +551,17 @@ def main(argv: list[str] | None = None) -> int:
                         formatter_class=HelpFormatter)
     add_config_args(pp)
     pp.add_argument("--strict", action="store_true", help="a bad input file is an error instead of a warning")
+    pp.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="processes that read and tokenize (default: data.num_workers; 0 = every core)")
     args = p.parse_args(argv)
     try:
         cfg = config_from_args(args)
         if args.strict:
             cfg.data.strict = True
+        if args.workers is not None:
+            if args.workers < 0:
+                raise ConfigError(f"--workers: expected 0 (every core) or a positive number, got {args.workers}")
+            cfg.data.num_workers = args.workers
         prep = prepare(cfg, log=lambda m: print(m, file=sys.stderr))
     except (DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,199 @@
+"""Data preparation at scale: MB/s of text per process count, against the raw tokenizer's limit, interleaved.
+
+A corpus of at least ``--mb`` MB of UTF-8 text is generated from ``data/sample`` (its documents repeated and
+shuffled, with a copy number prefixed so no two documents are equal) into a temporary folder, as 8 ``.jsonl``
+files. A tokenizer is trained once (``small``'s settings, a 5 M-character sample). Then, for each process count
+N (1 and 2 by default), in each round and alternating which goes first:
+
+* **limit** — Hugging Face tokenizers' ``encode_batch_fast`` on the same NFC texts, already in memory, split into
+  N equal shares, one forked process per share (its own thread pool off): the physical limit of tokenizing
+  alone on N cores, with no reading, parsing, hashing or writing;
+* **prepare** — ``train.data.build_shards(..., workers=N)``: read, parse, NFC, language, split hash, tokenize
+  and write the shards (the input scan, done once and cached, is reported apart).
+
+Reports MB of text per second for both, prepare / limit, and the speed-up from 1 to N processes, then
+extrapolates 2B tokens on 16 cores from the per-process rate at the largest N. Writes
+benchmarks/results/prepare_scale.md, .json and .png.
+
+    python benchmarks/prepare_scale.py [--mb 100] [--workers 1 2] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from train.config import load_config  # noqa: E402
+from train.corpus import iter_documents, list_input_files  # noqa: E402
+from train.data import build_shards  # noqa: E402
+from train.inputs import scan_inputs  # noqa: E402
+from train.parallel import serial_tokenizers  # noqa: E402
+from train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
+from train.tokenizer_sample import choose_sample  # noqa: E402
+
+_TEXTS: list[str] = []  # the limit's texts, inherited by the forked processes
+_TOK = None
+
+
+def make_corpus(out: Path, mb: float, seed: int = 0) -> int:
+    """Write ≥ ``mb`` MB of text from data/sample into ``out`` as 8 .jsonl files; returns the text bytes."""
+    rows = []
+    for f in sorted((ROOT / "data" / "sample").glob("*.jsonl.gz")):
+        with gzip.open(f, "rt", encoding="utf-8") as fh:
+            rows += [json.loads(line) for line in fh if line.strip()]
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    handles = [open(out / f"part-{i}.jsonl", "w", encoding="utf-8") for i in range(8)]
+    total, copy = 0, 0
+    while total < mb * 1e6:
+        rng.shuffle(rows)
+        for r in rows:
+            text = f"{copy} {r['text']}"
+            total += len(text.encode("utf-8"))
+            handles[copy % 8].write(json.dumps({**r, "text": text}, ensure_ascii=False) + "\n")
+            copy += 1
+    for h in handles:
+        h.close()
+    return total
+
+
+def _encode_share(args: tuple[int, int]) -> int:
+    lo, hi = args
+    n = 0
+    for i in range(lo, hi, 256):
+        n += sum(len(e.ids) for e in _TOK.encode_batch_fast(_TEXTS[i:min(i + 256, hi)], add_special_tokens=False))
+    return n
+
+
+def limit_run(n: int) -> float:
+    """Seconds for raw encode_batch_fast over all _TEXTS on ``n`` forked processes (pool start excluded)."""
+    cuts = [len(_TEXTS) * k // n for k in range(n + 1)]
+    with serial_tokenizers(), multiprocessing.get_context("fork").Pool(n) as pool:
+        pool.map(abs, range(n))  # the workers are up
+        t0 = time.perf_counter()
+        pool.map(_encode_share, list(zip(cuts[:-1], cuts[1:])), chunksize=1)
+        return time.perf_counter() - t0
+
+
+def prepare_run(cfg, files, inputs, tok_dir: Path, n: int) -> tuple[float, dict]:
+    out = Path(tempfile.mkdtemp(prefix="prep-", dir=tok_dir.parent))
+    try:
+        t0 = time.perf_counter()
+        index = build_shards(cfg, files, inputs, tok_dir, out, log=lambda m: None, workers=n)
+        return time.perf_counter() - t0, index
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    global _TOK
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=float, default=100.0, help="MB of text to generate")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="process counts to measure")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="prepare-scale-"))
+    load_before = os.getloadavg()
+    try:
+        text_bytes = make_corpus(work / "corpus", args.mb)
+        files = list_input_files([str(work / "corpus")])
+        cfg = load_config("small", ["data.paths=" + json.dumps([str(work / "corpus")])])
+        t0 = time.perf_counter()
+        inputs = scan_inputs(files, work / "cache", workers=max(args.workers))
+        scan_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        texts, _ = choose_sample(list_input_files(["data/sample"]), ["bn", "en"], cfg.tokenizer.sample_weights,
+                                 5_000_000, cfg.data.val_fraction, workers=max(args.workers))
+        sample_s = time.perf_counter() - t0
+        tok_dir = work / "tok"
+        save_tokenizer(train_tokenizer(texts, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency), tok_dir, None)
+        _TOK = load_tokenizer(tok_dir)
+        _TEXTS.extend(d.text for d in iter_documents(files) if d.lang in ("bn", "en"))
+        nfc_bytes = sum(len(t.encode("utf-8")) for t in _TEXTS)
+        print(f"corpus: {text_bytes / 1e6:.1f} MB of text, {len(_TEXTS):,} documents; scan {scan_s:.1f} s", flush=True)
+        times: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}}
+        tokens = None
+        for r in range(args.rounds):
+            for k, n in enumerate(args.workers):
+                pair = [("limit", lambda n=n: limit_run(n)), ("prepare", lambda n=n: prepare_run(cfg, files, inputs,
+                                                                                             tok_dir, n))]
+                for name, fn in (pair if (r + k) % 2 == 0 else pair[::-1]):
+                    res = fn()
+                    sec = res if name == "limit" else res[0]
+                    if name == "prepare":
+                        tokens = res[1]["languages"]["bn"]["tokens"] + res[1]["languages"]["en"]["tokens"]
+                    times[name].setdefault(n, []).append(sec)
+                    print(f"round {r} {name:<8} N={n}: {sec:6.1f} s = {nfc_bytes / 1e6 / sec:.2f} MB/s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load_after = os.getloadavg()
+    mbs = {name: {n: nfc_bytes / 1e6 / statistics.median(v) for n, v in d.items()} for name, d in times.items()}
+    ns = args.workers
+    n_max = max(ns)
+    ratio = {n: mbs["prepare"][n] / mbs["limit"][n] for n in ns}
+    speedup = mbs["prepare"][n_max] / mbs["prepare"][min(ns)]
+    tokens_per_mb = tokens / (nfc_bytes / 1e6)
+    per_proc = mbs["prepare"][n_max] / n_max
+    hours_2b = 2e9 / tokens_per_mb / (per_proc * 16) / 3600
+    result = {"text_mb": nfc_bytes / 1e6, "documents": len(_TEXTS), "tokens": tokens, "scan_s": scan_s,
+              "sample_s": sample_s, "cpu_count": os.cpu_count(), "load_average_before": load_before,
+              "load_average_after": load_after, "seconds": times, "mb_per_s": mbs, "prepare_over_limit": ratio,
+              "speedup": {f"{min(ns)}->{n_max}": speedup}, "tokens_per_mb": tokens_per_mb,
+              "extrapolated_hours_2b_tokens_16_cores": hours_2b}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prepare_scale.json").write_text(json.dumps(result, indent=2) + "\n")
+    disturbed = max(load_before[0], load_after[0]) > 0.5 * (os.cpu_count() or 1)
+    lines = ["# Data preparation at scale", "",
+             f"`python benchmarks/prepare_scale.py --mb {args.mb:g} --workers {' '.join(map(str, ns))} "
+             f"--rounds {args.rounds}`: {nfc_bytes / 1e6:.1f} MB of NFC text ({len(_TEXTS):,} documents, "
+             f"{tokens:,} tokens, vocabulary {cfg.tokenizer.vocab_size:,}) generated from data/sample; "
+             f"{os.cpu_count()} cores; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+             + (" — **the machine was shared and loaded: the scaling figures are disturbed**." if disturbed else "."),
+             "", "| processes | raw encode_batch_fast (limit) MB/s | prepare MB/s | prepare / limit |",
+             "|---:|---:|---:|---:|"]
+    for n in ns:
+        lines.append(f"| {n} | {mbs['limit'][n]:.2f} | {mbs['prepare'][n]:.2f} | {ratio[n]:.0%} |")
+    lines += ["", f"Speed-up of prepare from {min(ns)} to {n_max} processes: **{speedup:.2f}×** "
+              f"(limit: {mbs['limit'][n_max] / mbs['limit'][min(ns)]:.2f}×).",
+              f"Input scan (sha256 + UTF-8 check, cached by path, size and mtime): {scan_s:.1f} s, once; tokenizer "
+              f"sample (one pass over data/sample): {sample_s:.1f} s.", "",
+              f"Extrapolation: {tokens_per_mb:,.0f} tokens per MB of text, {per_proc:.2f} MB/s per process at "
+              f"N={n_max}; 2B tokens ≈ {2e9 / tokens_per_mb / 1e3:.1f} GB of text on 16 cores at that rate per "
+              f"process ≈ **{hours_2b:.2f} h** (assumes linear scaling to 16 processes, as measured up to {n_max}).", ""]
+    (out / "prepare_scale.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(ns, [mbs["limit"][n] for n in ns], "o--", label="raw encode_batch_fast (limit)")
+    ax.plot(ns, [mbs["prepare"][n] for n in ns], "o-", label="train.data prepare")
+    ax.set_xlabel("processes")
+    ax.set_ylabel("MB of text / s")
+    ax.set_xticks(ns)
+    ax.set_title(f"preparation, {nfc_bytes / 1e6:.0f} MB (load {load_before[0]:.1f})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "prepare_scale.png", dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""GPT-2's byte ↔ printable-character table that byte-level BPE vocabularies spell their tokens with.
+
+A leaf module (standard library only) so that ``serve/`` can decode tokens without loading the corpus reader or
+the BPE trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map (256 entries) that byte-level BPE vocabularies spell tokens with
+    (Radford et al. 2019, encoder.py; Hugging Face's ByteLevel uses the same table)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
