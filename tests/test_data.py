@@ -458,7 +458,7 @@ def test_two_preparations_sharing_a_cache_at_once(tmp_path):
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
              for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert "Traceback" not in err
     dirs = {out.strip() for out, _ in outs}

@@ -261,8 +261,15 @@ class ShardBuild:
         self.sources: dict[tuple[str, str | None], dict] = {}
         self.train = {lang: _Docs() for lang in self.languages}
         self.val = {lang: _Docs() for lang in self.languages}
-        self.borrowed: dict[str, tuple] = {}
+        self.borrowed: dict[str, tuple] = {}  # lang → the train record moved to val (ensure_val)
         self.skipped_lang = 0
+        self.val_stats: dict[str, dict] = {}  # write_val
+        self.natural: dict[str, int] = {}  # resample: train tokens per language before resampling
+        self.mix: dict[str, float] = {}
+        self.factors: dict[str, float] = {}
+        self.order: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (lang, doc)
+        self.shards: list[str] = []  # write_train
+        self.resampled: dict[str, int] = {}
 
     def _raw(self, split: str, lang: str) -> Path:
         return self.out / f".{split}-{lang}.raw"
@@ -335,7 +342,6 @@ class ShardBuild:
 
     def write_val(self) -> None:
         """``val-<lang>.bin``: the val documents in split-hash order (ties in reading order)."""
-        self.val_stats = {}
         for lang in self.languages:
             docs = self.val[lang]
             raw = open_shard(self._raw("val", lang)) if len(docs.key) else None
@@ -387,7 +393,7 @@ class ShardBuild:
     def write_train(self) -> None:
         """``train-NNNNN.bin`` in the resampled order; a shard closes once it holds ``shard_tokens`` tokens."""
         raws = {lang: open_shard(self._raw("train", lang)) for lang in self.languages}
-        self.shards: list[str] = []
+        self.shards = []
         self.resampled = {lang: 0 for lang in self.languages}
         writer = None
         pending: list[np.ndarray] = []
