@@ -3,7 +3,8 @@
 //! `stream` (one token per `__next__`) share the same code and give the same tokens.
 
 use crate::error::{Error, Result};
-use crate::model::{KvCache, Model};
+use crate::cache::KvCache;
+use crate::model::Model;
 use crate::sampling::{self, PenaltyState, SamplingParams};
 use rand::rngs::StdRng;
 

@@ -1,12 +1,17 @@
 //! Shalik's CPU runtime: reads a Shalik bundle (Hugging Face Llama safetensors + config.json +
 //! tokenizer.json) and generates with no Python in the token loop. The Rust API (`model`,
-//! `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
+//! `engine`, `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
 //! (feature `python`, turned on by maturin) wraps it.
 
+pub mod cache;
 pub mod config;
 pub mod error;
+pub mod engine;
 pub mod generate;
+pub mod integrity;
 pub mod kernels;
+pub mod linear;
+pub mod loader;
 pub mod model;
 pub mod sampling;
 pub mod tokenizer;
@@ -16,4 +21,6 @@ mod python;
 
 pub use config::Config;
 pub use error::{Error, Result};
-pub use model::{KvCache, Model, Quantize};
+pub use cache::KvCache;
+pub use engine::Engine;
+pub use model::{BatchItem, Logits, Model, Quantize};
