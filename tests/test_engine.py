@@ -22,7 +22,9 @@ rust_runtime = pytest.importorskip(
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    tok = train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", r" ?\p{L}+| ?\p{N}+|\s+|.", corpus_lines(200))
+    tok = train_tokenizer(
+        tmp_path_factory.mktemp("tok") / "tokenizer.json", r" ?\p{L}+| ?\p{N}+|\s+|.", corpus_lines(200)
+    )
     d = tmp_path_factory.mktemp("engine_bundle")
     build_bundle(d, tok, hidden=128, inter=256, heads=4, kv=2, max_pos=512, seed=3)
     return d
