@@ -87,7 +87,12 @@ pub struct Stats {
 }
 
 enum Cmd {
-    Submit { id: u64, req: Request, tx: Sender<Event>, at: Instant },
+    Submit {
+        id: u64,
+        req: Request,
+        tx: Sender<Event>,
+        at: Instant,
+    },
     Cancel(u64),
     /// tests: allow only this many more steps (None = no limit), to order events deterministically
     #[cfg(test)]
@@ -208,7 +213,10 @@ impl Engine {
             return Err(Error::arg("prompt: expected at least one token id, got an empty list"));
         }
         if let Some(&bad) = req.prompt.iter().chain(&req.stop_ids).find(|&&i| i as usize >= c.vocab_size) {
-            return Err(Error::arg(format!("token id {bad} is out of range: expected 0 <= id < vocab_size = {}", c.vocab_size)));
+            return Err(Error::arg(format!(
+                "token id {bad} is out of range: expected 0 <= id < vocab_size = {}",
+                c.vocab_size
+            )));
         }
         if req.n == 0 || req.n > self.max_batch {
             return Err(Error::arg(format!(
@@ -599,7 +607,8 @@ mod tests {
         let eng = Engine::start(model.clone(), None, 8, 5).unwrap();
         let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
         let sampled = SamplingParams { temperature: 0.9, top_p: 0.95, ..Default::default() };
-        let prompts: Vec<Vec<u32>> = (0..6).map(|j| (0..(j + 3) as u32).map(|i| (i * 11 + j as u32 * 5) % 96).collect()).collect();
+        let prompts: Vec<Vec<u32>> =
+            (0..6).map(|j| (0..(j + 3) as u32).map(|i| (i * 11 + j as u32 * 5) % 96).collect()).collect();
         let mut rxs = vec![];
         for (j, p) in prompts.iter().enumerate() {
             let params = if j % 2 == 0 { greedy.clone() } else { sampled.clone() };

@@ -57,7 +57,8 @@ pub fn verify_bundle(dir: &Path) -> Result<bool> {
         })?;
         let path = dir.join(name);
         if let Some(bytes) = entry.and_then(|e| e.get("bytes")).and_then(|b| b.as_u64()) {
-            let len = std::fs::metadata(&path).map_err(|e| Error::io(&path, "cannot open the file to verify it", e))?.len();
+            let len =
+                std::fs::metadata(&path).map_err(|e| Error::io(&path, "cannot open the file to verify it", e))?.len();
             if len != bytes {
                 return Err(Error::format(format!(
                     "{}: {len} bytes, but manifest.json says {bytes}: the bundle is truncated or altered",

@@ -124,7 +124,6 @@ mod x86 {
         s
     }
 
-
     /// T tokens × one packed panel of 16 rows: 2·T accumulators, one broadcast per token and
     /// k step; each output lane is the chain acc = fma(w, x, acc) over k in order.
     #[target_feature(enable = "avx2,fma")]

@@ -5,8 +5,8 @@
 
 pub mod cache;
 pub mod config;
-pub mod error;
 pub mod engine;
+pub mod error;
 pub mod generate;
 pub mod integrity;
 pub mod kernels;
@@ -19,8 +19,8 @@ pub mod tokenizer;
 #[cfg(feature = "python")]
 mod python;
 
-pub use config::Config;
-pub use error::{Error, Result};
 pub use cache::KvCache;
+pub use config::Config;
 pub use engine::Engine;
+pub use error::{Error, Result};
 pub use model::{BatchItem, Logits, Model, Quantize};

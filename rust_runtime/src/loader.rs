@@ -89,9 +89,13 @@ impl Loader {
         for (name, shape) in &expected {
             use safetensors::Dtype;
             match views.get(name) {
-                None => return Err(Error::format(format!("{file}: tensor {name} is missing (expected shape {shape:?})"))),
+                None => {
+                    return Err(Error::format(format!("{file}: tensor {name} is missing (expected shape {shape:?})")))
+                }
                 Some((dt, _)) if !matches!(dt, Dtype::F32 | Dtype::F16 | Dtype::BF16) => {
-                    return Err(Error::format(format!("{file}: tensor {name} has dtype {dt:?}; expected F32, F16 or BF16")))
+                    return Err(Error::format(format!(
+                        "{file}: tensor {name} has dtype {dt:?}; expected F32, F16 or BF16"
+                    )))
                 }
                 Some((_, s)) if s != shape => {
                     return Err(Error::format(format!("{file}: tensor {name} has shape {s:?}, expected {shape:?}")))

@@ -5,10 +5,10 @@
 //! (a BaseException). Errors map to: bad argument → ValueError; missing / unreadable file →
 //! OSError (FileNotFoundError when missing); malformed bundle, numerical failure → RuntimeError.
 
-use crate::error::{catch_panic, Error, Result};
-use crate::generate::{generate_all, Generator};
 use crate::cache::KvCache;
 use crate::engine::{Engine, Event, Finish, Request};
+use crate::error::{catch_panic, Error, Result};
+use crate::generate::{generate_all, Generator};
 use crate::model::{Model, Quantize};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tok;
@@ -41,9 +41,12 @@ fn id_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
             obj.get_type().name()?
         )));
     }
-    let iter = obj
-        .try_iter()
-        .map_err(|_| PyTypeError::new_err(format!("{name}: expected a list of integer token ids, got {}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_default())))?;
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{name}: expected a list of integer token ids, got {}",
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
     let mut out = Vec::new();
     for item in iter {
         out.push(int_arg(&item?, name)?);
@@ -124,7 +127,13 @@ impl PyModel {
     /// of the bundle's manifest.json (skipped when the bundle has no manifest.json).
     #[staticmethod]
     #[pyo3(signature = (path, threads=None, quantize=None, verify=true))]
-    fn load(py: Python<'_>, path: PathBuf, threads: Option<i64>, quantize: Option<&str>, verify: bool) -> PyResult<Self> {
+    fn load(
+        py: Python<'_>,
+        path: PathBuf,
+        threads: Option<i64>,
+        quantize: Option<&str>,
+        verify: bool,
+    ) -> PyResult<Self> {
         let q = Quantize::parse(quantize)?;
         let req = match threads {
             None => None,
@@ -279,8 +288,7 @@ impl PyModel {
             _ => vec![],
         };
         detach(py, move || {
-            let mut g =
-                Generator::new(&inner.model, &ids, max_new_tokens, params, seed, &stops, inner.eot)?;
+            let mut g = Generator::new(&inner.model, &ids, max_new_tokens, params, seed, &stops, inner.eot)?;
             generate_all(&inner.model, &mut g)
         })
     }
@@ -311,15 +319,7 @@ impl PyModel {
             _ => vec![],
         };
         let g = catch_panic(|| {
-            Generator::new(
-                &self.inner.model,
-                &ids,
-                max_new_tokens,
-                params,
-                seed,
-                &stops,
-                self.inner.eot,
-            )
+            Generator::new(&self.inner.model, &ids, max_new_tokens, params, seed, &stops, self.inner.eot)
         })?;
         Ok(PyTokenStream { inner: self.inner.clone(), gen: g })
     }
@@ -336,7 +336,12 @@ pub struct PySequence {
 impl PySequence {
     /// Append ids; float32 logits [len(ids), vocab] (all_logits) or [vocab] (the last).
     #[pyo3(signature = (ids, all_logits=false))]
-    fn prefill<'py>(&mut self, py: Python<'py>, ids: &Bound<'py, PyAny>, all_logits: bool) -> PyResult<Bound<'py, PyAny>> {
+    fn prefill<'py>(
+        &mut self,
+        py: Python<'py>,
+        ids: &Bound<'py, PyAny>,
+        all_logits: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let ids = id_list(ids, "ids")?;
         let n = ids.len();
         let inner = self.inner.clone();
@@ -498,7 +503,9 @@ impl PyEngine {
             return Err(PyValueError::new_err(format!("n is {n}; expected an integer >= 1")));
         }
         if !(0..=1000).contains(&top_logprobs) {
-            return Err(PyValueError::new_err(format!("top_logprobs is {top_logprobs}; expected 0 <= top_logprobs <= 1000")));
+            return Err(PyValueError::new_err(format!(
+                "top_logprobs is {top_logprobs}; expected 0 <= top_logprobs <= 1000"
+            )));
         }
         let timeout = match timeout {
             None => None,
@@ -512,7 +519,9 @@ impl PyEngine {
                     if (0..vocab).contains(&i) {
                         Ok(i as u32)
                     } else {
-                        Err(PyValueError::new_err(format!("{what}: token id {i} is out of range: expected 0 <= id < vocab_size = {vocab}")))
+                        Err(PyValueError::new_err(format!(
+                            "{what}: token id {i} is out of range: expected 0 <= id < vocab_size = {vocab}"
+                        )))
                     }
                 })
                 .collect()
