@@ -810,6 +810,13 @@ def test_rust_backend_implements_the_protocol(tiny):
     assert seq.position == 15
     q = RustBackend(d, quantize="int8", threads=1)
     assert q.quantize == "int8" and q.new_sequence().prefill(ids[:4]).shape == (512,)
+    # generate / stream / generate_batch go through the batching engine and equal Model.generate bit for bit
+    prompts = [prompt_ids(5 + j, seed=80 + j) for j in range(4)]
+    kw = {"temperature": 0.7, "seed": 3}
+    want = [b.model.generate(p, 10, **kw) for p in prompts]
+    assert b.generate_batch(prompts, 10, **kw) == want
+    assert b.generate(prompts[0], 10, **kw) == want[0] == list(b.stream(prompts[0], 10, **kw))
+    expect_error(lambda: b.generate([1], 4, temperature=-1.0), BackendError, r"temperature")
 
 
 def test_rust_backend_explains_how_to_build(monkeypatch, tiny):
