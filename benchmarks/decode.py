@@ -247,10 +247,11 @@ def prompt_ids(bundle: Path, n: int) -> list[int]:
     """``<|endoftext|>`` + PROMPT_TEXT's ids from the bundle's tokenizer, repeated to exactly ``n`` ids."""
     from tokenizers import Tokenizer
 
-    from serve.backends.onnx import _eot_id
+    from serve.bundle import eot_id
 
-    eot = _eot_id(bundle, json.loads((bundle / "config.json").read_text())) or 0
-    text = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(PROMPT_TEXT).ids
+    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    eot = eot_id(tok)
+    text = tok.encode(PROMPT_TEXT).ids
     ids = [eot] + (text * (n // max(1, len(text)) + 1))
     return ids[:n]
 

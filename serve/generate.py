@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from serve.bundle import QUANTIZE_CHOICES
 from serve.errors import RequestError
 from serve.lm import BACKENDS, LM, load
 
@@ -30,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=1.1, help="1 = off")
     p.add_argument("--seed", type=int, default=1234, help="random seed (same seed, same text)")
     p.add_argument("--backend", choices=BACKENDS, default="onnx")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none")
+    p.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256 against manifest.json")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     return p.parse_args(argv)
 
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, ValueError):
         pass
     try:
-        lm = load(args.bundle, backend=args.backend, quantize=args.quantize, threads=args.threads)
+        lm = load(args.bundle, backend=args.backend, quantize=args.quantize, threads=args.threads,
+                  verify=not args.no_verify)
     except (OSError, ValueError, ImportError) as e:
         print(f"error: cannot load {args.bundle}: {e}", file=sys.stderr)
         return 2

@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from serve.bundle import eot_id, parse_quantize, verify_files
+from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
-from serve.errors import ContextLengthError, RequestError
+from serve.errors import RequestError
 from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
 from serve.stops import StopMatcher
 
-EOT = "<|endoftext|>"
 DEFAULT_MAX_NEW_TOKENS = 64
 PREFILL_BLOCK = 256  # positions per prefill call when every position's logits are needed (memory bound)
 BACKENDS = ("onnx", "rust")
@@ -171,8 +172,8 @@ class Generation:
             seq = lm.backend.new_sequence()
             full = [lm.eot_id, *self.prompt_ids]
             if self.echo:  # the prompt's own log-probs, the first predicted from <|endoftext|>
-                lp, tops, logits = lm._prefill_logprobs(seq, full, self.prompt_ids, self.top_n)
-                self.prompt = lm._describe(self.prompt_ids, lp, None if self.top_n is None else tops)
+                lp, tops, logits = lm.prefill_logprobs(seq, full, self.prompt_ids, self.top_n)
+                self.prompt = lm.describe(self.prompt_ids, lp, None if self.top_n is None else tops)
             else:
                 logits = np.asarray(seq.prefill(full))
             yield from self._decode_loop(seq, logits)
@@ -197,10 +198,10 @@ class Generation:
                 self.first_token_at = time.perf_counter()
             if tok == lm.eot_id and not self.ignore_eos:
                 self.finish_reason = "stop"
-                self.end_of_text = (float(lp[tok]), lm._top_dict(lp, self.top_n))
+                self.end_of_text = (float(lp[tok]), lm.top_alternatives(lp, self.top_n))
                 break
             offset = len(detok.text)
-            top = lm._top_dict(lp, self.top_n)
+            top = lm.top_alternatives(lp, self.top_n)
             pending.append((tok, float(lp[tok]), top, offset))
             released = stops.push(detok.push(tok))
             if stops.stop_at is not None:
@@ -244,8 +245,7 @@ class LM:
         self.name = name
         self.path = path
         self.table = TokenTable.from_tokenizer(tokenizer)
-        eot = tokenizer.token_to_id(EOT)
-        self.eot_id = 0 if eot is None else int(eot)
+        self.eot_id = eot_id(tokenizer)
         self.vocab_size = int(backend.vocab_size)
         self.context_length = int(backend.max_position_embeddings)
 
@@ -255,65 +255,49 @@ class LM:
 
     # ---- tokens
 
-    def tokenize(self, text: str) -> list[int]:
-        """Text → token ids (NFC-normalised by the tokenizer; no ``<|endoftext|>`` added)."""
+    def tokenize(self, text: str, param: str = "text") -> list[int]:
+        """Text → token ids (NFC-normalised by the tokenizer; no ``<|endoftext|>`` added).
+
+        Raises RequestError (param ``param``) for a non-string and for a string that is not valid Unicode (a lone
+        surrogate such as ``"\\ud800"``, which JSON can spell but UTF-8 cannot)."""
         if not isinstance(text, str):
-            raise RequestError(f"expected a string to tokenize, got {type(text).__name__}", param="prompt")
+            raise RequestError(f"{param} must be a string, got {type(text).__name__}", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{param} holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}: "
+                               "not valid Unicode text", param=param, code="invalid_unicode") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids → text (special tokens as their content; invalid UTF-8 as U+FFFD)."""
-        return self.table.decode(self.check_ids(ids, allow_empty=True))
+        return self.table.decode(self.check_ids(ids, param="tokens", allow_empty=True))
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Display strings of ids (text, or ``bytes:\\x..`` for tokens that are not valid UTF-8 alone)."""
         return [self.table.display(int(i)) for i in ids]
 
     def check_ids(self, ids: Sequence[int], param: str = "prompt", allow_empty: bool = False) -> list[int]:
-        """Validate token ids: ints in ``[0, vocab_size)``; RequestError (param ``param``) otherwise."""
-        out = []
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int | np.integer):
-                raise RequestError(f"token ids must be integers, got {i!r}", param=param)
-            if not 0 <= int(i) < self.vocab_size:
-                raise RequestError(f"token id {int(i)} is out of range: expected 0 <= id < {self.vocab_size}",
-                                   param=param, code="invalid_token_id")
-            out.append(int(i))
-        if not out and not allow_empty:
-            raise RequestError("the prompt is an empty list of token ids", param=param)
-        return out
+        """Validate token ids: ints in ``[0, vocab_size)`` (:func:`serve.checks.check_token_ids`); RequestError
+        (param ``param``) otherwise."""
+        return check_token_ids(ids, self.vocab_size, param=param, allow_empty=allow_empty)
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """A prompt (text or token ids) → its ids, without the leading ``<|endoftext|>``."""
+    def encode_prompt(self, prompt: Prompt, param: str = "prompt") -> list[int]:
+        """A prompt (text or token ids) → its ids, without the leading ``<|endoftext|>``. RequestError (param
+        ``param``) for anything else — bytes included (not silently read as a list of byte values)."""
         if isinstance(prompt, str):
-            return self.tokenize(prompt)
-        if isinstance(prompt, Sequence | np.ndarray):
-            return self.check_ids(list(prompt))
-        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
-                           param="prompt")
+            return self.tokenize(prompt, param)
+        if isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, bytes | bytearray):
+            return self.check_ids(list(prompt), param)
+        raise RequestError(f"{param} must be a string or a list of token ids, got {type(prompt).__name__}",
+                           param=param)
 
     def new_token_budget(self, prompt_tokens: int, max_new_tokens: int | None,
                          default: int = DEFAULT_MAX_NEW_TOKENS) -> int:
-        """How many tokens a request may generate.
-
-        ``prompt_tokens`` includes the leading ``<|endoftext|>``. ``max_new_tokens=None`` means ``default``
-        capped by what the context leaves. An explicit value that does not fit raises
-        :class:`ContextLengthError` with both numbers; so does a prompt longer than the context.
-        """
-        ctx = self.context_length
-        if prompt_tokens > ctx:
-            raise ContextLengthError(
-                f"the prompt is {prompt_tokens} tokens (including the leading {EOT}), more than the context "
-                f"length {ctx}", param="prompt")
-        if max_new_tokens is None:
-            return max(0, min(int(default), ctx - prompt_tokens))
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 0:
-            raise RequestError(f"max_tokens must be an integer >= 0, got {max_new_tokens!r}", param="max_tokens")
-        if prompt_tokens + max_new_tokens > ctx:
-            raise ContextLengthError(
-                f"the prompt is {prompt_tokens} tokens (including the leading {EOT}) and max_tokens asks for "
-                f"{max_new_tokens} more: {prompt_tokens + max_new_tokens} tokens exceed the context length {ctx}")
-        return int(max_new_tokens)
+        """How many tokens a request may generate (:func:`serve.checks.new_token_budget` with this model's
+        context): ``max_new_tokens=None`` means ``default`` capped by the context; ContextLengthError when an
+        explicit value or the prompt does not fit."""
+        return new_token_budget(prompt_tokens, max_new_tokens, self.context_length, default)
 
     # ---- generation
 
@@ -381,7 +365,7 @@ class LM:
         sliding window (stride half the context): every token after the first window is predicted from at
         least half a context of the tokens before it. Raises RequestError for an empty text.
         """
-        ids = self.encode_prompt(text)
+        ids = self.encode_prompt(text, "text")
         if not ids:
             raise RequestError("nothing to score: the text is empty", param="text")
         full = [self.eot_id, *ids]
@@ -393,12 +377,12 @@ class LM:
         while len(logprobs) < len(ids):
             end = min(begin + ctx, len(ids))  # inputs full[begin:end] predict full[begin + 1:end + 1]
             skip = len(logprobs) - begin  # targets already scored by the previous window
-            lp, top, _ = self._prefill_logprobs(self.backend.new_sequence(), full[begin:end],
+            lp, top, _ = self.prefill_logprobs(self.backend.new_sequence(), full[begin:end],
                                                 full[begin + 1:end + 1], top_logprobs, skip)
             logprobs += lp
             tops += top
             begin += stride
-        scored = self._describe(ids, logprobs, None if top_logprobs is None else tops)
+        scored = self.describe(ids, logprobs, None if top_logprobs is None else tops)
         nll = [-p for p in scored.logprobs]
         s = text if isinstance(text, str) else scored.text
         chars = len(unicodedata.normalize("NFC", s))
@@ -406,11 +390,15 @@ class LM:
         return Score(text=s, token_ids=ids, token_nll=nll, nll_sum=total, nll_mean=total / len(ids), chars=chars,
                      bits_per_char=total / math.log(2) / chars if chars else float("nan"))
 
-    def _prefill_logprobs(self, seq, inputs: list[int], targets: list[int], top_n: int | None, skip: int = 0
+    def prefill_logprobs(self, seq, inputs: list[int], targets: list[int], top_n: int | None, skip: int = 0
                           ) -> tuple[list[float], list[dict[str, float] | None], np.ndarray]:
         """Prefill ``inputs`` into ``seq`` in blocks of :data:`PREFILL_BLOCK` (bounded memory) and return the
         log-probs of ``targets[i]`` (predicted after ``inputs[:i + 1]``) for ``i >= skip``, their top-N
-        dicts, and the logits row after the last input (float32 ``[V]``)."""
+        dicts, and the logits row after the last input (float32 ``[V]``).
+
+        Part of the package-internal interface that :class:`Generation` (and a batching runner) drive: with
+        :meth:`describe` and :meth:`top_alternatives` it is everything a generation loop needs of the model
+        besides ``backend`` and ``table``."""
         logprobs: list[float] = []
         tops: list[dict[str, float] | None] = []
         row = None
@@ -424,11 +412,12 @@ class LM:
             lp = log_softmax(rows[lo - b:hi - b])
             for i in range(lo, hi):
                 logprobs.append(float(lp[i - lo, targets[i]]))
-                tops.append(self._top_dict(lp[i - lo], top_n))
+                tops.append(self.top_alternatives(lp[i - lo], top_n))
         return logprobs, tops, row
 
-    def _describe(self, ids: list[int], logprobs: list[float], tops: list | None) -> TokenLogprobs:
-        """Tokens with their log-probs, display strings, text and character offsets."""
+    def describe(self, ids: list[int], logprobs: list[float], tops: list | None) -> TokenLogprobs:
+        """Tokens ``ids`` with their ``logprobs`` (nats), display strings, the decoded text and each token's
+        character offset in it; ``tops`` are per-token top-N dicts or None."""
         detok = StreamDecoder(self.table)
         offsets = []
         for t in ids:
@@ -438,7 +427,9 @@ class LM:
         return TokenLogprobs(text=detok.text, token_ids=list(ids), tokens=self.token_strings(ids),
                              logprobs=logprobs, top_logprobs=tops, text_offset=offsets)
 
-    def _top_dict(self, lp: np.ndarray, n: int | None) -> dict[str, float] | None:
+    def top_alternatives(self, lp: np.ndarray, n: int | None) -> dict[str, float] | None:
+        """The ``n`` most likely tokens of a log-prob row ``lp`` (float ``[V]``) as {display string: log-prob},
+        largest first; None when ``n`` is None."""
         if n is None:
             return None
         return {self.table.display(i): p for i, p in top_logprobs(lp, n)}
@@ -448,6 +439,8 @@ def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
     """``stop`` as a list of non-empty strings; RequestError (param "stop") otherwise."""
     if stop is None:
         return []
+    if not isinstance(stop, Sequence) or isinstance(stop, bytes | bytearray):
+        raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop")
     stops = [stop] if isinstance(stop, str) else list(stop)
     for s in stops:
         if not isinstance(s, str) or not s:
@@ -455,36 +448,55 @@ def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
     return stops
 
 
+def bundle_files(backend: str, quantize: str | None) -> list[str]:
+    """The files of a bundle that ``backend`` reads (what :func:`load` verifies against the manifest)."""
+    if backend == "rust":  # int8 is quantized at load from the float weights
+        return ["config.json", "tokenizer.json", "model.safetensors"]
+    graph = "model.int8.onnx" if quantize == "int8" else "model.onnx"
+    return ["config.json", "tokenizer.json", graph, f"{graph}.data"]
+
+
 def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
-         name: str | None = None) -> LM:
+         name: str | None = None, verify: bool = True) -> LM:
     """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors) for serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
-    ``"none"`` or ``"int8"``; threads: compute threads (None = all cores); name: the model's label
-    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``).
-    Raises FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or
-    quantization, ImportError when the backend's runtime is not installed.
+    ``"none"`` or ``"int8"``; threads: compute threads, an int >= 1 (None = all cores); name: the model's label
+    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``); verify: check the sha256
+    of every file the backend reads against ``manifest.json`` first (:func:`serve.bundle.verify_files`; False for
+    those who verify the bundle elsewhere).
+    Raises BundleError (a ValueError) naming a corrupt or unlisted file, or a missing manifest; TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
+    FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
+    threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
+    anything is read.
     """
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # its Rust extension loads in ~50 ms; only load() needs it
 
+    if not isinstance(path, str | Path):
+        raise TypeError(f"path must be a bundle folder (str or pathlib.Path), got {type(path).__name__}")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int | np.integer):
+            raise TypeError(f"threads must be an int >= 1 or None (all cores), got {threads!r}")
+        if threads < 1:
+            raise ValueError(f"threads must be an int >= 1 or None (all cores), got {threads}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    quantize = parse_quantize(quantize)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no model bundle at {path} (expected a folder with tokenizer.json and the model)")
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
-    quantize = None if quantize in (None, "none") else quantize
-    if quantize not in (None, "int8"):
-        raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
+    if verify:
+        verify_files(path, bundle_files(backend, quantize))
     if backend == "onnx":
-        from serve.backends.onnx import OnnxBackend
+        from serve.backends.onnx import OnnxBackend  # onnxruntime loads only when this backend is asked for
 
         model = OnnxBackend(path, quantize=quantize, threads=threads)
-    elif backend == "rust":
-        from serve.backends.rust import RustBackend
+    else:
+        from serve.backends.rust import RustBackend  # the optional Rust extension, likewise
 
         model = RustBackend(path, quantize=quantize, threads=threads)
-    else:
-        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
     label = name or path.resolve().parent.name or path.name
     return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path)

@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.http_errors import HTTPError, error_response
+from serve.http.errors import HTTPError, error_response
 from serve.metrics import Metrics
 
 
@@ -25,11 +26,14 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 class GuardMiddleware:
     """Require ``Authorization: Bearer <api_key>`` (unless ``api_key`` is None) on every path but the open
-    ones, and refuse bodies over ``max_body_bytes``."""
+    ones, refuse bodies over ``max_body_bytes``, and answer 408 (and close the connection) when the next piece of
+    a body takes longer than ``body_timeout_s`` seconds to arrive (a Content-Length larger than what is sent would
+    otherwise hold the connection with no answer; nginx's client_body_timeout)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 is_open: Callable[[str], bool]):
+                 is_open: Callable[[str], bool], body_timeout_s: float = 30.0):
         self.app = app
+        self.body_timeout_s = body_timeout_s
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.is_open = is_open
@@ -57,10 +61,20 @@ class GuardMiddleware:
                 await self._too_large(int(length))(scope, receive, send)
                 return
         seen = 0
+        body_done = False
 
         async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body: only http.disconnect can come, and waiting for it is no fault
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=self.body_timeout_s)
+            except asyncio.TimeoutError:  # (an alias of TimeoutError from Python 3.11)
+                raise HTTPError(408, f"the request body stopped arriving: nothing for {self.body_timeout_s:g} s "
+                                     f"after {seen} bytes (SHALIK_BODY_TIMEOUT_S; is Content-Length right?)",
+                                code="request_timeout", headers={"Connection": "close"}) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:

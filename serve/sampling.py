@@ -6,7 +6,8 @@ For one step, given the model's raw logits (float ``[V]``, any float dtype; comp
    the penalty, a negative one multiplied (so a repeated token always becomes less likely; case S1);
 2. ``presence_penalty`` / ``frequency_penalty`` over the generated ids only:
    ``logit -= presence * [count > 0] + frequency * count`` (case S4);
-3. ``temperature == 0`` → greedy: the argmax, ties to the lowest id (case S3); otherwise divide by it;
+3. ``temperature == 0`` → greedy: the argmax, ties to the lowest id (case S3); otherwise divide by it — and when
+   that overflows a finite logit to ±inf (``temperature=1e-310``), take the limit temperature → 0: greedy;
 4. ``top_k`` (0 = off): keep the k largest (ties to the lower ids);
 5. ``top_p`` (1 = off): keep the smallest set, largest first, whose probability reaches ``top_p`` — never
    empty, so a tiny ``top_p`` (1e-8, even for fp16 logits) keeps exactly the top token (case S2);
@@ -203,8 +204,10 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     if rng is None:
         raise ValueError("sample_token: a numpy Generator is required when temperature > 0")
     with np.errstate(over="ignore"):
-        z = x / params.temperature  # tiny penalties or temperatures may overflow: +inf → the largest float
-    z[np.isposinf(z)] = np.finfo(np.float64).max
+        z = x / params.temperature
+    if np.isinf(z[np.isfinite(x)]).any():  # a temperature so small that logits overflow: its limit, greedy
+        return int(np.argmax(x))
+    z[np.isposinf(z)] = np.finfo(np.float64).max  # +inf from a tiny repetition penalty: the largest float
     cand = _kept_candidates(z, params.top_k, params.top_p)
     zc = z if cand is None else z[cand]
     with np.errstate(over="ignore"):

@@ -84,8 +84,8 @@ class Logprobs(BaseModel):
     """OpenAI's legacy logprobs object (parallel lists, one entry per token)."""
 
     tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None] = Field(..., description="null for the first token of an echoed prompt.")
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

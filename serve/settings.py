@@ -14,7 +14,9 @@ SHALIK_MAX_CONCURRENCY      2                         generations at once
 SHALIK_MAX_QUEUE            64                        waiting requests; beyond → 429 with Retry-After
 SHALIK_MAX_BODY_BYTES       1048576                   larger body → 413
 SHALIK_REQUEST_TIMEOUT_S    120                       → 504
+SHALIK_BODY_TIMEOUT_S       30                        longest wait for the next piece of a request body → 408
 SHALIK_DEFAULT_MAX_TOKENS   64                        when max_tokens is absent or null
+SHALIK_VERIFY               1                         check the bundle's sha256 sums at load (0: skip)
 =========================== ========================= ==================================================
 """
 
@@ -22,15 +24,28 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
+
+from serve.bundle import QUANTIZE_CHOICES, parse_quantize
+from serve.lm import BACKENDS, DEFAULT_MAX_NEW_TOKENS
 
 T = TypeVar("T")
 
 
 class SettingsError(ValueError):
     """An environment variable with a value the server cannot use (the message names it)."""
+
+
+def parse_bool(raw: str) -> bool:
+    """``1/true/yes/on`` → True, ``0/false/no/off`` → False (any case); ValueError otherwise."""
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
 
 
 def newest_bundle(runs_dir: str | Path = "runs") -> Path | None:
@@ -58,7 +73,9 @@ class Settings:
     max_queue: int = 64
     max_body_bytes: int = 1_048_576
     request_timeout_s: float = 120.0
-    default_max_tokens: int = 64
+    body_timeout_s: float = 30.0
+    default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    verify: bool = True
     model_problem: str | None = None
 
     @property
@@ -76,10 +93,14 @@ class Settings:
         variable for a malformed value; a missing model is not an error (``model_problem`` says why)."""
         env = os.environ if env is None else env
 
-        def get(name: str, default: T, parse: Callable[[str], T], check: Callable[[T], bool], want: str) -> T:
+        defaults = {f.name: f.default for f in fields(cls)}
+
+        def get(key: str, parse: Callable[[str], T], check: Callable[[T], bool], want: str) -> T:
+            """``SHALIK_<KEY>`` parsed and checked, else the dataclass's default for ``key``."""
+            name = f"SHALIK_{key.upper()}"
             raw = env.get(name, "").strip()
             if not raw:
-                return default
+                return defaults[key]
             try:
                 value = parse(raw)
             except ValueError:
@@ -91,8 +112,7 @@ class Settings:
         def positive(v: float) -> bool:
             return v > 0
 
-        backend = get("SHALIK_BACKEND", "onnx", str.lower, lambda v: v in ("onnx", "rust"), "onnx or rust")
-        quantize = get("SHALIK_QUANTIZE", "none", str.lower, lambda v: v in ("none", "int8"), "none or int8")
+        backend = get("backend", str.lower, lambda v: v in BACKENDS, " or ".join(BACKENDS))
         model_raw = env.get("SHALIK_MODEL", "").strip()
         problem = None
         if model_raw:
@@ -109,13 +129,15 @@ class Settings:
             model=model,
             model_name=env.get("SHALIK_MODEL_NAME", "").strip() or None,
             backend=backend,
-            quantize=None if quantize == "none" else quantize,
-            threads=get("SHALIK_THREADS", None, int, positive, "a positive integer"),
+            quantize=get("quantize", parse_quantize, lambda v: True, " or ".join(QUANTIZE_CHOICES)),
+            threads=get("threads", int, positive, "a positive integer"),
             api_key=env.get("SHALIK_API_KEY") or None,
-            max_concurrency=get("SHALIK_MAX_CONCURRENCY", 2, int, positive, "a positive integer"),
-            max_queue=get("SHALIK_MAX_QUEUE", 64, int, lambda v: v >= 0, "an integer >= 0"),
-            max_body_bytes=get("SHALIK_MAX_BODY_BYTES", 1_048_576, int, positive, "a positive integer"),
-            request_timeout_s=get("SHALIK_REQUEST_TIMEOUT_S", 120.0, float, positive, "a positive number"),
-            default_max_tokens=get("SHALIK_DEFAULT_MAX_TOKENS", 64, int, lambda v: v >= 0, "an integer >= 0"),
+            max_concurrency=get("max_concurrency", int, positive, "a positive integer"),
+            max_queue=get("max_queue", int, lambda v: v >= 0, "an integer >= 0"),
+            max_body_bytes=get("max_body_bytes", int, positive, "a positive integer"),
+            request_timeout_s=get("request_timeout_s", float, positive, "a positive number"),
+            body_timeout_s=get("body_timeout_s", float, positive, "a positive number"),
+            default_max_tokens=get("default_max_tokens", int, lambda v: v >= 0, "an integer >= 0"),
+            verify=get("verify", parse_bool, lambda v: True, "1 or 0 (true/false)"),
             model_problem=problem,
         )

@@ -93,12 +93,13 @@ def test_echo_scores_the_prompt(client, lm):
     r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
     lp = r.choices[0].logprobs
     assert r.choices[0].text == PROMPT and lp.tokens == lm.token_strings(ids)
-    assert lp.token_logprobs == pytest.approx([-x for x in nll], abs=1e-4)
+    assert lp.token_logprobs[0] is None  # as OpenAI and vLLM: nothing precedes the first prompt token
+    assert lp.token_logprobs[1:] == pytest.approx([-x for x in nll[1:]], abs=1e-4)
     # lm-evaluation-harness's form: token ids, echo, one generated token after the echoed prompt
     r = client.completions.create(model=NAME, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids) + 1
-    assert lp.token_logprobs[:-1] == pytest.approx([-x for x in nll], abs=1e-4)
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:-1] == pytest.approx([-x for x in nll[1:]], abs=1e-4)
     assert r.choices[0].text == PROMPT + lm.complete(PROMPT, 1, temperature=0).text
 
 

@@ -287,9 +287,10 @@ def test_echo_logprobs_for_lm_eval(random_client):
     assert len(lp["tokens"]) == len(ids) + 1 == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
     assert lp["tokens"][:len(ids)] == lm.token_strings(ids)  # exactly the prompt as sent, then the new token
     rows = log_softmax(lm.backend.new_sequence().prefill([lm.eot_id, *ids], all_logits=True))
-    np.testing.assert_allclose(lp["token_logprobs"][:len(ids)], [rows[i, t] for i, t in enumerate(ids)])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # as OpenAI and vLLM
+    np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], [rows[i, t] for i, t in enumerate(ids)][1:])
     assert lp["token_logprobs"][-1] == pytest.approx(float(rows[len(ids)].max()))  # greedy new token
-    assert all(len(d) == 1 for d in lp["top_logprobs"])
+    assert all(len(d) == 1 for d in lp["top_logprobs"][1:])
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     assert ch["text"].startswith("the river flows")
     api = pytest.importorskip("lm_eval.models.openai_completions").LocalCompletionsAPI
@@ -306,8 +307,9 @@ def test_echo_max_tokens_zero_scores_without_generating(random_client):
     ch = r["choices"][0]
     assert ch["text"] == "hello" and r["usage"]["completion_tokens"] == 0
     score = lm.score("hello")
-    assert ch["logprobs"]["token_logprobs"] == pytest.approx([-x for x in score.token_nll])
-    assert ch["logprobs"]["top_logprobs"] == [{} for _ in score.token_ids]
+    assert ch["logprobs"]["token_logprobs"][0] is None
+    assert ch["logprobs"]["token_logprobs"][1:] == pytest.approx([-x for x in score.token_nll[1:]])
+    assert ch["logprobs"]["top_logprobs"] == [None] + [{} for _ in score.token_ids[1:]]
     plain = random_client.post("/v1/completions", json={"prompt": "hello", "echo": True, "max_tokens": 0}).json()
     assert plain["choices"][0]["text"] == "hello" and plain["choices"][0]["logprobs"] is None
 
@@ -348,7 +350,7 @@ def test_tokenizer_endpoints(random_client):
     assert random_client.post("/tokenize", json={"prompt": "<|endoftext|>"}).json()["tokens"] == [0]
     d = random_client.post("/detokenize", json={"tokens": t["tokens"]}).json()
     assert d["prompt"] == "আমি"
-    assert_error(random_client.post("/detokenize", json={"tokens": [10**6]}), 400, "prompt")
+    assert_error(random_client.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")
 
 
 # ---- auth, body size, timeouts
@@ -451,3 +453,79 @@ def test_too_many_choices_in_one_request_is_a_400():
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["param"] == "n" and f"at most {MAX_CHOICES}" in err["message"]
+
+
+# ---- bad bodies: a 400 that says what is wrong and names the field
+
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b'{"prompt": "ab\\ud800", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udc00"], "max_tokens": 1}', "prompt"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/score", b'{"text": "\\ud800"}', "text"),
+])
+def test_lone_surrogate_is_a_400_naming_the_field(client, path, body, param):
+    err = assert_error(client.post(path, content=body, headers=JSON), 400, param)
+    assert "surrogate" in err["message"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b'[' * 200_000 + b']' * 200_000, "nested"),
+    (b'{"prompt": "x", "max_tokens": ' + b'1' * 5000 + b'}', "digits"),
+])
+def test_unparseable_bodies_say_why(client, body, needle):
+    err = assert_error(client.post("/v1/completions", content=body, headers=JSON), 400)
+    assert needle in err["message"] and "error parsing the body" not in err["message"]
+
+
+@pytest.mark.parametrize("stop", ["", ["a", ""], 5, ["a", 5]])
+def test_bad_stop_says_what_a_stop_is(client, stop):
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x", "stop": stop}), 400, "stop")
+    assert "constrained-str" not in err["message"]
+    assert "stop must be a non-empty string or a list of non-empty strings" in err["message"]
+
+
+def test_echo_first_prompt_token_has_null_logprob_as_in_openai(random_client):
+    """OpenAI and vLLM give the first echoed token no log-prob (nothing precedes it in the request): null, and
+    clients index on that. /v1/score and LM.score keep the first token scored after <|endoftext|>."""
+    lm = random_client.app.state.shalik.lm
+    for stream in (False, True):
+        r = random_client.post("/v1/completions", json={"prompt": "hello", "echo": True, "max_tokens": 1,
+                                                        "logprobs": 2, "temperature": 0, "stream": stream})
+        if stream:
+            lp = [json.loads(e) for e in sse_events(r.text)[:-1]][0]["choices"][0]["logprobs"]
+        else:
+            lp = r.json()["choices"][0]["logprobs"]
+        score = lm.score("hello")
+        n = len(score.token_ids)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:n] == pytest.approx([-x for x in score.token_nll[1:]])
+        assert all(len(d) == 2 for d in lp["top_logprobs"][1:])
+    s = random_client.post("/v1/score", json={"text": "hello"}).json()
+    assert s["token_nll"] == pytest.approx(lm.score("hello").token_nll) and s["token_nll"][0] > 0
+
+
+def test_corrupt_bundle_is_503_naming_the_file_and_verify_can_be_turned_off(bundle, tmp_path):
+    import shutil
+
+    shutil.copytree(bundle, tmp_path / "b")
+    data = bytearray((tmp_path / "b" / "model.onnx.data").read_bytes())
+    data[100] ^= 1
+    (tmp_path / "b" / "model.onnx.data").write_bytes(bytes(data))
+    for env, status in (({}, 503), ({"SHALIK_VERIFY": "0"}, 200)):
+        settings = Settings.from_env({"SHALIK_MODEL": str(tmp_path / "b"), **env})
+        with TestClient(create_app(settings)) as c:
+            for _ in range(400):
+                if c.get("/health").json()["status"] != "loading":
+                    break
+                time.sleep(0.05)
+            h = c.get("/health")
+            assert h.status_code == status, h.text
+            if status == 503:
+                assert "model.onnx.data is corrupt" in h.json()["detail"]
+    with pytest.raises(SettingsError, match="SHALIK_VERIFY"):
+        Settings.from_env({"SHALIK_VERIFY": "maybe"})

@@ -183,3 +183,62 @@ def test_openai_client_and_api_key_over_the_wire():
             client.completions.create(model="scripted", prompt="x", max_tokens=10_000)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# ---- start-up and transport faults a real uvicorn shows
+
+
+def test_body_shorter_than_its_content_length_is_answered_408_not_held():
+    """A client that announces 100 bytes and sends 10 gets 408 once SHALIK_BODY_TIMEOUT_S passes without more
+    (raw socket on 127.0.0.1; without the timeout the connection stays open with no answer)."""
+    import socket
+
+    with live_server(body_timeout_s=1.0) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\":")
+            s.settimeout(8)
+            answer = b""
+            try:
+                while b"\r\n\r\n" not in answer:
+                    piece = s.recv(4096)
+                    if not piece:
+                        break
+                    answer += piece
+            except TimeoutError:
+                pass
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200  # the server is fine
+
+
+def test_broken_bundle_cause_is_logged_at_start_up(tmp_path):
+    port = free_port()
+    argv = ["-m", "uvicorn", "serve.app:app", "--host", "127.0.0.1", "--port", str(port)]
+    with server_process(argv, port, {"SHALIK_MODEL": str(tmp_path)}, health=503) as srv:
+        for _ in range(100):
+            if httpx.get(f"{srv.url}/health", timeout=5).json()["status"] == "unavailable":
+                break
+            time.sleep(0.1)
+    assert "tokenizer.json is missing" in srv.log and "Application startup complete" in srv.log
+
+
+def test_bad_setting_prints_its_message_alone_and_exits_non_zero():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "uvicorn", "serve.app:app", "--port", str(free_port())],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "SHALIK_MAX_CONCURRENCY": "abc"})
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
+    assert "SHALIK_MAX_CONCURRENCY='abc': expected a positive integer" in out.stderr
+
+
+def test_body_timeout_does_not_cut_a_stream_that_outlasts_it():
+    with live_server(("ab",), lm={"delay_s": 0.05}, body_timeout_s=0.5) as srv:
+        with httpx.Client(timeout=30) as c, c.stream("POST", f"{srv.url}/v1/completions", json={
+                "prompt": "x", "max_tokens": 30, "stream": True, "temperature": 0}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "error" not in "".join(events)
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == "ab" * 30

@@ -228,3 +228,17 @@ def test_nucleus_is_the_smallest_set_with_ties_to_lower_ids(logits, top_p):
     order = np.lexsort((np.arange(len(z)), -w))  # most probable first, ties by id
     keep = max(1, min(int(np.searchsorted(np.cumsum(w[order]), top_p, side="left")) + 1, len(z)))
     assert _nucleus(z, top_p).tolist() == sorted(order[:keep].tolist())
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300])
+def test_a_temperature_so_small_that_logits_overflow_is_greedy(temperature):
+    """logits / temperature overflows to inf for several tokens: the limit of temperature → 0 is the argmax,
+    not a uniform draw among the tokens that overflowed."""
+    logits = np.array([1.0, 3.0, 2.0, -1.0, 2.5])
+    p = SamplingParams(temperature=temperature)
+    picks = {sample_token(logits, p, make_rng(s)) for s in range(50)}
+    assert picks == {1}
+    with_filters = SamplingParams(temperature=temperature, top_k=3, top_p=0.9)
+    assert {sample_token(logits, with_filters, make_rng(s)) for s in range(50)} == {1}
+    negative = np.array([-3.0, -1.0, -2.0])  # every logit overflows to -inf
+    assert {sample_token(negative, p, make_rng(s)) for s in range(20)} == {1}

@@ -336,3 +336,81 @@ def test_real_concurrent_seeded_generations_equal_sequential_ones(real_lm):
     for t in threads:
         t.join()
     assert [together[s] for s in range(4)] == alone
+
+
+# ---- bad input to the Python API: a RequestError / TypeError / ValueError that names the argument
+
+
+@pytest.mark.parametrize("call,param", [
+    (lambda lm: lm.generate("ab\ud800", 2), "prompt"),
+    (lambda lm: list(lm.stream("x\udfff", 2)), "prompt"),
+    (lambda lm: lm.score("\ud800"), "text"),
+    (lambda lm: lm.tokenize("\ud800"), "text"),
+])
+def test_lone_surrogate_is_a_request_error_naming_the_field(call, param):
+    with pytest.raises(RequestError, match="surrogate") as e:
+        call(scripted_lm(["ab"], context=64))
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("call,param,needle", [
+    (lambda lm: lm.generate(b"ab", 2), "prompt", "bytes"),
+    (lambda lm: lm.generate("ab", 2, stop=5), "stop", "int"),
+    (lambda lm: lm.generate("ab", 2, stop=["a", 5]), "stop", "5"),
+    (lambda lm: lm.detokenize(None), "tokens", "NoneType"),
+    (lambda lm: lm.detokenize("ab"), "tokens", "str"),
+])
+def test_wrong_argument_types_are_request_errors_naming_the_argument(call, param, needle):
+    with pytest.raises(RequestError, match=needle) as e:
+        call(scripted_lm(["ab"], context=64))
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("kwargs,exc,needle", [
+    ({"path": None}, TypeError, "path"), ({"path": 5}, TypeError, "path"),
+    ({"threads": 0}, ValueError, "threads"), ({"threads": -1}, ValueError, "threads"),
+    ({"threads": "2"}, TypeError, "threads"), ({"threads": 1.5}, TypeError, "threads"),
+    ({"backend": "gpu"}, ValueError, "backend"), ({"quantize": "int4"}, ValueError, "quantize"),
+])
+def test_load_arguments_are_checked_before_anything_loads(bundle, kwargs, exc, needle):
+    kwargs = {"path": bundle, **kwargs}
+    with pytest.raises(exc, match=needle):
+        load(kwargs.pop("path"), **kwargs)
+
+
+# ---- bundle integrity: manifest.json's sha256 checked at load
+
+
+def _copy_with_one_byte_flipped(bundle: Path, dst: Path, name: str) -> Path:
+    import shutil
+
+    shutil.copytree(bundle, dst)
+    data = bytearray((dst / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (dst / name).write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("backend,name", [("onnx", "model.onnx.data"), ("onnx", "tokenizer.json"),
+                                          pytest.param("rust", "model.safetensors", marks=BACKENDS[1].marks)])
+def test_corrupt_bundle_file_is_refused_naming_it(bundle, tmp_path, backend, name):
+    from serve.bundle import BundleError
+
+    bad = _copy_with_one_byte_flipped(bundle, tmp_path / "b", name)
+    with pytest.raises(BundleError, match=rf"{name} is corrupt: sha256"):
+        load(bad, backend=backend)
+    if name != "tokenizer.json":  # a flipped weight byte still loads for those who verify elsewhere
+        assert load(bad, backend=backend, verify=False).vocab_size == load(bundle, backend=backend).vocab_size
+
+
+def test_bundle_without_manifest_needs_verify_false(bundle, tmp_path):
+    import shutil
+
+    from serve.bundle import BundleError
+
+    shutil.copytree(bundle, tmp_path / "b")
+    (tmp_path / "b" / "manifest.json").unlink()
+    with pytest.raises(BundleError, match="manifest.json is missing"):
+        load(tmp_path / "b")
+    assert load(tmp_path / "b", verify=False).generate("a", 2, temperature=0) == load(bundle).generate(
+        "a", 2, temperature=0)

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
+from serve.checks import check_fits, check_token_ids
+
 
 class BackendError(ValueError):
     """A request the backend cannot compute (id out of range, position past the context, ...)."""
@@ -55,20 +57,11 @@ class Backend(Protocol):
 
 
 def check_ids(ids: Seq[int], vocab_size: int, position: int, context: int) -> list[int]:
-    """Validate a list of token ids about to enter a cache at ``position``.
+    """Validate a list of token ids about to enter a cache at ``position`` (:mod:`serve.checks`).
 
     Returns the ids as a list of Python ints. Raises :class:`BackendError` when the list is empty,
-    an id lies outside ``[0, vocab_size)``, or ``position + len(ids)`` exceeds ``context``.
+    an id is not an int or lies outside ``[0, vocab_size)``, or ``position + len(ids)`` exceeds ``context``.
     """
-    out = [int(i) for i in ids]
-    if not out:
-        raise BackendError("token ids: expected at least one id, got an empty list")
-    bad = [i for i in out if i < 0 or i >= vocab_size]
-    if bad:
-        raise BackendError(f"token id {bad[0]} is out of range: expected 0 <= id < vocab_size = {vocab_size}")
-    if position + len(out) > context:
-        raise BackendError(
-            f"sequence too long: {position} cached + {len(out)} new = {position + len(out)} tokens "
-            f"exceeds the context length {context}"
-        )
+    out = check_token_ids(ids, vocab_size, error=BackendError)
+    check_fits(position, len(out), context, error=BackendError)
     return out

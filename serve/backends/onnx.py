@@ -12,6 +12,7 @@ shared).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence as Seq
@@ -21,8 +22,9 @@ import numpy as np
 import onnxruntime as ort
 
 from serve.backends.base import BackendError, check_ids
+from serve.bundle import eot_id, parse_quantize
 
-MODEL_FILES = {None: "model.onnx", "none": "model.onnx", "int8": "model.int8.onnx"}
+MODEL_FILES = {None: "model.onnx", "int8": "model.int8.onnx"}
 
 Past = list[tuple[np.ndarray, np.ndarray]]
 
@@ -33,20 +35,6 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
-
-
-def _eot_id(bundle: Path, config: dict) -> int | None:
-    """``<|endoftext|>``'s id from tokenizer.json, else config.json's eos_token_id."""
-    tok = bundle / "tokenizer.json"
-    if tok.is_file():
-        try:
-            for t in json.loads(tok.read_text(encoding="utf-8")).get("added_tokens", []):
-                if t.get("content") == "<|endoftext|>":
-                    return int(t["id"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    eos = config.get("eos_token_id")
-    return int(eos) if isinstance(eos, int) else None
 
 
 class OnnxSequence:
@@ -99,9 +87,10 @@ class OnnxBackend:
     def __init__(self, bundle_dir: str | Path, quantize: str | None = None, threads: int | None = None,
                  model_file: str | None = None):
         self.path = Path(bundle_dir)
-        if quantize not in MODEL_FILES:
-            raise BackendError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
-        self.quantize = None if quantize in (None, "none") else quantize
+        try:
+            self.quantize = parse_quantize(quantize)
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         cfg_path = self.path / "config.json"
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -115,8 +104,7 @@ class OnnxBackend:
             self.head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         except (KeyError, TypeError, ValueError) as e:
             raise BackendError(f"{cfg_path}: missing or invalid key {e}") from None
-        self.eot_id = _eot_id(self.path, cfg)
-        self.model_path = self.path / (model_file or MODEL_FILES[quantize])
+        self.model_path = self.path / (model_file or MODEL_FILES[self.quantize])
         if not self.model_path.is_file():
             hint = " (export with --quantize int8)" if self.quantize == "int8" and model_file is None else ""
             raise BackendError(f"{self.model_path}: no such ONNX graph in the bundle{hint}")
@@ -140,6 +128,13 @@ class OnnxBackend:
         # fp16 bundles keep the cache in float16; logits always come back as float32
         self.kv_dtype = np.float16 if inputs["past_key_values.0.key"].type == "tensor(float16)" else np.float32
         self._out_names = ["logits"] + [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
+
+    @functools.cached_property
+    def eot_id(self) -> int:
+        """``<|endoftext|>``'s id, from the bundle's tokenizer.json (:func:`serve.bundle.eot_id`)."""
+        from tokenizers import Tokenizer  # only for callers of this property (serve.lm holds its own tokenizer)
+
+        return eot_id(Tokenizer.from_file(str(self.path / "tokenizer.json")))
 
     def new_sequence(self) -> OnnxSequence:
         """An empty KV cache at position 0."""
