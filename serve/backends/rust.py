@@ -83,7 +83,9 @@ class RustBackend:
         if quantize not in (None, "none", "int8"):
             raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
         self.path = Path(path)
-        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize)
+        # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
+        # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time.
+        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize, verify=False)
         self.vocab_size: int = self.model.vocab_size
         self.max_position_embeddings: int = self.model.max_position_embeddings
         self.quantize: str = self.model.quantize
