@@ -12,6 +12,7 @@ Build the extension first: pip install ./rust_runtime
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import re
@@ -503,6 +504,50 @@ def test_tiny_top_p_is_greedy(model):
         assert model.generate(p, 16, temperature=1.0, top_k=1, seed=seed) == greedy
 
 
+def test_sampling_edges_behave_as_their_limit(model):
+    """Issue 18: temperature 1e-310 / repetition_penalty 5e-324 raised "no token left to sample", and
+    top_p=0 was refused; now the first is greedy, the second a finite penalty, top_p=0 the top token."""
+    p = prompt_ids(6, seed=33)
+    greedy = model.generate(p, 12, temperature=0.0)
+    for seed in range(3):
+        assert model.generate(p, 12, temperature=1e-310, seed=seed) == greedy
+        assert model.generate(p, 12, temperature=0.9, top_p=0.0, seed=seed) == greedy
+    out = model.generate(p, 12, temperature=0.0, repetition_penalty=5e-324)
+    assert len(out) > 0 and all(0 <= t < 512 for t, _ in out)
+    assert model.generate(p, 6, temperature=1.0, repetition_penalty=5e-324, seed=1) == model.generate(
+        p, 6, temperature=1.0, repetition_penalty=5e-324, seed=1
+    )
+
+
+def write_manifest(bundle: Path) -> None:
+    """A manifest.json as export/ writes it: files: {name: {sha256, bytes}}."""
+    files = {
+        f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
+        for f in sorted(bundle.iterdir())
+        if f.is_file() and f.name != "manifest.json"
+    }
+    (bundle / "manifest.json").write_text(json.dumps({"format": "shalik-bundle", "format_version": 1, "files": files}))
+
+
+def test_bundle_integrity_is_verified_at_load(tiny, tmp_path):
+    """Issue 18: a tampered model.safetensors loaded silently; now the sha256 of manifest.json is checked."""
+    d = tmp_path / "signed"
+    shutil.copytree(tiny[0], d)
+    write_manifest(d)
+    ref = rust_runtime.Model.load(str(d), threads=1).logits([3, 4, 5])
+    st = d / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[-5] ^= 0x40  # one bit of one weight, same size: only the hash can tell
+    st.write_bytes(bytes(data))
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads=1), RuntimeError, r"model\.safetensors", r"sha256")
+    tampered = rust_runtime.Model.load(str(d), threads=1, verify=False)  # the opt-out
+    assert not np.array_equal(tampered.logits([3, 4, 5]), ref)
+    st.write_bytes(bytes(data[:-4]))
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads=1), RuntimeError, r"model\.safetensors", r"bytes")
+    (d / "manifest.json").write_text("{oops")
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads=1), RuntimeError, r"manifest\.json")
+
+
 def test_stop_ids_and_end_of_text(model, tmp_path, tiny):
     p = prompt_ids(6, seed=32)
     out = [t for t, _ in model.generate(p, 24, temperature=0.0)]
@@ -556,7 +601,18 @@ def test_errors_are_exceptions_and_the_model_stays_usable(model, tiny, tmp_path)
         (lambda: model.generate([], 4), ValueError, r"empty"),
         (lambda: model.generate(p, 4, temperature=float("nan")), ValueError, r"temperature"),
         (lambda: model.generate(p, 4, temperature=-1.0), ValueError, r"temperature"),
-        (lambda: model.generate(p, 4, top_p=0.0), ValueError, r"top_p"),
+        (lambda: model.generate(p, 4, top_p=-0.1), ValueError, r"top_p"),
+        (lambda: model.generate(p, 4, top_p=1.5), ValueError, r"top_p"),
+        # issue 18: 2**64 raised a bare OverflowError that named no argument
+        (lambda: model.generate(p, 4, seed=2**64), ValueError, r"seed", r"18446744073709551616"),
+        (lambda: model.generate([2**64], 4), ValueError, r"ids", r"18446744073709551616"),
+        (lambda: model.generate(p, 4, stop_ids=[2**64]), ValueError, r"stop_ids"),
+        (lambda: model.stream(p, 4, seed=2**64), ValueError, r"seed"),
+        (lambda: model.logits([1, 2**64]), ValueError, r"ids"),
+        (lambda: model.new_sequence().decode(2**64), ValueError, r"token_id"),
+        (lambda: model.new_sequence().prefill([2**70]), ValueError, r"ids"),
+        (lambda: model.generate(p, 4, seed="x"), TypeError, r"seed"),
+        (lambda: model.generate(b"ab", 4), TypeError, r"ids"),
         (lambda: model.generate(p, 4, top_k=-2), ValueError, r"top_k"),
         (lambda: model.generate(p, 4, repetition_penalty=0.0), ValueError, r"repetition_penalty"),
         (lambda: model.generate(p, 4, presence_penalty=float("inf")), ValueError, r"presence_penalty"),
@@ -754,6 +810,13 @@ def test_rust_backend_implements_the_protocol(tiny):
     assert seq.position == 15
     q = RustBackend(d, quantize="int8", threads=1)
     assert q.quantize == "int8" and q.new_sequence().prefill(ids[:4]).shape == (512,)
+    # generate / stream / generate_batch go through the batching engine and equal Model.generate bit for bit
+    prompts = [prompt_ids(5 + j, seed=80 + j) for j in range(4)]
+    kw = {"temperature": 0.7, "seed": 3}
+    want = [b.model.generate(p, 10, **kw) for p in prompts]
+    assert b.generate_batch(prompts, 10, **kw) == want
+    assert b.generate(prompts[0], 10, **kw) == want[0] == list(b.stream(prompts[0], 10, **kw))
+    expect_error(lambda: b.generate([1], 4, temperature=-1.0), BackendError, r"temperature")
 
 
 def test_rust_backend_explains_how_to_build(monkeypatch, tiny):

@@ -38,17 +38,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 #[allow(dead_code)]
 pub fn gemv_bench() {
-    use rust_runtime::kernels::gemv_serial;
+    use rust_runtime::kernels::{PackedF32, Par};
+    let par = Par::new(1).expect("one thread");
     for &(rows, k) in &[(32000usize, 512usize), (2560, 512), (1024, 512), (512, 1280), (512, 512)] {
         let w: Vec<f32> = (0..rows * k).map(|i| (i % 13) as f32 * 0.1).collect();
-        let x: Vec<f32> = (0..k).map(|i| (i % 7) as f32).collect();
-        let mut y = vec![0f32; rows];
-        let reps = (200_000_000 / (rows * k)).max(5);
-        let t = Instant::now();
-        for _ in 0..reps {
-            gemv_serial(&w, &x, &mut y, k);
+        let p = PackedF32::pack(&w, rows, k);
+        for m in [1usize, 16, 64] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32).collect();
+            let mut y = vec![0f32; m * rows];
+            let reps = (200_000_000 / (rows * k * m)).max(3);
+            let t = Instant::now();
+            for _ in 0..reps {
+                p.matmul(&par, &x, m, &mut y);
+            }
+            let dt = t.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "matmul {m}x{k} · {k}x{rows}: {:.1} us, {:.1} GB/s of weights, {:.1} GFLOP/s",
+                dt * 1e6,
+                (rows * k * 4) as f64 / dt / 1e9,
+                (2 * m * rows * k) as f64 / dt / 1e9
+            );
         }
-        let dt = t.elapsed().as_secs_f64() / reps as f64;
-        println!("gemv {rows}x{k}: {:.1} us, {:.1} GB/s", dt * 1e6, (rows * k * 4) as f64 / dt / 1e9);
     }
 }

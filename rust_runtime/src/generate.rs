@@ -2,8 +2,9 @@
 //! Rust. `Generator` is a resumable state machine so that `generate` (collect everything) and
 //! `stream` (one token per `__next__`) share the same code and give the same tokens.
 
+use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::model::{KvCache, Model};
+use crate::model::Model;
 use crate::sampling::{self, PenaltyState, SamplingParams};
 use rand::rngs::StdRng;
 

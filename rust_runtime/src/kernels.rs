@@ -1,6 +1,6 @@
-//! Small f32 kernels for the token loop: a batch-1 GEMV (AVX-512 / AVX2+FMA picked at run time,
-//! so a portable build is as fast as a `target-cpu=native` one), dot products, RMSNorm, SiLU,
-//! RoPE, and the split of a row range over candle's barrier thread pool.
+//! Small f32 kernels: the packed, batch-invariant matmul (`PackedF32`: AVX2+FMA picked at run
+//! time, so a portable build is as fast as a `target-cpu=native` one), dot products, RMSNorm,
+//! SiLU, RoPE, softmax, and `Par`, the per-model rayon pool that splits work by ranges.
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -67,8 +67,6 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    const PF_ROWS: usize = 8;
-
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
@@ -92,59 +90,6 @@ mod x86 {
                 _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pa.add(i)), _mm512_maskz_loadu_ps(mask, pb.add(i)), acc1);
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
-    }
-
-    /// y[r] = w[r, :] · x for every r < y.len(); `w` is row-major with row length `k`.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn gemv_avx512(w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
-        let rows = y.len();
-        let px = x.as_ptr();
-        let pw = w.as_ptr();
-        let k16 = k & !15;
-        let tail = k - k16;
-        let mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;
-        let mut r = 0;
-        while r + 4 <= rows {
-            let p0 = pw.add(r * k);
-            let p1 = p0.add(k);
-            let p2 = p1.add(k);
-            let p3 = p2.add(k);
-            let mut a0 = _mm512_setzero_ps();
-            let mut a1 = _mm512_setzero_ps();
-            let mut a2 = _mm512_setzero_ps();
-            let mut a3 = _mm512_setzero_ps();
-            // prefetch the same columns of the rows PF_ROWS ahead (~16 KiB for k = 512)
-            let pf = if r + 4 + PF_ROWS <= rows { pw.add((r + PF_ROWS) * k) } else { p0 };
-            let mut i = 0;
-            while i < k16 {
-                _mm_prefetch::<_MM_HINT_T0>(pf.add(i) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(pf.add(k + i) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(pf.add(2 * k + i) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(pf.add(3 * k + i) as *const i8);
-                let xv = _mm512_loadu_ps(px.add(i));
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p0.add(i)), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p1.add(i)), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(p2.add(i)), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(p3.add(i)), xv, a3);
-                i += 16;
-            }
-            if tail > 0 {
-                let xv = _mm512_maskz_loadu_ps(mask, px.add(i));
-                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p0.add(i)), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p1.add(i)), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p2.add(i)), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, p3.add(i)), xv, a3);
-            }
-            *y.get_unchecked_mut(r) = _mm512_reduce_add_ps(a0);
-            *y.get_unchecked_mut(r + 1) = _mm512_reduce_add_ps(a1);
-            *y.get_unchecked_mut(r + 2) = _mm512_reduce_add_ps(a2);
-            *y.get_unchecked_mut(r + 3) = _mm512_reduce_add_ps(a3);
-            r += 4;
-        }
-        while r < rows {
-            *y.get_unchecked_mut(r) = dot_avx512(&w[r * k..(r + 1) * k], x);
-            r += 1;
-        }
     }
 
     #[inline]
@@ -179,53 +124,24 @@ mod x86 {
         s
     }
 
+    /// T tokens × one packed panel of 16 rows: 2·T accumulators, one broadcast per token and
+    /// k step; each output lane is the chain acc = fma(w, x, acc) over k in order.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gemv_avx2(w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
-        let rows = y.len();
-        let px = x.as_ptr();
-        let pw = w.as_ptr();
-        let k8 = k & !7;
-        let mut r = 0;
-        while r + 4 <= rows {
-            let p0 = pw.add(r * k);
-            let p1 = p0.add(k);
-            let p2 = p1.add(k);
-            let p3 = p2.add(k);
-            let mut a0 = _mm256_setzero_ps();
-            let mut a1 = _mm256_setzero_ps();
-            let mut a2 = _mm256_setzero_ps();
-            let mut a3 = _mm256_setzero_ps();
-            let pf = if r + 4 + PF_ROWS <= rows { pw.add((r + PF_ROWS) * k) } else { p0 };
-            let mut i = 0;
-            while i < k8 {
-                if i % 16 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.add(i) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(pf.add(k + i) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(pf.add(2 * k + i) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(pf.add(3 * k + i) as *const i8);
-                }
-                let xv = _mm256_loadu_ps(px.add(i));
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(i)), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p1.add(i)), xv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(p2.add(i)), xv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(p3.add(i)), xv, a3);
-                i += 8;
+    pub unsafe fn panel_avx2<const T: usize>(w: *const f32, x: *const f32, k: usize, out: &mut [[f32; 16]; 6]) {
+        let mut a0 = [_mm256_setzero_ps(); T];
+        let mut a1 = [_mm256_setzero_ps(); T];
+        for i in 0..k {
+            let w0 = _mm256_loadu_ps(w.add(i * 16));
+            let w1 = _mm256_loadu_ps(w.add(i * 16 + 8));
+            for t in 0..T {
+                let xb = _mm256_broadcast_ss(&*x.add(t * k + i));
+                a0[t] = _mm256_fmadd_ps(w0, xb, a0[t]);
+                a1[t] = _mm256_fmadd_ps(w1, xb, a1[t]);
             }
-            let mut s = [hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)];
-            while i < k {
-                let xi = *px.add(i);
-                s[0] += *p0.add(i) * xi;
-                s[1] += *p1.add(i) * xi;
-                s[2] += *p2.add(i) * xi;
-                s[3] += *p3.add(i) * xi;
-                i += 1;
-            }
-            y[r..r + 4].copy_from_slice(&s);
-            r += 4;
         }
-        while r < rows {
-            y[r] = dot_avx2(&w[r * k..(r + 1) * k], x);
-            r += 1;
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), a0[t]);
+            _mm256_storeu_ps(out[t].as_mut_ptr().add(8), a1[t]);
         }
     }
 }
@@ -240,24 +156,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2Fma => unsafe { x86::dot_avx2(a, b) },
         _ => dot_generic(a, b),
-    }
-}
-
-/// Single-threaded y = W x for the rows covered by `y`: `w` holds exactly `y.len()` rows of
-/// length `k` (row-major), `x` has length `k`.
-pub fn gemv_serial(w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
-    assert!(w.len() >= y.len() * k && x.len() >= k, "gemv: shape mismatch");
-    match simd_level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: feature detected at run time; lengths checked above.
-        SimdLevel::Avx512 => unsafe { x86::gemv_avx512(w, x, y, k) },
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2Fma => unsafe { x86::gemv_avx2(w, x, y, k) },
-        _ => {
-            for (r, out) in y.iter_mut().enumerate() {
-                *out = dot_generic(&w[r * k..(r + 1) * k], &x[..k]);
-            }
-        }
     }
 }
 
@@ -337,29 +235,129 @@ pub struct SyncPtr(pub *mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
-/// y = W x with W (rows × k) row-major, split over threads in blocks of rows.
-pub fn gemv(par: &Par, w: &[f32], x: &[f32], y: &mut [f32], k: usize) {
-    let rows = y.len();
-    assert!(w.len() >= rows * k && x.len() >= k, "gemv: shape mismatch");
-    // ~32 KiB of weights per unit (at least 16 rows): enough work to amortise a chunk grab.
-    let rows_per_unit = ((8192 / k.max(1)).max(16) + 3) & !3;
-    let n_units = rows.div_ceil(rows_per_unit);
-    if par.threads <= 1 || n_units < 2 * par.threads {
-        gemv_serial(&w[..rows * k], x, y, k);
-        return;
-    }
-    let yp = SyncPtr(y.as_mut_ptr());
-    par.run(n_units, |units| {
-        let yp = yp;
-        let r0 = units.start * rows_per_unit;
-        let r1 = (units.end * rows_per_unit).min(rows);
-        // SAFETY: units are disjoint, so the row ranges [r0, r1) are disjoint and in bounds.
-        let ys = unsafe { std::slice::from_raw_parts_mut(yp.0.add(r0), r1 - r0) };
-        gemv_serial(&w[r0 * k..r1 * k], x, ys, k);
-    });
+// ---------------------------------------------------------------- packed f32 matmul
+
+/// Output rows per panel of a packed weight matrix (two AVX2 registers).
+pub const PANEL: usize = 16;
+/// Tokens per micro-kernel call (6 × 2 accumulators + 2 weight registers + 1 broadcast ≤ 16 ymm).
+const TILE: usize = 6;
+
+/// A weight matrix W (`out` × `inp`, the nn.Linear layout) packed once at load into panels of
+/// PANEL rows: element (r, i) lives at `(r / PANEL)·inp·PANEL + i·PANEL + r % PANEL`, the last
+/// panel padded with zeros. Every matmul, prefill or decode, streams the same panels.
+pub struct PackedF32 {
+    data: Vec<f32>,
+    pub out: usize,
+    pub inp: usize,
 }
 
-// ---------------------------------------------------------------- elementwise
+impl PackedF32 {
+    /// Pack row-major `w` (out × inp). Panics only on a length mismatch (checked by the loader).
+    pub fn pack(w: &[f32], out: usize, inp: usize) -> Self {
+        assert_eq!(w.len(), out * inp, "pack: shape mismatch");
+        let panels = out.div_ceil(PANEL);
+        let mut data = vec![0f32; panels * inp * PANEL];
+        for r in 0..out {
+            let (p, l) = (r / PANEL, r % PANEL);
+            let base = p * inp * PANEL + l;
+            for (i, &v) in w[r * inp..(r + 1) * inp].iter().enumerate() {
+                data[base + i * PANEL] = v;
+            }
+        }
+        PackedF32 { data, out, inp }
+    }
+
+    /// Copy row `r` (length inp) into `dst`: the embedding lookup of a tied lm_head.
+    pub fn row(&self, r: usize, dst: &mut [f32]) {
+        let (p, l) = (r / PANEL, r % PANEL);
+        let base = p * self.inp * PANEL + l;
+        for (i, d) in dst[..self.inp].iter_mut().enumerate() {
+            *d = self.data[base + i * PANEL];
+        }
+    }
+
+    /// y (m × out, row-major) = x (m × inp, row-major) · Wᵀ.
+    ///
+    /// **Batch invariance by construction**: output element (t, r) is always the same chain
+    /// `acc = fma(W[r, i], x[t, i], acc)` for i = 0, 1, …, inp−1 from acc = 0, in one SIMD lane,
+    /// whatever m, whichever other tokens share the micro-kernel call and however the panels are
+    /// split over threads. A token's logits are therefore bit-identical alone or in a batch, and
+    /// whether its prompt is prefilled whole or in chunks.
+    pub fn matmul(&self, par: &Par, x: &[f32], m: usize, y: &mut [f32]) {
+        let (out, k) = (self.out, self.inp);
+        assert!(x.len() >= m * k && y.len() >= m * out, "matmul: shape mismatch");
+        let panels = out.div_ceil(PANEL);
+        let yp = SyncPtr(y.as_mut_ptr());
+        let body = |range: Range<usize>| {
+            let yp = yp;
+            let mut tile = [[0f32; PANEL]; TILE];
+            for p in range {
+                let w = &self.data[p * k * PANEL..(p + 1) * k * PANEL];
+                let rows = PANEL.min(out - p * PANEL);
+                let mut t0 = 0;
+                while t0 < m {
+                    let n = TILE.min(m - t0);
+                    panel_tile(w, &x[t0 * k..], k, n, &mut tile);
+                    for (j, row) in tile[..n].iter().enumerate() {
+                        // SAFETY: panel p owns columns [p·PANEL, p·PANEL + rows) of every output row.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(yp.0.add((t0 + j) * out + p * PANEL), rows) };
+                        dst.copy_from_slice(&row[..rows]);
+                    }
+                    t0 += n;
+                }
+            }
+        };
+        // one panel is 16·inp multiply-adds per token: split only when there is enough work
+        if par.threads > 1 && panels * k * m >= 1 << 15 {
+            par.run(panels, body);
+        } else {
+            body(0..panels);
+        }
+    }
+}
+
+/// n ≤ TILE tokens (rows of x with stride k) against one panel (k × PANEL): out[t][l].
+fn panel_tile(w: &[f32], x: &[f32], k: usize, n: usize, out: &mut [[f32; PANEL]; TILE]) {
+    assert!(w.len() >= k * PANEL && x.len() >= (n - 1) * k + k && n <= TILE);
+    macro_rules! dispatch {
+        ($f:ident) => {
+            match n {
+                1 => $f::<1>(w, x, k, out),
+                2 => $f::<2>(w, x, k, out),
+                3 => $f::<3>(w, x, k, out),
+                4 => $f::<4>(w, x, k, out),
+                5 => $f::<5>(w, x, k, out),
+                _ => $f::<6>(w, x, k, out),
+            }
+        };
+    }
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: avx2 + fma were detected at run time (Avx512 implies both); lengths checked above.
+        SimdLevel::Avx512 | SimdLevel::Avx2Fma => unsafe { dispatch!(x86_tile) },
+        _ => dispatch!(generic_tile),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn x86_tile<const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [[f32; PANEL]; TILE]) {
+    x86::panel_avx2::<T>(w.as_ptr(), x.as_ptr(), k, out)
+}
+
+/// The same per-lane fma chain as the AVX2 kernel, in portable code.
+fn generic_tile<const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [[f32; PANEL]; TILE]) {
+    let mut acc = [[0f32; PANEL]; T];
+    for i in 0..k {
+        let wv = &w[i * PANEL..(i + 1) * PANEL];
+        for t in 0..T {
+            let xv = x[t * k + i];
+            for l in 0..PANEL {
+                acc[t][l] = wv[l].mul_add(xv, acc[t][l]);
+            }
+        }
+    }
+    out[..T].copy_from_slice(&acc);
+}
 
 /// HF LlamaRMSNorm in f32: x * rsqrt(mean(x²) + eps) * weight. The mean is accumulated in f64.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -485,22 +483,38 @@ mod tests {
     }
 
     #[test]
-    fn gemv_matches_naive_for_odd_shapes() {
-        for &(rows, k) in &[(1, 1), (3, 7), (5, 16), (7, 33), (64, 64), (130, 250), (17, 1280)] {
+    fn packed_matmul_matches_naive_and_is_batch_invariant() {
+        for &(rows, k) in &[(1, 1), (3, 7), (5, 16), (17, 33), (64, 64), (130, 250), (17, 1280)] {
             let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
-            let x: Vec<f32> = (0..k).map(|i| ((i * 104729 % 1000) as f32 / 500.0) - 1.0).collect();
-            let want = naive(&w, &x, rows, k);
-            let mut y = vec![0f32; rows];
-            gemv_serial(&w, &x, &mut y, k);
-            for (a, b) in y.iter().zip(&want) {
-                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{rows}x{k}: {a} vs {b}");
+            let m = 13; // two full tiles of 6 and a tail of 1
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 1000) as f32 / 500.0) - 1.0).collect();
+            let p = PackedF32::pack(&w, rows, k);
+            let mut row = vec![0f32; k];
+            p.row(rows - 1, &mut row);
+            assert_eq!(row, w[(rows - 1) * k..]);
+            let serial = Par::new(1).unwrap();
+            let mut all = vec![0f32; m * rows];
+            p.matmul(&serial, &x, m, &mut all);
+            for t in 0..m {
+                let want = naive(&w, &x[t * k..(t + 1) * k], rows, k);
+                for (a, b) in all[t * rows..(t + 1) * rows].iter().zip(&want) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{rows}x{k}: {a} vs {b}");
+                }
+                // the same token alone, or at another place in a smaller batch: the same bits
+                let mut one = vec![0f32; rows];
+                p.matmul(&serial, &x[t * k..(t + 1) * k], 1, &mut one);
+                assert_eq!(one, all[t * rows..(t + 1) * rows], "{rows}x{k} token {t} alone");
             }
-            let mut y2 = vec![0f32; rows];
+            let mut tail = vec![0f32; 4 * rows];
+            p.matmul(&serial, &x[5 * k..9 * k], 4, &mut tail);
+            assert_eq!(tail, all[5 * rows..9 * rows]);
             let par = Par::new(2).unwrap();
-            par.install(|| gemv(&par, &w, &x, &mut y2, k));
-            assert_eq!(y, y2, "{rows}x{k}: threaded gemv differs");
-            assert!((dot(&w[..k], &x) - want[0]).abs() <= 1e-4 * (1.0 + want[0].abs()));
-            assert!((dot_generic(&w[..k], &x) - want[0]).abs() <= 1e-4 * (1.0 + want[0].abs()));
+            let mut threaded = vec![0f32; m * rows];
+            par.install(|| p.matmul(&par, &x, m, &mut threaded));
+            assert_eq!(threaded, all, "{rows}x{k}: threads change the result");
+            let want = naive(&w, &x[..k], 1, k)[0];
+            assert!((dot(&w[..k], &x[..k]) - want).abs() <= 1e-4 * (1.0 + want.abs()));
+            assert!((dot_generic(&w[..k], &x[..k]) - want).abs() <= 1e-4 * (1.0 + want.abs()));
         }
     }
 

@@ -1,12 +1,17 @@
 //! Shalik's CPU runtime: reads a Shalik bundle (Hugging Face Llama safetensors + config.json +
 //! tokenizer.json) and generates with no Python in the token loop. The Rust API (`model`,
-//! `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
+//! `engine`, `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
 //! (feature `python`, turned on by maturin) wraps it.
 
+pub mod cache;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod generate;
+pub mod integrity;
 pub mod kernels;
+pub mod linear;
+pub mod loader;
 pub mod model;
 pub mod sampling;
 pub mod tokenizer;
@@ -14,6 +19,8 @@ pub mod tokenizer;
 #[cfg(feature = "python")]
 mod python;
 
+pub use cache::KvCache;
 pub use config::Config;
+pub use engine::Engine;
 pub use error::{Error, Result};
-pub use model::{KvCache, Model, Quantize};
+pub use model::{BatchItem, Logits, Model, Quantize};

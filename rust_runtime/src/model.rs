@@ -1,20 +1,23 @@
-//! The Llama forward: weights loaded from a Shalik bundle (Hugging Face names), a per-sequence
-//! KV cache kept in plain Vecs (token-major, KV-head count, grown by doubling, never `cat`), and
-//! one forward that serves both prefill (m tokens: GEMM through the `gemm` crate, or candle's
-//! q8_0 QMatMul) and decode (m = 1: our GEMV, or candle's repacked q8_0 GEMV).
+//! The Llama forward over a ragged batch: several sequences, each with its own KV cache and
+//! positions, in one pass whose matmuls read every weight once for all of them. Prefill (many
+//! tokens of one sequence), decode (one token) and any mix of the two are the same call.
 //!
 //! Layout follows transformers' `LlamaForCausalLM` exactly: RMSNorm in f32, rotate-half RoPE with
 //! the inverse frequencies and angles rounded to f32 as transformers does, q·kᵀ·head_dim^-½,
 //! f32 softmax, SiLU MLP, tied or untied lm_head, no biases.
+//!
+//! Batch invariance: every per-token operation (norms, RoPE, SiLU) works on its own row, every
+//! f32 matmul computes each output element with one fixed fma chain (`kernels::PackedF32`), and
+//! attention runs per sequence over that sequence's cache only. So a sequence's logits are the
+//! same bits alone, beside other sequences, or with its prompt split into chunks.
 
+use crate::cache::KvCache;
 use crate::config::Config;
-use crate::error::{CandleContext, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels::{self, Par, SyncPtr};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Storage, Tensor};
-use std::collections::HashMap;
+use crate::linear::Linear;
+use crate::loader::Loader;
 use std::path::Path;
-use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Quantize {
@@ -39,159 +42,6 @@ impl Quantize {
     }
 }
 
-/// A weight matrix (out × in, the nn.Linear layout) in f32 or q8_0.
-pub enum Linear {
-    F32 {
-        w: Arc<Vec<f32>>,
-        out: usize,
-        inp: usize,
-    },
-    /// q8_0, split by rows into shards that run in parallel (one per thread, more for big
-    /// matrices); each shard is a candle QMatMul run on one thread.
-    Q8 {
-        shards: Vec<Q8Shard>,
-        out: usize,
-        inp: usize,
-    },
-}
-
-pub struct Q8Shard {
-    mm: QMatMul,
-    row0: usize,
-    rows: usize,
-}
-
-impl Linear {
-    fn new(w: Arc<Vec<f32>>, out: usize, inp: usize, q: Quantize, threads: usize, name: &str) -> Result<Self> {
-        match q {
-            Quantize::None => Ok(Linear::F32 { w, out, inp }),
-            Quantize::Q8_0 => {
-                if inp % 32 != 0 {
-                    return Err(Error::format(format!(
-                        "{name}: int8 (q8_0) needs an input dimension that is a multiple of 32, \
-                         got {inp}"
-                    )));
-                }
-                let n_shards = if threads <= 1 {
-                    1
-                } else if out * inp >= 1 << 20 {
-                    2 * threads
-                } else {
-                    threads
-                };
-                // rows per shard: a multiple of 16 (candle's repacked q8_0 kernels need n % 16 == 0)
-                let per = (out.div_ceil(n_shards)).div_ceil(16) * 16;
-                let mut shards = Vec::new();
-                let mut row0 = 0;
-                while row0 < out {
-                    let rows = per.min(out - row0);
-                    let t = Tensor::from_slice(&w[row0 * inp..(row0 + rows) * inp], (rows, inp), &Device::Cpu)
-                        .ctx(|| format!("{name}: building the tensor to quantize"))?;
-                    let qt = QTensor::quantize(&t, GgmlDType::Q8_0).ctx(|| format!("{name}: q8_0 quantization"))?;
-                    let mm = QMatMul::from_qtensor(qt).ctx(|| format!("{name}: q8_0 matmul"))?;
-                    shards.push(Q8Shard { mm, row0, rows });
-                    row0 += rows;
-                }
-                Ok(Linear::Q8 { shards, out, inp })
-            }
-        }
-    }
-
-    pub fn out_features(&self) -> usize {
-        match self {
-            Linear::F32 { out, .. } | Linear::Q8 { out, .. } => *out,
-        }
-    }
-
-    /// y (m × out) = x (m × in) · Wᵀ.
-    pub fn forward(&self, par: &Par, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-        match self {
-            Linear::F32 { w, out, inp } => {
-                let (out, inp) = (*out, *inp);
-                if x.len() < m * inp || y.len() < m * out || w.len() != out * inp {
-                    return Err(Error::Internal(format!(
-                        "linear: shapes x {} y {} w {} for m {m} out {out} in {inp}",
-                        x.len(),
-                        y.len(),
-                        w.len()
-                    )));
-                }
-                if m == 1 {
-                    kernels::gemv(par, w, &x[..inp], &mut y[..out], inp);
-                } else {
-                    let parallelism =
-                        if par.threads > 1 { gemm::Parallelism::Rayon(par.threads) } else { gemm::Parallelism::None };
-                    // SAFETY: dst is m×out row-major (rs = out, cs = 1), lhs is m×inp row-major,
-                    // rhs = Wᵀ is inp×out read from W (out×inp row-major): rs = 1, cs = inp.
-                    // All lengths were checked above.
-                    unsafe {
-                        gemm::gemm(
-                            m,
-                            out,
-                            inp,
-                            y.as_mut_ptr(),
-                            1,
-                            out as isize,
-                            false,
-                            x.as_ptr(),
-                            1,
-                            inp as isize,
-                            w.as_ptr(),
-                            inp as isize,
-                            1,
-                            0.0f32,
-                            1.0f32,
-                            false,
-                            false,
-                            false,
-                            parallelism,
-                        )
-                    }
-                }
-                Ok(())
-            }
-            Linear::Q8 { shards, out, inp } => {
-                let (out, inp) = (*out, *inp);
-                if x.len() < m * inp || y.len() < m * out {
-                    return Err(Error::Internal(format!("q8_0 linear: shapes x {} y {}", x.len(), y.len())));
-                }
-                let xt = Tensor::from_slice(&x[..m * inp], (m, inp), &Device::Cpu)
-                    .ctx(|| "q8_0 linear: input".to_string())?;
-                let yp = SyncPtr(y.as_mut_ptr());
-                par.try_each(shards.len(), |s| {
-                    let sh = &shards[s];
-                    let yt = sh.mm.forward(&xt).ctx(|| format!("q8_0 matmul ({m}×{inp} · {inp}×{})", sh.rows))?;
-                    let yp = yp;
-                    with_tensor_data(&yt, m * sh.rows, |src| {
-                        for i in 0..m {
-                            // SAFETY: shard s owns columns [row0, row0 + rows) of every output row.
-                            let dst = unsafe { std::slice::from_raw_parts_mut(yp.0.add(i * out + sh.row0), sh.rows) };
-                            dst.copy_from_slice(&src[i * sh.rows..(i + 1) * sh.rows]);
-                        }
-                    })
-                })
-            }
-        }
-    }
-}
-
-/// Borrow the f32 data of a contiguous CPU tensor of `len` elements.
-fn with_tensor_data(t: &Tensor, len: usize, f: impl FnOnce(&[f32])) -> Result<()> {
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cs) => {
-            let s = cs.as_slice::<f32>().ctx(|| "q8_0 matmul output".to_string())?;
-            let o = layout.start_offset();
-            if !layout.is_contiguous() || s.len() < o + len {
-                return Err(Error::Internal("q8_0 matmul output has an unexpected layout".into()));
-            }
-            f(&s[o..o + len]);
-            Ok(())
-        }
-        _ => Err(Error::Internal("q8_0 matmul output is not on the CPU".into())),
-    }
-}
-
 pub struct Layer {
     attn_norm: Vec<f32>,
     mlp_norm: Vec<f32>,
@@ -203,11 +53,18 @@ pub struct Layer {
     down: Linear,
 }
 
+/// Where the embedding rows live: the packed tied lm_head (f32: one copy of the matrix), or a
+/// plain row-major table (untied, or q8_0 where the lm_head is quantized).
+enum Embedding {
+    TiedPacked,
+    Table(Vec<f32>),
+}
+
 pub struct Model {
     pub cfg: Config,
     pub quantize: Quantize,
     pub par: Par,
-    embed: Arc<Vec<f32>>,
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     lm_head: Linear,
@@ -216,109 +73,19 @@ pub struct Model {
     sin: Vec<f32>,
 }
 
-/// One sequence's KV cache: per layer, K and V as token-major rows of n_kv·head_dim floats.
-/// Capacity grows by doubling (up to the context) and is kept across `reset`.
-pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    len: usize,
-    kv_dim: usize,
-    max_pos: usize,
+/// Which logits a batch item wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    Last,
+    All,
 }
 
-impl KvCache {
-    pub fn new(cfg: &Config) -> Self {
-        let kv_dim = cfg.num_key_value_heads * cfg.head_dim;
-        let reserve = cfg.max_position_embeddings.min(64) * kv_dim;
-        KvCache {
-            k: (0..cfg.num_hidden_layers).map(|_| Vec::with_capacity(reserve)).collect(),
-            v: (0..cfg.num_hidden_layers).map(|_| Vec::with_capacity(reserve)).collect(),
-            len: 0,
-            kv_dim,
-            max_pos: cfg.max_position_embeddings,
-        }
-    }
-
-    /// Number of cached tokens (= the position of the next token).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn reset(&mut self) {
-        self.len = 0;
-        for b in self.k.iter_mut().chain(self.v.iter_mut()) {
-            b.clear();
-        }
-    }
-
-    /// Drop anything past `len` (left by a failed forward) and make room for `total` tokens.
-    fn prepare(&mut self, total: usize) {
-        let need = total * self.kv_dim;
-        let keep = self.len * self.kv_dim;
-        for b in self.k.iter_mut().chain(self.v.iter_mut()) {
-            b.truncate(keep);
-            if b.capacity() < need {
-                let target = (total.max(2 * self.len).min(self.max_pos).max(total)) * self.kv_dim;
-                b.reserve_exact(target - b.len());
-            }
-        }
-    }
-}
-
-fn tensor_to_f32(view: &safetensors::tensor::TensorView<'_>, name: &str) -> Result<Vec<f32>> {
-    use safetensors::Dtype;
-    let data = view.data();
-    let out: Vec<f32> = match view.dtype() {
-        Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        other => return Err(Error::format(format!("tensor {name} has dtype {other:?}; expected F32, F16 or BF16"))),
-    };
-    let want: usize = view.shape().iter().product();
-    if out.len() != want {
-        return Err(Error::format(format!("tensor {name}: {} values for shape {:?}", out.len(), view.shape())));
-    }
-    Ok(out)
-}
-
-struct Loader<'a> {
-    st: &'a candle_core::safetensors::MmapedSafetensors,
-    views: HashMap<String, (safetensors::Dtype, Vec<usize>)>,
-    file: String,
-}
-
-impl Loader<'_> {
-    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
-        match self.views.get(name) {
-            None => Err(Error::format(format!("{}: tensor {name} is missing (expected shape {shape:?})", self.file))),
-            Some((dt, s)) => {
-                use safetensors::Dtype;
-                if !matches!(dt, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-                    return Err(Error::format(format!(
-                        "{}: tensor {name} has dtype {dt:?}; expected F32, F16 or BF16",
-                        self.file
-                    )));
-                }
-                if s.as_slice() != shape {
-                    return Err(Error::format(format!(
-                        "{}: tensor {name} has shape {s:?}, expected {shape:?}",
-                        self.file
-                    )));
-                }
-                Ok(())
-            }
-        }
-    }
-
-    fn load(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        self.check(name, shape)?;
-        let view = self.st.get(name).ctx(|| format!("{}: reading tensor {name}", self.file))?;
-        tensor_to_f32(&view, name)
-    }
+/// One sequence's part of a batched forward: `ids` are appended to `cache`.
+pub struct BatchItem<'a> {
+    pub cache: &'a mut KvCache,
+    pub ids: &'a [u32],
+    pub logits: Logits,
 }
 
 fn concat_rows(parts: Vec<Vec<f32>>) -> Vec<f32> {
@@ -331,7 +98,8 @@ fn concat_rows(parts: Vec<Vec<f32>>) -> Vec<f32> {
 }
 
 impl Model {
-    /// Load `model.safetensors` + `config.json` from a bundle directory.
+    /// Load `model.safetensors` + `config.json` from a bundle directory. f32 weights are packed
+    /// here, once; each unpacked tensor is dropped as soon as it is packed.
     pub fn load(dir: &Path, quantize: Quantize, threads: usize) -> Result<Self> {
         let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, "cannot open the bundle directory", e))?;
         if !meta.is_dir() {
@@ -342,18 +110,7 @@ impl Model {
             ));
         }
         let cfg = Config::from_file(&dir.join("config.json"))?;
-        let st_path = dir.join("model.safetensors");
-        std::fs::File::open(&st_path).map_err(|e| Error::io(&st_path, "cannot open the model weights", e))?;
-        // SAFETY: the file is memory-mapped read-only; it must not be truncated while loading.
-        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&st_path) }
-            .ctx(|| format!("{}: not a readable safetensors file", st_path.display()))?;
-        let views =
-            st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.shape().to_vec()))).collect::<HashMap<_, _>>();
-        let ld = Loader { st: &st, views, file: st_path.display().to_string() };
-        Self::from_loader(&ld, cfg, quantize, threads)
-    }
-
-    fn from_loader(ld: &Loader<'_>, cfg: Config, quantize: Quantize, threads: usize) -> Result<Self> {
+        let ld = Loader::open(&dir.join("model.safetensors"), &cfg)?;
         let (h, hd, nh, nkv, inter, vocab) = (
             cfg.hidden_size,
             cfg.head_dim,
@@ -362,81 +119,37 @@ impl Model {
             cfg.intermediate_size,
             cfg.vocab_size,
         );
-        if let Some(b) = ld.views.keys().find(|k| k.ends_with(".bias")) {
-            return Err(Error::format(format!(
-                "{}: tensor {b} is a bias; this runtime implements Llama without biases",
-                ld.file
-            )));
-        }
-        // Validate every name and shape before loading anything: one clear error, no panic.
-        let mut expected: Vec<(String, Vec<usize>)> =
-            vec![("model.embed_tokens.weight".into(), vec![vocab, h]), ("model.norm.weight".into(), vec![h])];
-        if !cfg.tie_word_embeddings {
-            expected.push(("lm_head.weight".into(), vec![vocab, h]));
-        }
-        for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            expected.extend([
-                (format!("{p}.self_attn.q_proj.weight"), vec![nh * hd, h]),
-                (format!("{p}.self_attn.k_proj.weight"), vec![nkv * hd, h]),
-                (format!("{p}.self_attn.v_proj.weight"), vec![nkv * hd, h]),
-                (format!("{p}.self_attn.o_proj.weight"), vec![h, nh * hd]),
-                (format!("{p}.mlp.gate_proj.weight"), vec![inter, h]),
-                (format!("{p}.mlp.up_proj.weight"), vec![inter, h]),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, inter]),
-                (format!("{p}.input_layernorm.weight"), vec![h]),
-                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            ]);
-        }
-        for (n, s) in &expected {
-            ld.check(n, s)?;
-        }
-
-        let embed = Arc::new(ld.load("model.embed_tokens.weight", &[vocab, h])?);
+        let lin = |w: Vec<f32>, out: usize, inp: usize, name: &str| Linear::new(&w, out, inp, quantize, threads, name);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
+            let part = |p: &str| ld.layer(&cfg, l, p);
             let p = format!("model.layers.{l}");
-            let q = ld.load(&format!("{p}.self_attn.q_proj.weight"), &[nh * hd, h])?;
-            let k = ld.load(&format!("{p}.self_attn.k_proj.weight"), &[nkv * hd, h])?;
-            let v = ld.load(&format!("{p}.self_attn.v_proj.weight"), &[nkv * hd, h])?;
-            let qkv = Linear::new(
-                Arc::new(concat_rows(vec![q, k, v])),
-                (nh + 2 * nkv) * hd,
-                h,
-                quantize,
-                threads,
-                &format!("{p}.self_attn.qkv"),
-            )?;
-            let o = ld.load(&format!("{p}.self_attn.o_proj.weight"), &[h, nh * hd])?;
-            let o = Linear::new(Arc::new(o), h, nh * hd, quantize, threads, &format!("{p}.self_attn.o_proj"))?;
-            let g = ld.load(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?;
-            let u = ld.load(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?;
-            let gate_up = Linear::new(
-                Arc::new(concat_rows(vec![g, u])),
-                2 * inter,
-                h,
-                quantize,
-                threads,
-                &format!("{p}.mlp.gate_up"),
-            )?;
-            let d = ld.load(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?;
-            let down = Linear::new(Arc::new(d), h, inter, quantize, threads, &format!("{p}.mlp.down_proj"))?;
+            let qkv = concat_rows(vec![
+                part("self_attn.q_proj.weight")?,
+                part("self_attn.k_proj.weight")?,
+                part("self_attn.v_proj.weight")?,
+            ]);
+            let gate_up = concat_rows(vec![part("mlp.gate_proj.weight")?, part("mlp.up_proj.weight")?]);
             layers.push(Layer {
-                attn_norm: ld.load(&format!("{p}.input_layernorm.weight"), &[h])?,
-                mlp_norm: ld.load(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                qkv,
-                o,
-                gate_up,
-                down,
+                qkv: lin(qkv, (nh + 2 * nkv) * hd, h, &format!("{p}.self_attn.qkv"))?,
+                o: lin(part("self_attn.o_proj.weight")?, h, nh * hd, &format!("{p}.self_attn.o_proj"))?,
+                gate_up: lin(gate_up, 2 * inter, h, &format!("{p}.mlp.gate_up"))?,
+                down: lin(part("mlp.down_proj.weight")?, h, inter, &format!("{p}.mlp.down_proj"))?,
+                attn_norm: part("input_layernorm.weight")?,
+                mlp_norm: part("post_attention_layernorm.weight")?,
             });
         }
-        let norm = ld.load("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings {
+        let norm = ld.load("model.norm.weight")?;
+        let embed_w = ld.load("model.embed_tokens.weight")?;
+        let (embed, lm_head) = if cfg.tie_word_embeddings {
             // transformers ties lm_head to embed_tokens (an lm_head.weight in the file is ignored)
-            Linear::new(embed.clone(), vocab, h, quantize, threads, "lm_head (tied to model.embed_tokens)")?
+            let head = lin(embed_w.clone(), vocab, h, "lm_head (tied to model.embed_tokens)")?;
+            match quantize {
+                Quantize::None => (Embedding::TiedPacked, head), // rows are read from the packed head
+                Quantize::Q8_0 => (Embedding::Table(embed_w), head),
+            }
         } else {
-            let w = ld.load("lm_head.weight", &[vocab, h])?;
-            Linear::new(Arc::new(w), vocab, h, quantize, threads, "lm_head")?
+            (Embedding::Table(embed_w), lin(ld.load("lm_head.weight")?, vocab, h, "lm_head")?)
         };
         let (cos, sin) = rope_tables(&cfg);
         let model = Model { cfg, quantize, par: Par::new(threads)?, embed, layers, norm, lm_head, cos, sin };
@@ -481,35 +194,53 @@ impl Model {
     /// Append `ids` to `cache` and return logits: m × vocab (all_logits) or the last row.
     /// On error the cache is left as it was.
     pub fn forward(&self, cache: &mut KvCache, ids: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        self.par.install(|| self.forward_impl(cache, ids, all_logits))
+        let logits = if all_logits { Logits::All } else { Logits::Last };
+        let mut items = [BatchItem { cache, ids, logits }];
+        Ok(self.forward_batch(&mut items)?.pop().unwrap_or_default())
     }
 
-    fn forward_impl(&self, cache: &mut KvCache, ids: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+    /// One forward over every item at once (each appends its ids to its own cache); returns per
+    /// item the logits it asked for (len(ids) × vocab, the last row, or nothing). Errors before
+    /// any compute for an empty item, an id outside the vocabulary or a sequence past the
+    /// context; on any error every cache is left as it was.
+    pub fn forward_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
         let c = &self.cfg;
-        let m = ids.len();
-        let pos0 = cache.len;
-        if m == 0 {
-            return Err(Error::arg("token ids: expected at least one id, got an empty list"));
+        for it in items.iter() {
+            let (m, pos0) = (it.ids.len(), it.cache.len);
+            if m == 0 {
+                return Err(Error::arg("token ids: expected at least one id, got an empty list"));
+            }
+            if pos0 + m > c.max_position_embeddings {
+                return Err(Error::arg(format!(
+                    "sequence too long: {pos0} cached + {m} new = {} tokens exceeds the context length {}",
+                    pos0 + m,
+                    c.max_position_embeddings
+                )));
+            }
+            if let Some(&bad) = it.ids.iter().find(|&&i| i as usize >= c.vocab_size) {
+                return Err(Error::arg(format!(
+                    "token id {bad} is out of range: expected 0 <= id < vocab_size = {}",
+                    c.vocab_size
+                )));
+            }
+            if it.cache.k.len() != c.num_hidden_layers || it.cache.kv_dim != c.num_key_value_heads * c.head_dim {
+                return Err(Error::arg("this sequence belongs to a different model"));
+            }
         }
-        if pos0 + m > c.max_position_embeddings {
-            return Err(Error::arg(format!(
-                "sequence too long: {pos0} cached + {m} new = {} tokens exceeds the context \
-                 length {}",
-                pos0 + m,
-                c.max_position_embeddings
-            )));
-        }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
-            return Err(Error::arg(format!(
-                "token id {bad} is out of range: expected 0 <= id < vocab_size = {}",
-                c.vocab_size
-            )));
-        }
-        if cache.k.len() != c.num_hidden_layers || cache.kv_dim != c.num_key_value_heads * c.head_dim {
-            return Err(Error::arg("this sequence belongs to a different model"));
-        }
-        cache.prepare(pos0 + m);
+        self.par.install(|| self.forward_impl(items))
+    }
 
+    fn embed_row(&self, id: usize, dst: &mut [f32]) {
+        let h = self.cfg.hidden_size;
+        match (&self.embed, &self.lm_head) {
+            (Embedding::Table(t), _) => dst.copy_from_slice(&t[id * h..(id + 1) * h]),
+            (Embedding::TiedPacked, Linear::F32(p)) => p.row(id, dst),
+            (Embedding::TiedPacked, _) => unreachable!("a packed embedding implies an f32 lm_head"),
+        }
+    }
+
+    fn forward_impl(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        let c = &self.cfg;
         let (h, hd, nh, nkv, inter) =
             (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
         let q_dim = nh * hd;
@@ -518,11 +249,22 @@ impl Model {
         let half = hd / 2;
         let eps = c.rms_norm_eps as f32;
         let par = &self.par;
+        // row r of the batch: (item, position)
+        let mut rows: Vec<(usize, usize)> = Vec::new();
+        for (b, it) in items.iter_mut().enumerate() {
+            let pos0 = it.cache.len;
+            it.cache.prepare(pos0 + it.ids.len());
+            rows.extend((0..it.ids.len()).map(|i| (b, pos0 + i)));
+        }
+        let m = rows.len();
 
         let mut x = vec![0f32; m * h];
-        for (i, &id) in ids.iter().enumerate() {
-            let id = id as usize;
-            x[i * h..(i + 1) * h].copy_from_slice(&self.embed[id * h..(id + 1) * h]);
+        let mut r = 0;
+        for it in items.iter() {
+            for &id in it.ids {
+                self.embed_row(id as usize, &mut x[r * h..(r + 1) * h]);
+                r += 1;
+            }
         }
         let mut hbuf = vec![0f32; m * h];
         let mut qkv = vec![0f32; m * qkv_dim];
@@ -536,18 +278,22 @@ impl Model {
                 kernels::rms_norm(&x[i * h..(i + 1) * h], &layer.attn_norm, eps, &mut hbuf[i * h..(i + 1) * h]);
             }
             layer.qkv.forward(par, &hbuf, m, &mut qkv)?;
-            // RoPE on q and k, then append k and v to the cache.
-            for i in 0..m {
-                let p = pos0 + i;
+            // RoPE on q and k, then append k and v to each sequence's cache.
+            for (i, &(b, p)) in rows.iter().enumerate() {
                 let (cs, sn) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);
                 let row = &mut qkv[i * qkv_dim..(i + 1) * qkv_dim];
                 for head in 0..nh + nkv {
                     kernels::rope_half(&mut row[head * hd..(head + 1) * hd], cs, sn);
                 }
+                let cache = &mut *items[b].cache;
                 cache.k[li].extend_from_slice(&row[q_dim..q_dim + kv_dim]);
                 cache.v[li].extend_from_slice(&row[q_dim + kv_dim..]);
             }
-            self.attention(&qkv, m, pos0, &cache.k[li], &cache.v[li], &mut attn, scale);
+            {
+                let kv: Vec<(&[f32], &[f32])> =
+                    items.iter().map(|it| (it.cache.k[li].as_slice(), it.cache.v[li].as_slice())).collect();
+                self.attention(&qkv, &rows, &kv, &mut attn, scale);
+            }
             layer.o.forward(par, &attn, m, &mut hbuf)?;
             for (xv, o) in x.iter_mut().zip(&hbuf) {
                 *xv += *o;
@@ -566,20 +312,44 @@ impl Model {
             }
         }
 
-        let first = if all_logits { 0 } else { m - 1 };
-        let rows = m - first;
-        for i in first..m {
-            kernels::rms_norm(&x[i * h..(i + 1) * h], &self.norm, eps, &mut hbuf[(i - first) * h..(i - first + 1) * h]);
+        // the rows whose logits were asked for, normed and sent through the lm_head together
+        let mut want: Vec<usize> = Vec::new();
+        let mut r0 = 0;
+        for it in items.iter() {
+            let n = it.ids.len();
+            match it.logits {
+                Logits::None => {}
+                Logits::Last => want.push(r0 + n - 1),
+                Logits::All => want.extend(r0..r0 + n),
+            }
+            r0 += n;
         }
-        let mut logits = vec![0f32; rows * self.cfg.vocab_size];
-        self.lm_head.forward(par, &hbuf[..rows * h], rows, &mut logits)?;
-        cache.len = pos0 + m;
-        Ok(logits)
+        let vocab = c.vocab_size;
+        for (j, &i) in want.iter().enumerate() {
+            kernels::rms_norm(&x[i * h..(i + 1) * h], &self.norm, eps, &mut hbuf[j * h..(j + 1) * h]);
+        }
+        let mut logits = vec![0f32; want.len() * vocab];
+        if !want.is_empty() {
+            self.lm_head.forward(par, &hbuf[..want.len() * h], want.len(), &mut logits)?;
+        }
+        let mut out = Vec::with_capacity(items.len());
+        let mut j = 0;
+        for it in items.iter_mut() {
+            let n = match it.logits {
+                Logits::None => 0,
+                Logits::Last => 1,
+                Logits::All => it.ids.len(),
+            };
+            out.push(logits[j * vocab..(j + n) * vocab].to_vec());
+            j += n;
+            it.cache.len += it.ids.len();
+        }
+        Ok(out)
     }
 
-    /// Causal attention of the m new queries (at positions pos0..pos0+m) over the cache.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(&self, qkv: &[f32], m: usize, pos0: usize, kc: &[f32], vc: &[f32], out: &mut [f32], scale: f32) {
+    /// Causal attention of every batch row (item b at position p) over its own item's cache
+    /// (`kv[b]`, which already holds positions 0..=p).
+    fn attention(&self, qkv: &[f32], rows: &[(usize, usize)], kv: &[(&[f32], &[f32])], out: &mut [f32], scale: f32) {
         let c = &self.cfg;
         let (hd, nh, nkv) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let q_dim = nh * hd;
@@ -589,37 +359,39 @@ impl Model {
         let op = SyncPtr(out.as_mut_ptr());
         let unit = |u: usize, scores: &mut Vec<f32>| {
             let (i, head) = (u / nh, u % nh);
+            let (b, p) = rows[i];
+            let (kc, vc) = kv[b];
             let kvh = head / group; // GQA: q head h reads kv head h / group
             let q = &qkv[i * qkv_dim + head * hd..i * qkv_dim + (head + 1) * hd];
-            let t_len = pos0 + i + 1;
             scores.clear();
-            for t in 0..t_len {
+            for t in 0..=p {
                 let k = &kc[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
                 scores.push(kernels::dot(q, k) * scale);
             }
             kernels::softmax_inplace(scores);
             let op = op;
-            // SAFETY: each (i, head) unit writes its own hd-long slice of `out`.
+            // SAFETY: each (row, head) unit writes its own hd-long slice of `out`.
             let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(i * q_dim + head * hd), hd) };
             o.fill(0.0);
-            for (t, &p) in scores.iter().enumerate() {
+            for (t, &w) in scores.iter().enumerate() {
                 let v = &vc[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
                 for (ov, &vv) in o.iter_mut().zip(v) {
-                    *ov += p * vv;
+                    *ov += w * vv;
                 }
             }
         };
-        let n_units = m * nh;
-        let work = n_units * (pos0 + m) * hd;
+        let n_units = rows.len() * nh;
+        let work: usize = rows.iter().map(|&(_, p)| p + 1).sum::<usize>() * nh * hd;
+        let max_ctx = rows.iter().map(|&(_, p)| p + 1).max().unwrap_or(0);
         if self.par.threads > 1 && work > 1 << 16 {
             self.par.run(n_units, |range| {
-                let mut scores = Vec::with_capacity(pos0 + m);
+                let mut scores = Vec::with_capacity(max_ctx);
                 for u in range {
                     unit(u, &mut scores);
                 }
             });
         } else {
-            let mut scores = Vec::with_capacity(pos0 + m);
+            let mut scores = Vec::with_capacity(max_ctx);
             for u in 0..n_units {
                 unit(u, &mut scores);
             }
@@ -653,7 +425,7 @@ fn rope_tables(cfg: &Config) -> (Vec<f32>, Vec<f32>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::error::Error;
     use crate::generate::{generate_all, Generator};
@@ -661,8 +433,8 @@ mod tests {
     use std::path::PathBuf;
 
     /// A random tiny Llama bundle written with the safetensors crate (no Python needed).
-    struct Fixture {
-        dir: PathBuf,
+    pub(crate) struct Fixture {
+        pub(crate) dir: PathBuf,
     }
 
     impl Drop for Fixture {
@@ -676,29 +448,28 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
     }
 
+    fn config_json(kv: usize) -> serde_json::Value {
+        serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": kv, "intermediate_size": 128, "max_position_embeddings": 32,
+            "rms_norm_eps": 1e-5, "vocab_size": 96, "tie_word_embeddings": true, "rope_theta": 50000.0,
+            "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}
+        })
+    }
+
+    /// Random values for every tensor of the one list (`loader::expected_tensors`).
     fn tensors(kv: usize, skip: Option<&str>, reshape: Option<&str>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        let (h, nh, hd, inter, vocab, layers) = (64usize, 4usize, 16usize, 128usize, 96usize, 2usize);
+        let cfg = Config::from_json_str(&config_json(kv).to_string()).unwrap();
         let mut seed = 42u64;
-        let mut out = vec![];
-        let mut add = |name: String, shape: Vec<usize>, norm: bool| {
-            let n: usize = shape.iter().product();
-            let data = (0..n).map(|_| if norm { 1.0 + lcg(&mut seed) } else { lcg(&mut seed) }).collect();
-            out.push((name, shape, data));
-        };
-        add("model.embed_tokens.weight".into(), vec![vocab, h], false);
-        add("model.norm.weight".into(), vec![h], true);
-        for l in 0..layers {
-            let p = format!("model.layers.{l}");
-            add(format!("{p}.self_attn.q_proj.weight"), vec![nh * hd, h], false);
-            add(format!("{p}.self_attn.k_proj.weight"), vec![kv * hd, h], false);
-            add(format!("{p}.self_attn.v_proj.weight"), vec![kv * hd, h], false);
-            add(format!("{p}.self_attn.o_proj.weight"), vec![h, nh * hd], false);
-            add(format!("{p}.mlp.gate_proj.weight"), vec![inter, h], false);
-            add(format!("{p}.mlp.up_proj.weight"), vec![inter, h], false);
-            add(format!("{p}.mlp.down_proj.weight"), vec![h, inter], false);
-            add(format!("{p}.input_layernorm.weight"), vec![h], true);
-            add(format!("{p}.post_attention_layernorm.weight"), vec![h], true);
-        }
+        let mut out: Vec<(String, Vec<usize>, Vec<f32>)> = crate::loader::expected_tensors(&cfg)
+            .into_iter()
+            .map(|(name, shape)| {
+                let norm = shape.len() == 1;
+                let n: usize = shape.iter().product();
+                let data = (0..n).map(|_| if norm { 1.0 + lcg(&mut seed) } else { lcg(&mut seed) }).collect();
+                (name, shape, data)
+            })
+            .collect();
         out.retain(|(n, _, _)| Some(n.as_str()) != skip);
         for t in out.iter_mut() {
             if Some(t.0.as_str()) == reshape {
@@ -708,17 +479,11 @@ mod tests {
         out
     }
 
-    fn fixture(name: &str, kv: usize, skip: Option<&str>, reshape: Option<&str>) -> Fixture {
+    pub(crate) fn fixture(name: &str, kv: usize, skip: Option<&str>, reshape: Option<&str>) -> Fixture {
         let dir = std::env::temp_dir().join(format!("rust_runtime_test_{}_{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let cfg = serde_json::json!({
-            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": kv, "intermediate_size": 128, "max_position_embeddings": 32,
-            "rms_norm_eps": 1e-5, "vocab_size": 96, "tie_word_embeddings": true, "rope_theta": 50000.0,
-            "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}
-        });
-        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        std::fs::write(dir.join("config.json"), config_json(kv).to_string()).unwrap();
         let ts = tensors(kv, skip, reshape);
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
             ts.into_iter().map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect())).collect();
@@ -769,6 +534,58 @@ mod tests {
             let x = m.forward(&mut m.new_cache(), &[3, 7, 11], false).unwrap();
             let y = m.forward(&mut m.new_cache(), &[7, 3, 11], false).unwrap();
             assert!(max_diff(&x, &y) > 1e-3);
+        }
+    }
+
+    /// Issue 17: a sequence's logits are the same bits alone, beside 15 others (each at its own
+    /// position, some prefilling, some decoding), and with its prompt prefilled in chunks.
+    #[test]
+    fn batched_forward_is_bit_identical_to_alone_and_to_chunked() {
+        let fx = fixture("invariance", 2, None, None);
+        for threads in [1, 2] {
+            let m = Model::load(&fx.dir, Quantize::None, threads).unwrap();
+            let ids: Vec<u32> = (0..11).map(|i| (i * 13 + 5) % 96).collect();
+            let alone = m.forward(&mut m.new_cache(), &ids, true).unwrap();
+            // chunked: 4 + 1 + 6 tokens
+            let mut c = m.new_cache();
+            let mut chunked = m.forward(&mut c, &ids[..4], true).unwrap();
+            chunked.extend(m.forward(&mut c, &ids[4..5], true).unwrap());
+            chunked.extend(m.forward(&mut c, &ids[5..], true).unwrap());
+            assert_eq!(chunked, alone, "threads {threads}: chunked prefill differs");
+            // 15 others with caches at different lengths
+            let mut others: Vec<(KvCache, Vec<u32>)> = (0..15)
+                .map(|j| {
+                    let mut oc = m.new_cache();
+                    let pre: Vec<u32> = (0..(j % 5) + 1).map(|i| ((i * 7 + j * 3) % 96) as u32).collect();
+                    m.forward(&mut oc, &pre, false).unwrap();
+                    let next: Vec<u32> = (0..(j % 3) + 1).map(|i| ((i + j) % 96) as u32).collect();
+                    (oc, next)
+                })
+                .collect();
+            let mut mine = m.new_cache();
+            let mut items: Vec<BatchItem<'_>> = Vec::new();
+            let (first, rest) = others.split_at_mut(7);
+            for (oc, next) in first.iter_mut() {
+                items.push(BatchItem { cache: oc, ids: next, logits: Logits::Last });
+            }
+            items.push(BatchItem { cache: &mut mine, ids: &ids, logits: Logits::All });
+            for (oc, next) in rest.iter_mut() {
+                items.push(BatchItem { cache: oc, ids: next, logits: Logits::All });
+            }
+            let out = m.forward_batch(&mut items).unwrap();
+            assert_eq!(out[7], alone, "threads {threads}: batched logits differ from alone");
+            assert_eq!(mine.len(), 11);
+            // and a decode step after it, batched vs alone
+            let mut solo = m.new_cache();
+            m.forward(&mut solo, &ids, false).unwrap();
+            let step_alone = m.forward(&mut solo, &[17], false).unwrap();
+            let mut items: Vec<BatchItem<'_>> = others
+                .iter_mut()
+                .map(|(oc, next)| BatchItem { cache: oc, ids: &next[..1], logits: Logits::Last })
+                .collect();
+            items.insert(3, BatchItem { cache: &mut mine, ids: &[17], logits: Logits::Last });
+            let out = m.forward_batch(&mut items).unwrap();
+            assert_eq!(out[3], step_alone, "threads {threads}: batched decode differs");
         }
     }
 

@@ -53,8 +53,8 @@ impl SamplingParams {
         if top_k < 0 {
             return Err(Error::arg(format!("top_k is {top_k}; expected an integer >= 0 (0 = off)")));
         }
-        if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
-            return Err(Error::arg(format!("top_p is {top_p}; expected 0 < top_p <= 1 (1 = off)")));
+        if !(top_p.is_finite() && (0.0..=1.0).contains(&top_p)) {
+            return Err(Error::arg(format!("top_p is {top_p}; expected 0 <= top_p <= 1 (1 = off, 0 = the top token)")));
         }
         if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
             return Err(Error::arg(format!(
@@ -78,6 +78,7 @@ impl SamplingParams {
 }
 
 /// Which ids the penalties look at.
+#[derive(Clone)]
 pub struct PenaltyState {
     /// ids seen in prompt + generated (repetition penalty), as a flag per id and a list
     seen: Vec<bool>,
@@ -115,7 +116,9 @@ impl PenaltyState {
             for &id in &self.seen_list {
                 if let Some(l) = logits.get_mut(id as usize) {
                     let v = *l as f64;
-                    *l = if v > 0.0 { v / p.repetition_penalty } else { v * p.repetition_penalty } as f32;
+                    let z = if v > 0.0 { v / p.repetition_penalty } else { v * p.repetition_penalty };
+                    // a tiny penalty pushes a logit past f32: its limit is the largest finite value
+                    *l = z.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32;
                 }
             }
         }
@@ -156,6 +159,24 @@ pub fn log_prob_with_max(logits: &[f32], id: usize, max: f32) -> f64 {
     (logits[id] - max) as f64 - s.ln()
 }
 
+/// The `n` most likely ids under log softmax(logits) (`max` = their maximum), most likely
+/// first, ties to the lower id: (id, log-prob).
+pub fn top_logprobs(logits: &[f32], n: usize, max: f32) -> Vec<(u32, f32)> {
+    let lse = kernels::sum_exp_shifted(logits, max).ln();
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let n = n.min(ids.len());
+    if n == 0 {
+        return vec![];
+    }
+    if n < ids.len() {
+        ids.select_nth_unstable_by(n - 1, desc);
+    }
+    ids.truncate(n);
+    ids.sort_unstable_by(desc);
+    ids.into_iter().map(|i| (i, ((logits[i as usize] - max) as f64 - lse) as f32)).collect()
+}
+
 /// log softmax(logits)[id].
 pub fn log_prob(logits: &[f32], id: usize) -> f64 {
     let (m, _) = kernels::max_and_bad(logits);
@@ -178,12 +199,18 @@ pub fn make_rng(seed: Option<u64>) -> StdRng {
     }
 }
 
+/// True when `temperature` samples as its limit 0: exactly 0, or so small that 1/temperature
+/// overflows f32 (e.g. 1e-310), where every logit but the largest would get probability 0.
+pub fn is_greedy(temperature: f64) -> bool {
+    temperature == 0.0 || !((1.0 / temperature) as f32).is_finite()
+}
+
 /// Choose the next token from raw model logits (penalties, temperature, top_k, top_p, draw).
 pub fn sample(raw: &[f32], p: &SamplingParams, pen: &PenaltyState, rng: &mut StdRng) -> Result<u32> {
     check_logits(raw)?;
     let mut z = raw.to_vec();
     pen.apply(p, &mut z);
-    if p.temperature == 0.0 {
+    if is_greedy(p.temperature) {
         // top_k / top_p keep the maximum, so greedy is the argmax after the penalties.
         return argmax(&z)
             .map(|i| i as u32)
@@ -450,11 +477,43 @@ mod tests {
         assert!(SamplingParams::new(f64::NAN, 0, 1.0, 0.0, 0.0, 1.0).is_err());
         assert!(SamplingParams::new(-1.0, 0, 1.0, 0.0, 0.0, 1.0).is_err());
         assert!(SamplingParams::new(1.0, -1, 1.0, 0.0, 0.0, 1.0).is_err());
-        assert!(SamplingParams::new(1.0, 0, 0.0, 0.0, 0.0, 1.0).is_err());
+        assert!(SamplingParams::new(1.0, 0, -0.1, 0.0, 0.0, 1.0).is_err());
         assert!(SamplingParams::new(1.0, 0, 1.5, 0.0, 0.0, 1.0).is_err());
         assert!(SamplingParams::new(1.0, 0, 1.0, f64::NAN, 0.0, 1.0).is_err());
         assert!(SamplingParams::new(1.0, 0, 1.0, 0.0, 0.0, 0.0).is_err());
         assert!(SamplingParams::new(0.0, 0, 1e-8, 0.0, 0.0, 1.0).is_ok());
+    }
+
+    #[test]
+    fn edge_values_behave_as_their_limit() {
+        // issue 18: temperature 1e-310 and repetition_penalty 5e-324 raised "no token left to sample"
+        let l = [1.0f32, 3.0, 2.5, -1.0];
+        let pen = PenaltyState::new(4);
+        for t in [1e-310, 1e-45, 5e-324] {
+            let p = SamplingParams::new(t, 0, 1.0, 0.0, 0.0, 1.0).unwrap();
+            for seed in 0..10 {
+                assert_eq!(sample(&l, &p, &pen, &mut make_rng(Some(seed))).unwrap(), 1, "temperature {t}");
+            }
+        }
+        // a vanishing repetition penalty: seen positive logits go to the largest float, negative to ~0
+        let mut pen = PenaltyState::new(4);
+        pen.add_prompt(2);
+        pen.add_prompt(3);
+        let p = SamplingParams::new(1.0, 0, 1.0, 0.0, 0.0, 5e-324).unwrap();
+        let mut z = l.to_vec();
+        pen.apply(&p, &mut z);
+        assert_eq!(z, vec![1.0, 3.0, f32::MAX, -0.0]);
+        for seed in 0..10 {
+            assert_eq!(sample(&l, &p, &pen, &mut make_rng(Some(seed))).unwrap(), 2);
+        }
+        let g = SamplingParams { temperature: 0.0, ..p.clone() };
+        assert_eq!(sample(&l, &g, &pen, &mut make_rng(None)).unwrap(), 2);
+        // top_p = 0 keeps the top token (ties to the lower id), as the Python sampler does
+        let p = SamplingParams::new(1.0, 0, 0.0, 0.0, 0.0, 1.0).unwrap();
+        let pen = PenaltyState::new(4);
+        for seed in 0..10 {
+            assert_eq!(sample(&[0.5, 2.0, 2.0, 1.9], &p, &pen, &mut make_rng(Some(seed))).unwrap(), 1);
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@ Build the extension once with ``pip install ./rust_runtime`` (see rust_runtime/R
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -69,18 +70,39 @@ class RustBackend:
 
     name = "rust"
 
-    def __init__(self, path: str | Path, quantize: str | None = None, threads: int | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        quantize: str | None = None,
+        threads: int | None = None,
+        max_batch: int = 16,
+        token_budget: int = 256,
+    ):
         if _rr is None:
             raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR
         if quantize not in (None, "none", "int8"):
             raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
         self.path = Path(path)
-        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize)
+        # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
+        # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time.
+        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize, verify=False)
         self.vocab_size: int = self.model.vocab_size
         self.max_position_embeddings: int = self.model.max_position_embeddings
         self.quantize: str = self.model.quantize
         self.threads: int = self.model.threads
         self.eot_id: int | None = self.model.eot_id
+        self.max_batch, self.token_budget = max_batch, token_budget
+        self._engine = None
+        self._engine_lock = threading.Lock()
+
+    @property
+    def engine(self):
+        """The continuous-batching ``rust_runtime.Engine`` over this model (started on first use): concurrent
+        ``generate``/``stream``/``generate_batch`` calls are stepped together, up to ``max_batch`` sequences."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = _rr.Engine(self.model, max_batch=self.max_batch, token_budget=self.token_budget)
+            return self._engine
 
     def new_sequence(self) -> RustSequence:
         return RustSequence(self.model.new_sequence(), self)
@@ -101,13 +123,33 @@ class RustBackend:
         return self.model.decode([int(i) for i in ids])
 
     def generate(self, ids: Seq[int], max_new_tokens: int, **sampling) -> list[tuple[int, float]]:
-        """[(token id, log-prob)] from rust_runtime.Model.generate (same keyword arguments)."""
-        ids = check_ids(ids, self.vocab_size, 0, self.max_position_embeddings)
-        return self.model.generate(ids, max_new_tokens, **sampling)
+        """[(token id, log-prob)] through the engine (rust_runtime.Model.generate's keyword arguments; the same
+        tokens as Model.generate, bit for bit, since the engine's forward is batch-invariant)."""
+        return list(self.stream(ids, max_new_tokens, **sampling))
+
+    def generate_batch(self, prompts: Seq[Seq[int]], max_new_tokens: int, **sampling) -> list[list[tuple[int, float]]]:
+        """One [(token id, log-prob)] per prompt, all submitted at once so that they share the engine's steps."""
+        streams = [self._submit(ids, max_new_tokens, sampling) for ids in prompts]
+        return [list(self._tokens(s)) for s in streams]
 
     def stream(self, ids: Seq[int], max_new_tokens: int, **sampling) -> Iterator[tuple[int, float]]:
+        """(token id, log-prob) one at a time; closing the iterator early cancels the request in the engine."""
+        return self._tokens(self._submit(ids, max_new_tokens, sampling))
+
+    def _submit(self, ids: Seq[int], max_new_tokens: int, sampling: dict):
         ids = check_ids(ids, self.vocab_size, 0, self.max_position_embeddings)
-        return self.model.stream(ids, max_new_tokens, **sampling)
+        try:
+            return self.engine.submit(ids, max_new_tokens, **sampling)
+        except ValueError as e:
+            raise _as_backend_error(e) from e
+
+    @staticmethod
+    def _tokens(stream) -> Iterator[tuple[int, float]]:
+        for _index, tok, logprob, _top, finish in stream:
+            if finish is None:
+                yield tok, logprob
+            elif finish.startswith("error"):
+                raise BackendError(f"the rust engine failed: {finish}")
 
     def __repr__(self) -> str:
         return f"RustBackend({self.model!r})"

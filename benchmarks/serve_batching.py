@@ -1,0 +1,155 @@
+"""Continuous batching in rust_runtime.Engine: aggregate completion tokens/s, time to first token (TTFT) and
+inter-token latency (ITL p50/p99) at 1, 2, 4, 8, 16 and 32 concurrent streams.
+
+Builds the random-init `small` model of benchmarks/rust_decode.py in a temporary folder, then for each engine
+(rust f32, rust int8 = q8_0) and each concurrency C, submits C requests at once (same prompt length and
+max_tokens, greedy; a stream may end early at end-of-text, so the tokens actually produced are counted) to an Engine with max_batch = C, each stream read by a
+Python thread of its own. The engines are interleaved per concurrency so that load from other jobs hits them
+alike. Writes benchmarks/results/serve_batching.{json,md,png}.
+
+    python benchmarks/serve_batching.py [--threads 2] [--prompt 32] [--new 64] [--concurrency 1 2 4 8 16 32]
+
+Not here: onnxruntime (serve's onnx backend is still one sequence per request, driven from Python) and
+llama.cpp's llama-server (no build at hand; building it from the llama-cpp-python sdist takes 40+ minutes on
+these 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_rust_decode():
+    """benchmarks/ is not a package: load rust_decode.py (the `small` shape and its bundle builder) by path."""
+    spec = importlib.util.spec_from_file_location("rust_decode", HERE / "rust_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def run_concurrency(engine, c: int, prompt_len: int, new: int) -> dict:
+    """C requests at once; each stream read by its own thread. Returns the figures of one run."""
+    results: list[dict] = [{} for _ in range(c)]
+    barrier = threading.Barrier(c + 1)
+
+    def client(j: int) -> None:
+        prompt = [2 + (j * 37 + i * 11) % 390 for i in range(prompt_len)]
+        barrier.wait()
+        t0 = time.perf_counter()
+        stamps = []
+        for _index, _tok, _lp, _top, finish in engine.submit(prompt, new, temperature=0.0):
+            if finish is None:
+                stamps.append(time.perf_counter())
+        results[j] = {"t0": t0, "stamps": stamps}
+
+    threads = [threading.Thread(target=client, args=(j,)) for j in range(c)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    tokens = sum(len(r["stamps"]) for r in results)
+    ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
+    itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
+    return {
+        "concurrency": c,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "itl_p50_ms": 1e3 * percentile(itl, 50),
+        "itl_p99_ms": 1e3 * percentile(itl, 99),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_batching")
+    args = ap.parse_args()
+
+    import rust_runtime
+
+    rd = load_rust_decode()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = Path(tmp) / "bundle"
+        rd.build_bundle(bundle, "small")
+        models = {
+            "rust f32": rust_runtime.Model.load(str(bundle), threads=args.threads),
+            "rust int8": rust_runtime.Model.load(str(bundle), threads=args.threads, quantize="int8"),
+        }
+        for c in args.concurrency:
+            for name, model in models.items():
+                eng = rust_runtime.Engine(model, max_batch=c, token_budget=args.token_budget)
+                run_concurrency(eng, 1, 4, 2)  # warm-up
+                r = run_concurrency(eng, c, args.prompt, args.new)
+                eng.close()
+                r["engine"] = name
+                rows.append(r)
+                print(
+                    f"{name:10s} C={c:2d}: {r['tokens_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                    f"ITL p50 {r['itl_p50_ms']:6.1f} ms p99 {r['itl_p99_ms']:6.1f} ms",
+                    flush=True,
+                )
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    meta = {"threads": args.threads, "prompt": args.prompt, "new": args.new, "shape": "small", "loadavg": load}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [
+        f"# serve_batching ({meta})",
+        "",
+        "| engine | concurrency | tokens/s | × C=1 | TTFT p50 ms | ITL p50 ms | ITL p99 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = next(x for x in rows if x["engine"] == r["engine"] and x["concurrency"] == args.concurrency[0])
+        lines.append(
+            f"| {r['engine']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {r['ttft_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} | "
+            f"{r['itl_p99_ms']:.1f} |"
+        )
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted({r["engine"] for r in rows}):
+        pts = [(r["concurrency"], r["tokens_per_s"]) for r in rows if r["engine"] == name]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate completion tokens/s")
+    ax.set_title(f"rust_runtime.Engine, small, {args.threads} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out.with_suffix(".png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The continuous-batching engine of rust_runtime (`rust_runtime.Engine`, issue 17).
+
+A sequence's tokens and log-probs must be the same bits alone or beside fifteen others, and with
+its prompt prefilled whole or in chunks (the kernels are batch-invariant by construction, see
+rust_runtime/README.md); cancel leaves the batch before the next step; n > 1 prefills once.
+Fixtures are random-init transformers bundles built by tests/test_rust_runtime.py's helpers.
+
+Build the extension first: pip install ./rust_runtime
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_rust_runtime import build_bundle, corpus_lines, expect_error, prompt_ids, train_tokenizer
+
+rust_runtime = pytest.importorskip(
+    "rust_runtime", reason="rust_runtime is not built; install it with: pip install ./rust_runtime"
+)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    tok = train_tokenizer(
+        tmp_path_factory.mktemp("tok") / "tokenizer.json", r" ?\p{L}+| ?\p{N}+|\s+|.", corpus_lines(200)
+    )
+    d = tmp_path_factory.mktemp("engine_bundle")
+    build_bundle(d, tok, hidden=128, inter=256, heads=4, kv=2, max_pos=512, seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(bundle):
+    return rust_runtime.Model.load(str(bundle), threads=1)
+
+
+def run(stream) -> dict[int, tuple[list[tuple[int, float]], str]]:
+    """Drain a RequestStream: {choice index: ([(token id, logprob)], finish reason)}."""
+    out: dict[int, tuple[list, str | None]] = {}
+    for index, tok, lp, _top, finish in stream:
+        toks, _ = out.setdefault(index, ([], None))
+        if finish is None:
+            toks.append((tok, lp))
+        else:
+            out[index] = (toks, finish)
+    return out
+
+
+def test_chunked_prefill_logits_are_bit_identical(model):
+    ids = prompt_ids(37, seed=1)
+    whole = model.logits(ids)
+    seq = model.new_sequence()
+    parts = [seq.prefill(ids[a:b], all_logits=True) for a, b in ((0, 5), (5, 6), (6, 30), (30, 37))]
+    assert np.array_equal(np.concatenate(parts), whole)
+
+
+def test_batched_equals_alone_bit_for_bit(model):
+    """Sixteen requests at once (greedy and seeded sampling, prompts of 3..48 tokens, budget 16 so that
+    prompts are prefilled in chunks beside decoding sequences) give the tokens and log-probs of one
+    request alone through Model.generate — the same bits."""
+    eng = rust_runtime.Engine(model, max_batch=16, token_budget=16)
+    reqs = []
+    for j in range(16):
+        p = prompt_ids(3 + 3 * j, seed=10 + j)
+        kw = {"temperature": 0.0} if j % 2 == 0 else {"temperature": 0.8, "top_p": 0.9, "seed": j}
+        reqs.append((p, kw, eng.submit(p, 20, **kw)))
+    for p, kw, stream in reqs:
+        got = run(stream)
+        assert list(got) == [0]
+        toks, finish = got[0]
+        assert finish in ("length", "stop")
+        assert toks == [(t, lp) for t, lp in model.generate(p, 20, **kw)]
+    alone = rust_runtime.Engine(model, max_batch=1, token_budget=512)
+    p, kw, _ = reqs[5]
+    assert run(alone.submit(p, 20, **kw))[0][0] == [(t, lp) for t, lp in model.generate(p, 20, **kw)]
+    st = eng.stats()
+    assert st["prefill_tokens"] == sum(len(r[0]) for r in reqs) and st["steps"] > 0
+    eng.close()
+    alone.close()
+
+
+def test_n_choices_prefill_once_and_choice_zero_equals_n1(model):
+    eng = rust_runtime.Engine(model, max_batch=8, token_budget=64)
+    p = prompt_ids(20, seed=3)
+    got = run(eng.submit(p, 12, temperature=1.0, seed=7, n=4))
+    assert sorted(got) == [0, 1, 2, 3]
+    assert eng.stats()["prefill_tokens"] == len(p)
+    assert got[0][0] == [(t, lp) for t, lp in model.generate(p, 12, temperature=1.0, seed=7)]
+    assert len({tuple(t for t, _ in got[i][0]) for i in range(4)}) > 1
+    expect_error(lambda: eng.submit(p, 4, n=9), ValueError, r"\bn\b", r"max_batch")
+
+
+def test_top_logprobs_are_the_models(model):
+    eng = rust_runtime.Engine(model, max_batch=2)
+    p = prompt_ids(9, seed=4)
+    (index, tok, lp, top, finish) = next(iter(eng.submit(p, 1, temperature=0.0, top_logprobs=3)))
+    z = model.logits(p)[-1].astype(np.float64)
+    ref = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    order = np.argsort(-ref, kind="stable")[:3]
+    assert [t for t, _ in top] == [int(i) for i in order] and tok == int(order[0])
+    assert np.allclose([v for _, v in top], ref[order], atol=1e-5) and abs(lp - ref[order[0]]) < 1e-5
+
+
+def test_cancel_and_timeout_end_the_request(model):
+    eng = rust_runtime.Engine(model, max_batch=4)
+    p = prompt_ids(4, seed=5)
+    s = eng.submit(p, 400, temperature=1.0, seed=1)
+    it = iter(s)
+    for _ in range(3):
+        assert next(it)[4] is None
+    s.cancel()
+    rest = list(it)
+    assert rest[-1][4] == "cancelled" and len(rest) < 300
+    got = run(eng.submit(p, 400, timeout=1e-6, n=2))
+    assert got == {0: ([], "timeout"), 1: ([], "timeout")}
+    # a dropped stream is cancelled too: the engine is free for the next request
+    for _ in range(5):
+        eng.submit(p, 400)
+    assert run(eng.submit(p, 3, temperature=0.0))[0][1] == "length"
+
+
+def test_bad_requests_name_the_argument(model):
+    eng = rust_runtime.Engine(model, max_batch=2)
+    cases = [
+        (lambda: eng.submit([], 4), ValueError, r"empty"),
+        (lambda: eng.submit([512], 4), ValueError, r"512"),
+        (lambda: eng.submit([1, 2], 4, seed=2**64), ValueError, r"seed"),
+        (lambda: eng.submit([2**64], 4), ValueError, r"ids"),
+        (lambda: eng.submit([1], 4, stop_ids=[999]), ValueError, r"stop_ids"),
+        (lambda: eng.submit([1], 600), ValueError, r"512"),
+        (lambda: eng.submit([1], 4, temperature=-1.0), ValueError, r"temperature"),
+        (lambda: eng.submit([1], 4, timeout=-1.0), ValueError, r"timeout"),
+        (lambda: eng.submit([1], -1), ValueError, r"max_new_tokens"),
+        (lambda: rust_runtime.Engine(model, max_batch=0), ValueError, r"max_batch"),
+        (lambda: rust_runtime.Engine(model, token_budget=0), ValueError, r"token_budget"),
+    ]
+    for fn, exc, pat in cases:
+        expect_error(fn, exc, pat)
+    assert run(eng.submit([1, 2], 2, temperature=0.0))[0][1] == "length"
