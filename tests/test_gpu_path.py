@@ -25,8 +25,15 @@ BF16 = {"device_type": "cpu", "dtype": torch.bfloat16}
 
 
 def small_model(seed: int = 0) -> LlamaForCausalLM:
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    cfg = ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
@@ -171,14 +178,20 @@ def test_rope_keeps_q_and_k_in_bf16(monkeypatch):
 
 def test_sdpa_choice_takes_the_first_backend_that_runs_and_agrees():
     # cuDNN attention does not run on CPU: skipped with its reason; math agrees with itself
-    name, backend, detail = choose_sdpa_backend(torch.device("cpu"), torch.float32, 2, 16, 32,
-                                                candidates=[("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                                            ("math", SDPBackend.MATH)])
+    name, backend, detail = choose_sdpa_backend(
+        torch.device("cpu"),
+        torch.float32,
+        2,
+        16,
+        32,
+        candidates=[("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)],
+    )
     assert (name, backend) == ("math", SDPBackend.MATH) and "vs float32 math" in detail
     assert choose_sdpa_backend(torch.device("cpu"), torch.bfloat16, 2, 16)[:2] == ("default", None)
 
 
 # ------------------------------------------------------------------------------------------- train.compile modes
+
 
 def _fail_compile(self, static_batch, backend="inductor"):
     raise RuntimeError("backend exploded (planted)")
@@ -219,4 +232,3 @@ def test_compile_value_is_checked(tmp_path, session_cache):
 
     with pytest.raises(ConfigError, match=r"train.compile: expected true, false or \"auto\""):
         fast_config(tmp_path, session_cache, **{"train.compile": "sometimes"})
-

@@ -72,10 +72,12 @@ class Plan:
 
     def summary(self) -> str:
         g = 2**30
-        return (f"micro-batch {self.micro_batch_size} × {self.seq_len}, {self.dtype}, "
-                f"{'compiled' if self.compiled else 'eager'}: peak ≈ {self.peak_bytes / g:.1f} GiB (parameters "
-                f"{self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, AdamW state "
-                f"{self.optimizer_bytes / g:.2f}, activations and the rest {self.activation_bytes / g:.1f})")
+        return (
+            f"micro-batch {self.micro_batch_size} × {self.seq_len}, {self.dtype}, "
+            f"{'compiled' if self.compiled else 'eager'}: peak ≈ {self.peak_bytes / g:.1f} GiB (parameters "
+            f"{self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, AdamW state "
+            f"{self.optimizer_bytes / g:.2f}, activations and the rest {self.activation_bytes / g:.1f})"
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -112,8 +114,9 @@ def _saved_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool) -> fl
     torch.manual_seed(0)
     layer = DecoderLayer(cfg)
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-    fn = torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False) if compiled \
-        else layer
+    fn = (
+        torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False) if compiled else layer
+    )
     sizes = []
     for s in (64, 128):
         x = torch.randn(1, s, cfg.hidden_size, requires_grad=True)
@@ -153,10 +156,19 @@ class MemoryModel:
         params = sum(p.numel() for p in _meta_model(self.cfg).parameters())
         pb = self.param_per_layer[0] + self.param_per_layer[1] * L
         ob = self.opt_per_layer[0] + self.opt_per_layer[1] * L
-        return Plan(micro_batch_size=micro, seq_len=self.seq_len, dtype=str(self.dtype).replace("torch.", ""),
-                    compiled=compiled, params=params, param_bytes=int(pb), grad_bytes=int(pb), optimizer_bytes=int(ob),
-                    activation_bytes=int(peak - 2 * pb - ob), peak_bytes=int(peak),
-                    flops_per_token=_meta_model(self.cfg).flops_per_token(self.seq_len))
+        return Plan(
+            micro_batch_size=micro,
+            seq_len=self.seq_len,
+            dtype=str(self.dtype).replace("torch.", ""),
+            compiled=compiled,
+            params=params,
+            param_bytes=int(pb),
+            grad_bytes=int(pb),
+            optimizer_bytes=int(ob),
+            activation_bytes=int(peak - 2 * pb - ob),
+            peak_bytes=int(peak),
+            flops_per_token=_meta_model(self.cfg).flops_per_token(self.seq_len),
+        )
 
 
 def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
@@ -189,8 +201,9 @@ def estimate(cfg: ModelConfig, micro: int, seq_len: int, dtype: torch.dtype, com
     return memory_model(cfg, seq_len, dtype).plan(micro, compiled)
 
 
-def largest_micro_batch(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, compiled: bool, memory_bytes: int,
-                        headroom: float = HEADROOM) -> int:
+def largest_micro_batch(
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, compiled: bool, memory_bytes: int, headroom: float = HEADROOM
+) -> int:
     """The largest power-of-two micro-batch whose peak stays under ``headroom × memory_bytes`` (0 if none)."""
     mm = memory_model(cfg, seq_len, dtype)
     best, b = 0, 1
@@ -212,8 +225,9 @@ def step_time(plan: Plan, cfg: ModelConfig, gpu: GPU, tokens_per_step: int) -> t
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: a table of micro-batch sizes for the config on the named GPU."""
-    p = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m train.plan", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     add_config_args(p)
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU to plan for")
     p.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's size (default tokenizer.vocab_size)")
@@ -232,12 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     global_tokens = t.micro_batch_size * t.grad_accum * t.seq_len
     mm = memory_model(mcfg, t.seq_len, dtype)
     n = sum(q.numel() for q in _meta_model(mcfg).parameters())
-    print(f"{args.config}: {n:,} parameters, {mm.plan(1, compiled).flops_per_token / 1e9:.2f} GFLOPs per token "
-          f"(6N + attention), {global_tokens:,} tokens a step; {gpu.name}: {gpu.memory_bytes / 2**30:.0f} GiB, "
-          f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16; {'compiled' if compiled else 'eager'}, "
-          f"{str(dtype).replace('torch.', '')}")
-    print(f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'AdamW':>6} {'activ.':>7} {'peak GiB':>8} "
-          f"{'fits':>4} {'step s':>7} {'MFU':>6}")
+    print(
+        f"{args.config}: {n:,} parameters, {mm.plan(1, compiled).flops_per_token / 1e9:.2f} GFLOPs per token "
+        f"(6N + attention), {global_tokens:,} tokens a step; {gpu.name}: {gpu.memory_bytes / 2**30:.0f} GiB, "
+        f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16; {'compiled' if compiled else 'eager'}, "
+        f"{str(dtype).replace('torch.', '')}"
+    )
+    print(
+        f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'AdamW':>6} {'activ.':>7} {'peak GiB':>8} "
+        f"{'fits':>4} {'step s':>7} {'MFU':>6}"
+    )
     g = 2**30
     for micro in (1, 2, 4, 8, 16, 32, 64):
         if global_tokens % (micro * t.seq_len):
@@ -246,12 +264,16 @@ def main(argv: list[str] | None = None) -> int:
         secs, mfu = step_time(pl, mcfg, gpu, global_tokens)
         fits = pl.peak_bytes <= HEADROOM * gpu.memory_bytes
         mark = " ← config" if micro == t.micro_batch_size else ""
-        print(f"{micro:>5} {global_tokens // (micro * t.seq_len):>5} {pl.param_bytes / g:>7.2f} {pl.grad_bytes / g:>6.2f} "
-              f"{pl.optimizer_bytes / g:>6.2f} {pl.activation_bytes / g:>7.1f} {pl.peak_bytes / g:>8.1f} "
-              f"{'yes' if fits else 'NO':>4} {secs:>7.2f} {mfu:>6.1%}{mark}")
+        print(
+            f"{micro:>5} {global_tokens // (micro * t.seq_len):>5} {pl.param_bytes / g:>7.2f} {pl.grad_bytes / g:>6.2f} "
+            f"{pl.optimizer_bytes / g:>6.2f} {pl.activation_bytes / g:>7.1f} {pl.peak_bytes / g:>8.1f} "
+            f"{'yes' if fits else 'NO':>4} {secs:>7.2f} {mfu:>6.1%}{mark}"
+        )
     best = largest_micro_batch(mcfg, t.seq_len, dtype, compiled, gpu.memory_bytes)
-    print(f"largest micro-batch within {HEADROOM:.0%} of memory: {best} (× grad_accum "
-          f"{max(1, math.ceil(global_tokens / max(best * t.seq_len, 1)))} for the same global batch)")
+    print(
+        f"largest micro-batch within {HEADROOM:.0%} of memory: {best} (× grad_accum "
+        f"{max(1, math.ceil(global_tokens / max(best * t.seq_len, 1)))} for the same global batch)"
+    )
     return 0
 
 
