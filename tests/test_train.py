@@ -260,17 +260,17 @@ def test_sigterm_saves_and_exits_zero(tmp_path, session_cache):
 # ---------------------------------------------------------------------------------------------- non-finite
 
 def test_nonfinite_step_skipped_then_training_continues(tmp_path, session_cache, monkeypatch):
-    import train.run as run_mod
+    import train.model as model_mod
 
     calls = {"n": 0}
-    real = run_mod.causal_lm_loss
+    real = model_mod.causal_lm_loss
 
     def poisoned(logits, labels, reduction="sum"):
         calls["n"] += 1
         out = real(logits, labels, reduction)
         return out * float("nan") if calls["n"] == 5 else out
 
-    monkeypatch.setattr(run_mod, "causal_lm_loss", poisoned)
+    monkeypatch.setattr(model_mod, "causal_lm_loss", poisoned)
     cfg = fast_config(tmp_path, session_cache, **{"run.name": "nan1", "train.max_steps": 6})
     t = Trainer(cfg, **QUIET)
     t.train()

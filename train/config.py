@@ -90,7 +90,7 @@ class TrainSection:
     ckpt_every: int = 500
     keep_last: int = 3
     log_every: int = 10
-    compile: bool = False
+    compile: bool | str = False  # true (a failure is an error), false, or "auto" (falls back to eager, loudly)
     dtype: str = "auto"
     device: str = "auto"
     max_nonfinite: int = 5
@@ -162,6 +162,10 @@ def parse_value(text: str) -> Any:
 def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     """Check ``value`` against the type of the key's default and convert int → float where needed."""
     where = f"{section}.{key}"
+    if (section, key) == ("train", "compile"):
+        if value in (True, False, "auto"):
+            return value
+        raise ConfigError(f"{where}: expected true, false or \"auto\", got {value!r}")
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")

@@ -2,12 +2,18 @@
 
 Under ``torchrun --nproc_per_node N -m train.run …`` the environment carries ``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK``; the process group uses NCCL on CUDA and gloo on CPU. Without them everything is a no-op.
+
+Work that takes long on one rank (data preparation) never sits inside a collective, whose timeout would abort
+the job: rank 0 :func:`publish`-es its result in the process group's key-value store and the other ranks
+:func:`wait_for` it, polling, with a progress message and their own timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +69,34 @@ def any_rank(flag: bool, info: DistInfo, device: torch.device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+
+
+def _store():
+    # The store torchrun's rendezvous gave the default process group; a TCP key-value store, no collective.
+    return dist.distributed_c10d._get_default_store()
+
+
+def publish(info: DistInfo, key: str, value: dict) -> None:
+    """Rank 0: make ``value`` (JSON-able) visible to every rank under ``key`` (no-op without torchrun)."""
+    if info.enabled:
+        _store().set(f"shalik/{key}", json.dumps(value))
+
+
+def wait_for(info: DistInfo, key: str, what: str, timeout_s: float, log, poll_s: float = 2.0,
+             every_s: float = 60.0) -> dict:
+    """Other ranks: poll for ``key`` (set by :func:`publish`) and return its value; log ``what`` every ``every_s``
+    seconds while waiting. TimeoutError after ``timeout_s`` seconds, naming ``what``."""
+    store, k = _store(), f"shalik/{key}"
+    t0 = last = time.monotonic()
+    while not store.check([k]):
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise TimeoutError(f"rank {info.rank}: gave up after {timeout_s:.0f} s waiting for rank 0: {what}")
+        if now - last >= every_s:
+            log(f"rank {info.rank}: still waiting for rank 0 ({now - t0:.0f} s): {what}")
+            last = now
+        time.sleep(poll_s)
+    return json.loads(store.get(k))
 
 
 def shutdown(info: DistInfo) -> None:

@@ -15,6 +15,10 @@ SwiGLU MLP → residual] → RMSNorm → lm_head (optionally tied to the embeddi
 * KV cache: ``forward(..., past_key_values=[(k, v)] * L)`` with k, v ``[batch, num_key_value_heads, past, head_dim]``
   returns the presents ``[batch, kv, past + seq, head_dim]`` — the ONNX I/O of DESIGN.md. K/V are cached before
   the GQA repeat; q head h reads kv head ``h // (num_attention_heads // num_key_value_heads)``.
+* Precision: under autocast cos/sin are built in the autocast dtype, so q and k reach SDPA in bf16 (not upcast
+  by an fp32 cos); outside autocast everything stays in the weights' dtype. :func:`forward` returns float32 logits
+  (export and serving read them); training goes through :class:`CausalLMLoss`, which never holds the full float32
+  logits in reduced precision (a chunked lm_head + cross-entropy, each chunk recomputed in the backward).
 * Init: normal(0, initializer_range) for embeddings and projections, with the residual projections (o_proj,
   down_proj) scaled by 1/sqrt(2·num_hidden_layers) (GPT-2, Radford et al. 2019); norms at 1.
 """
@@ -27,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from train.config import ModelSection
 
@@ -300,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
         if past_key_values is not None or attention_mask is not None:
             mask = build_attention_mask(attention_mask, b, s, past_len, input_ids.device)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(position_ids, x.dtype)
+        cos, sin = self.model.rotary_emb(position_ids, compute_dtype(x))
         presents: KVCache = []
         for i, layer in enumerate(self.model.layers):
             past = past_key_values[i] if past_key_values is not None else None
@@ -329,6 +334,88 @@ class LlamaForCausalLM(nn.Module):
                 break
             logits, past = self(torch.tensor([[nxt]], device=device), past_key_values=past)
         return out
+
+
+class CausalLMLoss(nn.Module):
+    """The training forward: summed next-token NLL of ``lm`` (a :class:`LlamaForCausalLM`), optionally compiled.
+
+    ``forward(input_ids, labels)`` takes int64 ``[b, s]`` inputs and already-shifted labels (-100 = ignored) and
+    returns the float32 scalar sum of NLL in nats over the non-ignored labels. The parameters are ``lm``'s (this
+    module holds no state of its own, so DDP can wrap it and checkpoints keep saving ``lm``).
+
+    * float32 (no autocast): the full logits and one ``F.cross_entropy`` — the same ops, so the same bits, as
+      ``causal_lm_loss(lm(x)[0], y)``;
+    * reduced precision (autocast): lm_head + cross-entropy in chunks of ``chunk_tokens`` rows, each under
+      activation checkpointing, so at most one chunk's float32 logits exist at a time (Liger-Kernel's fused linear
+      cross-entropy does the same in one kernel); the price is one more lm_head matmul per chunk in the backward;
+    * :meth:`compile_blocks`: each decoder layer and the head + loss compiled on their own with static shapes
+      (torchtitan's ``apply_compile``): one small graph reused by every layer compiles in seconds. Compiled, a
+      micro-batch with fewer rows than ``static_batch`` is padded with ignored rows (label -100) to that size, so
+      a short last micro-batch reuses the graph instead of recompiling; padded rows add 0 to the loss and the
+      gradients (rows never interact), and dropping them instead would lose data.
+    """
+
+    def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int = 8192):
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+        self.static_batch: int | None = None
+        self._blocks = list(lm.model.layers)  # plain list: compiled wrappers must not become submodules
+        self._head = self._head_loss
+
+    def compile_blocks(self, static_batch: int, backend: str = "inductor") -> None:
+        """Compile each layer and the head + loss (``fullgraph=True``, ``dynamic=False``); ``static_batch`` is the
+        micro-batch the graphs are traced at (call once, then warm up at that size). ``backend`` is
+        ``torch.compile``'s (tests use "aot_eager": the same graphs without code generation)."""
+        opts = {"fullgraph": True, "dynamic": False, "backend": backend}
+        self._blocks = [torch.compile(b, **opts) for b in self.lm.model.layers]
+        self._head = torch.compile(self._head_loss, **opts)
+        self.static_batch = static_batch
+
+    def _head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.lm.model.norm(x)
+        if not torch.is_autocast_enabled(h.device.type) and h.dtype in (torch.float32, torch.float64):
+            return causal_lm_loss(self.lm.lm_head(h), labels, reduction="sum")
+        return chunked_lm_loss(h.flatten(0, 1), self.lm.lm_head.weight, labels.flatten(), self.chunk_tokens)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        input_ids, labels = input_ids.contiguous(), labels.contiguous()  # one stride layout: no stride guard fails
+        b, s = input_ids.shape
+        if self.static_batch is not None and b != self.static_batch:
+            if b > self.static_batch:
+                raise ValueError(f"micro-batch of {b} rows is larger than the compiled size {self.static_batch}")
+            pad = self.static_batch - b
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, s)])
+            labels = torch.cat([labels, labels.new_full((pad, s), -100)])
+            b = self.static_batch
+        position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+        x = self.lm.model.embed_tokens(input_ids)
+        cos, sin = self.lm.model.rotary_emb(position_ids, compute_dtype(x))
+        for block in self._blocks:
+            x, _ = block(x, cos, sin, None, None)
+        return self._head(x, labels)
+
+
+def _chunk_nll(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h, weight)  # the autocast dtype
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 8192):
+    """Summed NLL (float32 scalar, nats) of ``hidden [n, hidden_size] @ weight.T`` against ``labels [n]``
+    (-100 = ignored), ``chunk_tokens`` rows at a time with activation checkpointing: the float32 logits of only one
+    chunk (``chunk_tokens × vocab × 4`` bytes) are alive at any time, forward or backward."""
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, y in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens), strict=True):
+        total = total + checkpoint(_chunk_nll, h, weight, y, use_reentrant=False)
+    return total
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls run in: the autocast dtype when autocast is on for ``x``'s device, else ``x.dtype``."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:

@@ -3,8 +3,14 @@
 With no arguments it trains config ``small`` on ``data/sample`` into ``runs/small``. The run directory, the
 metrics keys and the checkpoint layout are DESIGN.md's. The loop:
 
-* device chosen automatically; on CUDA bf16 autocast, TF32, fused AdamW, ``torch.compile`` (``train.compile``;
-  eager when compiling fails) and pinned-memory batches; on CPU float32;
+* device chosen automatically; on CUDA bf16 autocast, TF32, fused AdamW, the SDPA backend picked by a numerics
+  check (cuDNN, then flash) and pinned-memory batches; on CPU float32. Before anything is allocated on a GPU the
+  planner (``train.plan``) refuses a config that cannot fit;
+* ``train.compile``: true (compile each decoder layer and the head + loss with static shapes, warmed up at the
+  training micro-batch; a failure is an error), "auto" (the same, falling back to eager with a warning) or false;
+  the log and ``summary.json`` say which path ran, why, and how many graphs were compiled after the warm-up;
+* the loss is computed inside the training module (``train.model.CausalLMLoss``): in bf16 the float32 logits are
+  never held whole;
 * AdamW (no decay on norms and embeddings), linear warmup then cosine decay to ``min_lr``, gradient clipping;
 * gradient accumulation normalised by the number of target tokens of the whole step (every micro-batch on every
   rank), not by the number of micro-batches (case TR1);
@@ -14,7 +20,12 @@ metrics keys and the checkpoint layout are DESIGN.md's. The loop:
   (same weights, optimizer, data position, schedule and RNG), a changed model config is refused;
 * SIGTERM / SIGINT save a checkpoint and exit 0; a non-finite loss or gradient skips the step, and
   ``max_nonfinite`` in a row stop the run (exit 1) naming the last good checkpoint;
-* under ``torchrun`` DistributedDataParallel, each rank its slice of every step, rank 0 alone writing.
+* under ``torchrun`` DistributedDataParallel (100 MB buckets, gradients as bucket views, no buffer broadcast,
+  static graph when there is no gradient accumulation), each rank its slice of every step, rank 0 alone writing; rank 0 prepares the data while the
+  others wait on the process group's store (no collective, so no NCCL timeout), or prepare first with
+  ``python -m train.data prepare``;
+* the log goes to stderr and to ``runs/NAME/train.log``; peak memory is measured from the first training step
+  (preflight and setup excluded).
 """
 
 from __future__ import annotations
@@ -22,8 +33,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import math
+import random
 import signal
 import sys
 import time
@@ -34,6 +47,7 @@ import torch
 from tqdm import tqdm
 
 from train import distributed as D
+from train import plan as P
 from train.atomic import atomic_write_json, atomic_write_text
 from train.checkpoint import (
     CheckpointError,
@@ -48,15 +62,19 @@ from train.corpus import DataError
 from train.data import Prepared, prepare
 from train.device import (
     autocast_ctx,
+    choose_sdpa_backend,
     peak_flops,
+    peak_memory_bytes,
+    reset_peak_memory,
     resolve_device,
     resolve_dtype,
+    sdpa_context,
     setup_cpu_allocator,
     setup_cuda_fast_paths,
 )
 from train.evaluate import evaluate, greedy_samples
 from train.loader import TrainLoader, step_batches, val_windows
-from train.model import LlamaForCausalLM, ModelConfig, causal_lm_loss
+from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig
 from train.optim import build_optimizer, lr_at
 from train.plots import plot_loss, read_metrics
 from train.shards import open_shard
@@ -69,6 +87,37 @@ class TrainError(RuntimeError):
 
 class NonFiniteStop(TrainError):
     """Too many non-finite steps in a row."""
+
+
+DATA_WAIT_S = 6 * 3600  # how long ranks > 0 wait for rank 0 to prepare the data under torchrun
+DDP_BUCKET_MB = 100  # fewer, larger all-reduces than DDP's 25 MB default (base-400m: 16 buckets, not 64)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one optimizer step reports: mean loss (nats per target token over all ranks), gradient norm before
+    clipping, learning rate, target tokens of the whole step, whether it was skipped as non-finite, and whether
+    any rank asked to stop (agreed by all ranks)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    skipped: bool = False
+    stop: bool = False
+
+
+@dataclasses.dataclass
+class CompileInfo:
+    """Which training path ran: ``path`` "compiled" or "eager", ``reason`` why, the warm-up seconds, and the
+    graphs Dynamo compiled during the warm-up and after it (``recompiles``, filled in at the end; 0 expected)."""
+
+    requested: bool | str
+    path: str = "eager"
+    reason: str = ""
+    warmup_s: float = 0.0
+    graphs: int = 0
+    recompiles: int | None = None
 
 
 def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
@@ -104,8 +153,26 @@ class Trainer:
         self.tokens = 0
         self.nonfinite = 0
         self.wall_before = 0.0
+        self.t_start = time.time()
         self.last_ckpt: Path | None = None
         self.model: LlamaForCausalLM | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.prepared: Prepared | None = None
+        self.tokenizer = None
+        self.eot_id = self.pad_id = self.vocab_size = None
+        self.mcfg: ModelConfig | None = None
+        self.char_counts: np.ndarray | None = None
+        self.loader: TrainLoader | None = None
+        self.val: dict[str, list[np.ndarray]] = {}
+        self.at_init = True
+        self.flops_per_token = 0.0
+        self.peak: float | None = None
+        self.ctx = contextlib.nullcontext()
+        self.micro, self.accum = cfg.train.micro_batch_size, cfg.train.grad_accum
+        self.compile_info = CompileInfo(requested=cfg.train.compile)
+        self.sdpa = ("default", None, "")
+        self.plan: P.Plan | None = None
+        self._graphs_after_warmup = 0
 
     # --------------------------------------------------------------------------------------- helpers
     @classmethod
@@ -120,12 +187,16 @@ class Trainer:
                    use_preflight=not getattr(args, "no_preflight", False), preflight_only=preflight_only)
 
     def log(self, msg: str) -> None:
+        """Rank 0: to the ``log`` callback (or stderr) and, once runs/NAME exists, to runs/NAME/train.log."""
         if not self.dist.is_main:
             return
         if self._log:
             self._log(msg)
         else:
             tqdm.write(msg, file=sys.stderr)
+        if self.run_dir.is_dir():
+            with open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
     def _micro_split(self) -> tuple[int, int]:
         """(micro_batch_size, grad_accum) per rank such that the global batch stays as configured."""
@@ -140,14 +211,7 @@ class Trainer:
     # --------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
-        try:
-            if self.dist.is_main:
-                self.prepared: Prepared = prepare(cfg, log=self.log)
-            D.barrier(self.dist)
-            if not self.dist.is_main:
-                self.prepared = prepare(cfg, log=lambda m: None)
-        except (DataError, ConfigError) as e:
-            raise TrainError(str(e)) from None
+        self.prepared = self._prepare_data()
         idx = self.prepared.index
         self.tokenizer = load_tokenizer(self.prepared.tokenizer_dir)
         self.eot_id = self.tokenizer.token_to_id(EOT)
@@ -166,11 +230,13 @@ class Trainer:
 
         torch.manual_seed(cfg.run.seed)
         np.random.seed(cfg.run.seed % 2**32)
-        import random
-
         random.seed(cfg.run.seed)
+        self.micro, self.accum = self._micro_split()
         if self.device.type == "cuda":
             setup_cuda_fast_paths()
+            self._check_fits()
+            self.sdpa = choose_sdpa_backend(self.device, self.dtype, self.mcfg.num_attention_heads, self.mcfg.head_dim)
+            self.log(f"attention: SDPA backend {self.sdpa[0]} ({self.sdpa[2]})")
         else:
             setup_cpu_allocator()
         self.model = LlamaForCausalLM(self.mcfg).to(self.device)
@@ -189,7 +255,43 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(cfg.train.seq_len)
         self.peak = peak_flops(self.device, self.dtype)
         self.ctx = autocast_ctx(self.device, self.dtype)
-        self.micro, self.accum = self._micro_split()
+
+    def _prepare_data(self) -> Prepared:
+        """prepare() on rank 0; under torchrun the other ranks wait for rank 0's word on the store (never in a
+        collective with a timeout), then open the cache it built."""
+        try:
+            if not self.dist.enabled:
+                return prepare(self.cfg, log=self.log)
+            if self.dist.is_main:
+                try:
+                    prepared = prepare(self.cfg, log=self.log)
+                except (DataError, ConfigError) as e:
+                    D.publish(self.dist, "data", {"error": str(e)})
+                    raise
+                D.publish(self.dist, "data", {"ok": True})
+                return prepared
+            word = D.wait_for(self.dist, "data", "data preparation (to skip the wait, run `python -m train.data "
+                              "prepare` with the same config before torchrun)", DATA_WAIT_S, print)
+            if "error" in word:
+                raise TrainError(f"rank 0 could not prepare the data: {word['error']}")
+            return prepare(self.cfg, log=lambda m: None)
+        except (DataError, ConfigError, TimeoutError) as e:
+            raise TrainError(str(e)) from None
+
+    def _check_fits(self) -> None:
+        """Refuse, before allocating anything on the GPU, a micro-batch the planner says cannot fit its memory."""
+        t = self.cfg.train
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        compiled = t.compile is not False
+        self.plan = P.estimate(self.mcfg, self.micro, t.seq_len, self.dtype, compiled=compiled)
+        self.log(f"plan: {self.plan.summary()} against {total / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
+        if self.plan.peak_bytes > P.HEADROOM * total:
+            fit = P.largest_micro_batch(self.mcfg, t.seq_len, self.dtype, compiled, total)
+            hint = (f"--set train.micro_batch_size={fit} --set train.grad_accum="
+                    f"{max(1, t.micro_batch_size * t.grad_accum // fit)}" if fit else "a smaller model")
+            raise TrainError(f"the planner estimates a peak of {self.plan.peak_bytes / 2**30:.1f} GiB at micro-batch "
+                             f"{self.micro} × {t.seq_len}, over {P.HEADROOM:.0%} of this GPU's "
+                             f"{total / 2**30:.1f} GiB; try {hint} (python -m train.plan shows the table)")
 
     def _check_same_model(self, ckpt: Path) -> None:
         saved = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
@@ -269,7 +371,10 @@ class Trainer:
         small_len = min(t.seq_len, 64)
         windows = self.loader.peek_windows(max(t.micro_batch_size, 2))
         batch = torch.from_numpy(windows[:2, :small_len + 1].copy()).to(self.device)
-        big = torch.from_numpy(windows[:self.micro].copy()).to(self.device)
+        # On CUDA the throughput check (eager, on a deep copy) gets one window, not the micro-batch: eager at the
+        # full micro-batch beside the live model can run out of memory; the training loop measures the real figure.
+        n_big = 1 if self.device.type == "cuda" else self.micro
+        big = torch.from_numpy(windows[:n_big].copy()).to(self.device)
         report = run_preflight(
             self.model, batch, big_batch=big, device=self.device, dtype=self.dtype, vocab_size=self.vocab_size,
             optimizer_factory=lambda m: build_optimizer(m, t.lr, t.weight_decay, t.betas, self.device.type),
@@ -280,28 +385,61 @@ class Trainer:
         return D.any_rank(not report.ok, self.dist, self.device) is False
 
     # --------------------------------------------------------------------------------------- the loop
-    def _maybe_compile(self):
-        model = self.model
-        train_model = model
-        if self.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            train_model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        if self.cfg.train.compile:
+    def _build_train_model(self) -> torch.nn.Module:
+        """The module a training step calls: :class:`CausalLMLoss` over the model, compiled as ``train.compile``
+        says and warmed up at the training micro-batch, wrapped in DDP under torchrun."""
+        mode = self.cfg.train.compile
+        step_model = CausalLMLoss(self.model)
+        info = self.compile_info
+        if mode is False:
+            info.path, info.reason = "eager", "train.compile = false"
+        else:
+            counters = torch._dynamo.utils.counters["stats"]
+            before = counters["unique_graphs"]
+            t0 = time.time()
             try:
-                compiled = torch.compile(train_model)
-                x = torch.from_numpy(self.loader.peek_windows(1)).to(self.device)
-                with self.ctx:
-                    logits, _ = compiled(x[:, :-1])
-                causal_lm_loss(logits, x[:, 1:]).backward()
-                model.zero_grad(set_to_none=True)
-                self.log("torch.compile: ok")
-                return compiled
-            except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager, said aloud
-                model.zero_grad(set_to_none=True)
-                self.log(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                         f"training eagerly")
-        return train_model
+                step_model.compile_blocks(self.micro)
+                self._warm_up(step_model)
+                info.path = "compiled"
+                info.reason = (f"train.compile = {json.dumps(mode)}: each decoder layer and the head + loss, static "
+                               f"shapes, warmed up at micro-batch {self.micro} × {self.cfg.train.seq_len}")
+                info.graphs = counters["unique_graphs"] - before
+            except Exception as e:  # noqa: BLE001 - any compiler failure: an error (true) or eager, said aloud (auto)
+                self.model.zero_grad(set_to_none=True)
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                if mode is True:
+                    raise TrainError(f"torch.compile failed ({why}). train.compile = true makes this an error; set "
+                                     f"train.compile = \"auto\" to fall back to eager (about half the MFU) or false"
+                                     ) from e
+                step_model = CausalLMLoss(self.model)
+                info.path, info.reason = "eager", f"torch.compile failed, train.compile = \"auto\" fell back: {why}"
+                self.log("WARNING: " + "!" * 60)
+                self.log(f"WARNING: training EAGERLY: {info.reason}")
+                self.log("WARNING: " + "!" * 60)
+            info.warmup_s = time.time() - t0
+            self._graphs_after_warmup = counters["unique_graphs"]
+        self.log(f"training path: {info.path} ({info.reason})")
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415 - only under torchrun
+
+            return DDP(step_model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                       bucket_cap_mb=DDP_BUCKET_MB, broadcast_buffers=False, gradient_as_bucket_view=True,
+                       static_graph=self.accum == 1)  # with no_sync accumulation DDP's reducer asserts
+        return step_model
+
+    def _step_ctx(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.ctx)
+        stack.enter_context(sdpa_context(self.sdpa[1]))
+        return stack
+
+    def _warm_up(self, step_model: CausalLMLoss) -> None:
+        """One forward + backward at the training micro-batch (the shapes every step uses), gradients dropped."""
+        batch = self._batch_to_device(self.loader.peek_windows(self.micro))
+        with self._step_ctx():
+            loss = step_model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
 
     def _batch_to_device(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(arr)
@@ -412,7 +550,11 @@ class Trainer:
         self.log(f"model: {n:,} parameters ({self.model.num_params(non_embedding=True):,} without the embedding), "
                  f"vocab {self.vocab_size:,}; device {self.device}, {str(self.dtype).replace('torch.', '')}; "
                  f"{self.micro}×{t.seq_len} tokens × {self.accum} accum × {self.dist.world_size} ranks per step")
-        train_model = self._maybe_compile() if t.max_steps > self.step else self.model
+        gc.collect()  # preflight's copies
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        reset_peak_memory(self.device)
+        train_model = self._build_train_model() if t.max_steps > self.step else None
         old_handlers = self._install_signals()
         if self.step == 0 and t.max_steps > 0:
             self._evaluate()
@@ -423,19 +565,19 @@ class Trainer:
         last_tps = last_mfu = None
         try:
             while self.step < t.max_steps:
-                if D.any_rank(self.stop_requested, self.dist, self.device):
+                if self.stop_requested and not self.dist.enabled:
                     break
-                loss = self._train_step(train_model)
-                window_tokens += self._step_tokens
+                stats = self._train_step(train_model)
+                window_tokens += stats.tokens
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     dt = max(time.time() - window_t0, 1e-9)
                     last_tps = window_tokens / dt
                     last_mfu = self.flops_per_token * last_tps / self.peak if self.peak else None
-                    row = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": loss,
-                           "lr": self._lr, "grad_norm": self._grad_norm, "tokens_per_s": last_tps,
+                    row = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": stats.loss,
+                           "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens_per_s": last_tps,
                            "mfu": last_mfu, "elapsed_s": self.wall_before + time.time() - self.t_start}
                     self._append_metrics(row)
-                    post = {"loss": f"{loss:.3f}", "tok/s": f"{last_tps:,.0f}"}
+                    post = {"loss": f"{stats.loss:.3f}", "tok/s": f"{last_tps:,.0f}"}
                     if last_mfu is not None:
                         post["mfu"] = f"{last_mfu:.1%}"
                     bar.set_postfix(post, refresh=False)
@@ -452,6 +594,8 @@ class Trainer:
                     else:
                         self.save()
                     window_t0 = time.time()
+                if stats.stop:
+                    break
         finally:
             bar.close()
             for sig, h in old_handlers.items():
@@ -459,40 +603,47 @@ class Trainer:
         if self.stop_requested or self.step == t.max_steps or self.step == start_step:
             if self.last_ckpt is None or self.last_ckpt.name != f"step-{self.step:06d}":
                 self.save()
+        if self.compile_info.path == "compiled":
+            self.compile_info.recompiles = (torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                                            - self._graphs_after_warmup)
+            self.log(f"torch.compile: {self.compile_info.graphs} graph(s) at warm-up "
+                     f"({self.compile_info.warmup_s:.1f} s), {self.compile_info.recompiles} recompile(s) after")
         summary = self._summary(last_tps, last_mfu)
         if self.stop_requested:
             self.log(f"stopped by signal at step {self.step}; resume with: python -m train.run --name "
                      f"{cfg.run.name} --resume")
         return summary
 
-    def _train_step(self, train_model) -> float:
+    def _train_step(self, train_model) -> StepStats:
+        """One optimizer step over ``micro × accum`` windows per rank; returns its :class:`StepStats`. The loss sum
+        and the stop flag travel in one all-reduce (no extra collective or host sync at the top of a step)."""
         t = self.cfg.train
-        self._lr = lr_at(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
+        lr = lr_at(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
         for g in self.optimizer.param_groups:
-            g["lr"] = self._lr
+            g["lr"] = lr
         windows = self.loader.next_windows(self.micro * self.accum * self.dist.world_size)
-        labels_all = windows[:, 1:]
-        total_tokens = int((labels_all != -100).sum())
-        self._step_tokens = total_tokens
+        total_tokens = int((windows[:, 1:] != -100).sum())
         micro_batches = step_batches(windows, self.micro, self.accum, self.dist.rank)
         scale = self.dist.world_size / max(total_tokens, 1)
         loss_sum = torch.zeros((), device=self.device)
         for k, mb in enumerate(micro_batches):
             batch = self._batch_to_device(mb)
-            x, y = batch[:, :-1], batch[:, 1:]
             sync = (k == len(micro_batches) - 1) or not self.dist.enabled
-            ctx = contextlib.nullcontext() if sync else train_model.no_sync()
-            with ctx:
-                with self.ctx:
-                    logits, _ = train_model(x)
-                loss = causal_lm_loss(logits, y, reduction="sum")
+            with contextlib.nullcontext() if sync else train_model.no_sync():
+                with self._step_ctx():
+                    loss = train_model(batch[:, :-1], batch[:, 1:])
                 (loss * scale).backward()
             loss_sum += loss.detach().float()
-        D.all_reduce_sum(loss_sum, self.dist)
+        if self.dist.enabled:
+            packed = torch.stack([loss_sum, torch.tensor(float(self.stop_requested), device=self.device)])
+            D.all_reduce_sum(packed, self.dist)
+            loss_sum, stop = packed[0], bool(packed[1] > 0)
+        else:
+            stop = self.stop_requested
         mean_loss = float(loss_sum) / max(total_tokens, 1)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip))
-        self._grad_norm = grad_norm
-        if math.isfinite(mean_loss) and math.isfinite(grad_norm):
+        skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
+        if not skipped:
             self.optimizer.step()
             self.nonfinite = 0
         else:
@@ -508,7 +659,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens += total_tokens
-        return mean_loss
+        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens=total_tokens, skipped=skipped, stop=stop)
 
     def _summary(self, tps, mfu) -> dict:
         rows = read_metrics(self.run_dir / "metrics.jsonl")
@@ -523,7 +674,11 @@ class Trainer:
             "tokens_per_s": (sum(r["tokens_per_s"] for r in trains[-20:]) / len(trains[-20:])) if trains else tps,
             "mfu": mfu, "val": evals[-1]["val"] if evals else None, "random_init": ri,
             "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "world_size": self.dist.world_size,
-            "peak_memory_gb": peak_memory_gb(self.device),
+            "peak_memory_gb": peak_memory_bytes(self.device) / 1e9,
+            "peak_memory_scope": "training steps only (reset after preflight and setup)",
+            "compile": dataclasses.asdict(self.compile_info),
+            "attention_backend": {"name": self.sdpa[0], "detail": self.sdpa[2]},
+            "plan": self.plan.to_dict() if self.plan else None,
         }
         if self.dist.is_main:
             atomic_write_json(self.run_dir / "summary.json", summary)
@@ -533,15 +688,6 @@ class Trainer:
                     f"{k} {v['nll']:.3f} vs {ri[k]['nll']:.3f}" for k, v in summary["val"].items() if k in ri))
             self.log(f"done: {self.step} steps, {self.tokens:,} tokens in {wall / 60:.1f} min → {self.run_dir}")
         return summary
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process in GB: CUDA's max_memory_allocated on a GPU, else the peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def _already_done(cfg: Config) -> bool:
@@ -596,4 +742,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Trainer", "TrainError", "main", "model_config_for"]
+__all__ = ["CompileInfo", "StepStats", "Trainer", "TrainError", "main", "model_config_for"]

@@ -1,0 +1,281 @@
+"""``python -m train.plan --config base-400m --gpu h100``: will a config fit a GPU, and how fast will it run?
+
+No GPU needed. Memory comes from running the real training step (``train.model.CausalLMLoss``, AdamW) on fake
+tensors (``torch._subclasses.FakeTensorMode``) under PyTorch's memory tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``), as torchtitan's ``estimation.py`` does. Four fake runs
+(2 and 3 layers × micro-batch 1 and 2) fix the bilinear law ``peak = a + b·L + c·B + d·L·B`` (parameters and
+optimizer state grow with L; activations with L·B; the head and loss with B), which gives the peak for any
+number of layers L and micro-batch B in milliseconds. Reduced precision is traced under CPU autocast, whose op
+lists match CUDA's for every op this model runs (the linear layers and SDPA in bf16, the norms' reductions and
+the loss in float32).
+
+The fake run is eager. ``compiled=True`` subtracts what Inductor saves by fusing: the activations one decoder
+layer saves for the backward, measured per token under eager autograd and under AOTAutograd's min-cut
+partitioner (the one Inductor uses), on a real layer at two short sequence lengths (the slope excludes the
+weights' bf16 copies, which do not grow with tokens).
+
+Time: FLOPs per token are 6·N_matmul + 12·L·hidden·seq (``LlamaForCausalLM.flops_per_token``, PaLM appendix B);
+the step time assumes dense bf16 matmuls at ``ETA_MATMUL`` of the GPU's peak, causal attention (half of the 12·L·h·s
+term is real work) at ``ETA_ATTENTION``, the chunked loss's extra lm_head forward, and the activation and
+optimizer traffic at the HBM bandwidth. MFU = model FLOPs / (step time × peak), the PaLM definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args
+from train.device import autocast_ctx, resolve_dtype
+from train.model import CausalLMLoss, DecoderLayer, LlamaForCausalLM, ModelConfig, RotaryEmbedding
+
+HEADROOM = 0.90  # plan for at most 90 % of the GPU's memory: the allocator's fragmentation, NCCL and cuBLAS buffers
+ETA_MATMUL = 0.75  # large bf16 GEMMs reach ≈ 700-750 of H100 SXM's 989 dense TFLOP/s
+ETA_ATTENTION = 0.45  # cuDNN / FlashAttention forward + backward at head_dim 64, as a share of the peak
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bf16_flops: float  # dense, no sparsity
+    hbm_bytes_per_s: float
+
+
+GPUS = {  # vendors' datasheets (SXM parts)
+    "h100": GPU("H100 SXM 80GB", 80 * 10**9, 989e12, 3.35e12),
+    "h200": GPU("H200 SXM 141GB", 141 * 10**9, 989e12, 4.8e12),
+}
+
+
+@dataclasses.dataclass
+class Plan:
+    """One estimate; bytes, FLOPs and seconds."""
+
+    micro_batch_size: int
+    seq_len: int
+    dtype: str
+    compiled: bool
+    params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+    flops_per_token: float
+
+    def summary(self) -> str:
+        g = 2**30
+        return (
+            f"micro-batch {self.micro_batch_size} × {self.seq_len}, {self.dtype}, "
+            f"{'compiled' if self.compiled else 'eager'}: peak ≈ {self.peak_bytes / g:.1f} GiB (parameters "
+            f"{self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, AdamW state "
+            f"{self.optimizer_bytes / g:.2f}, activations and the rest {self.activation_bytes / g:.1f})"
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _fake_peak(cfg: ModelConfig, micro: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(peak, parameter, optimizer-state) bytes of one training step on fake tensors, optimizer state present."""
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        step = CausalLMLoss(model)
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        for p in model.parameters():  # create the AdamW state before tracking, as at any step after the first
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        x = torch.randint(0, cfg.vocab_size, (micro, seq_len + 1))
+        with tracker:
+            with autocast_ctx(torch.device("cpu"), dtype):
+                loss = step(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        snap = tracker.get_tracker_snapshot("peak")
+    per_dev = next(iter(snap.values()))
+    kinds = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in per_dev.items()}
+    return int(kinds["Total"]), int(kinds.get("Parameter", 0)), int(kinds.get("Optstate", 0))
+
+
+def _saved_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool) -> float:
+    """Bytes per token one decoder layer saves for its backward (slope between 64 and 128 tokens)."""
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+    fn = (
+        torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False) if compiled else layer
+    )
+    sizes = []
+    for s in (64, 128):
+        x = torch.randn(1, s, cfg.hidden_size, requires_grad=True)
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with autocast_ctx(torch.device("cpu"), dtype):
+            cos, sin = rope(torch.arange(s)[None], dtype)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                fn(x, cos, sin, None, None)
+        sizes.append(sum(seen.values()))
+    return (sizes[1] - sizes[0]) / 64
+
+
+@dataclasses.dataclass
+class MemoryModel:
+    """``peak(L, B) = a + b·L + c·B + d·L·B`` bytes, fitted on fake runs, plus the compiled saving per token·layer."""
+
+    cfg: ModelConfig
+    seq_len: int
+    dtype: torch.dtype
+    coef: tuple[float, float, float, float]
+    param_per_layer: tuple[float, float]
+    opt_per_layer: tuple[float, float]
+    compiled_saving_per_token_layer: float
+
+    def plan(self, micro: int, compiled: bool) -> Plan:
+        a, b, c, d = self.coef
+        L = self.cfg.num_hidden_layers
+        peak = a + b * L + c * micro + d * L * micro
+        if compiled:
+            peak -= self.compiled_saving_per_token_layer * L * micro * self.seq_len
+        params = sum(p.numel() for p in _meta_model(self.cfg).parameters())
+        pb = self.param_per_layer[0] + self.param_per_layer[1] * L
+        ob = self.opt_per_layer[0] + self.opt_per_layer[1] * L
+        return Plan(
+            micro_batch_size=micro,
+            seq_len=self.seq_len,
+            dtype=str(self.dtype).replace("torch.", ""),
+            compiled=compiled,
+            params=params,
+            param_bytes=int(pb),
+            grad_bytes=int(pb),
+            optimizer_bytes=int(ob),
+            activation_bytes=int(peak - 2 * pb - ob),
+            peak_bytes=int(peak),
+            flops_per_token=_meta_model(self.cfg).flops_per_token(self.seq_len),
+        )
+
+
+def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def memory_model(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> MemoryModel:
+    """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (four fake runs, two real one-layer traces)."""
+    runs = {}
+    for n_layers in (2, 3):
+        small = dataclasses.replace(cfg, num_hidden_layers=n_layers)
+        for micro in (1, 2):
+            runs[n_layers, micro] = _fake_peak(small, micro, seq_len, dtype)
+    p = {k: v[0] for k, v in runs.items()}
+    d = (p[3, 2] - p[3, 1]) - (p[2, 2] - p[2, 1])
+    c = (p[2, 2] - p[2, 1]) - 2 * d
+    b = (p[3, 1] - p[2, 1]) - d
+    a = p[2, 1] - 2 * b - c - 2 * d
+    par = (runs[2, 1][1] - 2 * (runs[3, 1][1] - runs[2, 1][1]), runs[3, 1][1] - runs[2, 1][1])
+    opt = (runs[2, 1][2] - 2 * (runs[3, 1][2] - runs[2, 1][2]), runs[3, 1][2] - runs[2, 1][2])
+    saving = 0.0
+    if dtype != torch.float32:
+        saving = max(0.0, _saved_per_token(cfg, dtype, False) - _saved_per_token(cfg, dtype, True))
+    return MemoryModel(cfg, seq_len, dtype, (a, b, c, d), par, opt, saving)
+
+
+def estimate(cfg: ModelConfig, micro: int, seq_len: int, dtype: torch.dtype, compiled: bool = True) -> Plan:
+    """The :class:`Plan` of one micro-batch size (see :func:`memory_model`)."""
+    return memory_model(cfg, seq_len, dtype).plan(micro, compiled)
+
+
+def largest_micro_batch(
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, compiled: bool, memory_bytes: int, headroom: float = HEADROOM
+) -> int:
+    """The largest power-of-two micro-batch whose peak stays under ``headroom × memory_bytes`` (0 if none)."""
+    mm = memory_model(cfg, seq_len, dtype)
+    best, b = 0, 1
+    while b <= 1024 and mm.plan(b, compiled).peak_bytes <= headroom * memory_bytes:
+        best, b = b, b * 2
+    return best
+
+
+def step_time(plan: Plan, cfg: ModelConfig, gpu: GPU, tokens_per_step: int) -> tuple[float, float]:
+    """(seconds per optimizer step, MFU) on ``gpu`` for ``tokens_per_step`` tokens (see the module doc)."""
+    attn = 12.0 * cfg.num_hidden_layers * cfg.hidden_size * plan.seq_len
+    dense = plan.flops_per_token - attn + 2.0 * cfg.hidden_size * cfg.vocab_size  # + the loss chunks' recompute
+    compute = tokens_per_step * (dense / (gpu.bf16_flops * ETA_MATMUL) + attn / 2 / (gpu.bf16_flops * ETA_ATTENTION))
+    act_per_token = plan.activation_bytes / (plan.micro_batch_size * plan.seq_len)
+    traffic = (3 if plan.compiled else 4) * act_per_token * tokens_per_step + 4 * (plan.param_bytes * 4)
+    seconds = compute + traffic / gpu.hbm_bytes_per_s
+    return seconds, plan.flops_per_token * tokens_per_step / (seconds * gpu.bf16_flops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: a table of micro-batch sizes for the config on the named GPU."""
+    p = argparse.ArgumentParser(
+        prog="python -m train.plan", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    add_config_args(p)
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU to plan for")
+    p.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's size (default tokenizer.vocab_size)")
+    p.add_argument("--eager", action="store_true", help="plan for eager training (default: as train.compile says)")
+    args = p.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = GPUS[args.gpu]
+    mcfg = ModelConfig(vocab_size=args.vocab_size or cfg.tokenizer.vocab_size, **dataclasses.asdict(cfg.model))
+    dtype = resolve_dtype(cfg.train.dtype, torch.device("cuda"))
+    compiled = cfg.train.compile is not False and not args.eager
+    t = cfg.train
+    global_tokens = t.micro_batch_size * t.grad_accum * t.seq_len
+    mm = memory_model(mcfg, t.seq_len, dtype)
+    n = sum(q.numel() for q in _meta_model(mcfg).parameters())
+    print(
+        f"{args.config}: {n:,} parameters, {mm.plan(1, compiled).flops_per_token / 1e9:.2f} GFLOPs per token "
+        f"(6N + attention), {global_tokens:,} tokens a step; {gpu.name}: {gpu.memory_bytes / 2**30:.0f} GiB, "
+        f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16; {'compiled' if compiled else 'eager'}, "
+        f"{str(dtype).replace('torch.', '')}"
+    )
+    print(
+        f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'AdamW':>6} {'activ.':>7} {'peak GiB':>8} "
+        f"{'fits':>4} {'step s':>7} {'MFU':>6}"
+    )
+    g = 2**30
+    for micro in (1, 2, 4, 8, 16, 32, 64):
+        if global_tokens % (micro * t.seq_len):
+            continue
+        pl = mm.plan(micro, compiled)
+        secs, mfu = step_time(pl, mcfg, gpu, global_tokens)
+        fits = pl.peak_bytes <= HEADROOM * gpu.memory_bytes
+        mark = " ← config" if micro == t.micro_batch_size else ""
+        print(
+            f"{micro:>5} {global_tokens // (micro * t.seq_len):>5} {pl.param_bytes / g:>7.2f} {pl.grad_bytes / g:>6.2f} "
+            f"{pl.optimizer_bytes / g:>6.2f} {pl.activation_bytes / g:>7.1f} {pl.peak_bytes / g:>8.1f} "
+            f"{'yes' if fits else 'NO':>4} {secs:>7.2f} {mfu:>6.1%}{mark}"
+        )
+    best = largest_micro_batch(mcfg, t.seq_len, dtype, compiled, gpu.memory_bytes)
+    print(
+        f"largest micro-batch within {HEADROOM:.0%} of memory: {best} (× grad_accum "
+        f"{max(1, math.ceil(global_tokens / max(best * t.seq_len, 1)))} for the same global batch)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
