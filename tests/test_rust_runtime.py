@@ -589,6 +589,7 @@ def test_context_limit(model):
 
 
 def test_errors_are_exceptions_and_the_model_stays_usable(model, tiny, tmp_path):
+    """R4: every bad input raises an ordinary Python Exception (never a PanicException), and the model still works."""
     p = prompt_ids(6, seed=50)
     baseline = model.generate(p, 8, temperature=0.0)
 
