@@ -1,4 +1,4 @@
-"""export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of bugs.md.
+"""export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of docs/cases.md.
 
 One full export (CLI, gate on, int8) of the trained tiny run is shared by most tests; the failure tests fail
 before exporting or swap the exporter for a copy of that graph, so the file stays around a minute and a half.
@@ -245,7 +245,7 @@ def test_backend_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-# ---------------------------------------------------------------- bugs.md X1–X4 on the exported graph
+# ---------------------------------------------------------------- docs/cases.md X1–X4 on the exported graph
 
 def test_x1_every_position(backend, ref):
     ids = np.random.default_rng(1).integers(2, ref.config.vocab_size, 100)
