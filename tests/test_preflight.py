@@ -332,7 +332,7 @@ def test_preflight_cli_writes_report(tmp_path, session_cache):
     import json
 
     from tests.conftest import fast_overrides
-    from train.preflight import main
+    from train.preflight.__main__ import main
 
     args = ["--config", "tiny", "--name", "pf-cli"]
     for o in fast_overrides(tmp_path, session_cache):

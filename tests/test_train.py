@@ -313,7 +313,7 @@ def test_run_with_preflight_is_bit_identical_to_one_without(tmp_path, session_ca
 
 
 def test_preflight_failure_blocks_the_run(tmp_path, session_cache, monkeypatch):
-    import train.preflight as pf
+    import train.preflight.gradients as pf
 
     monkeypatch.setattr(pf, "GRAD_NORM_MIN", float("inf"))  # every gradient now counts as "zero"
     cfg = fast_config(tmp_path, session_cache, **{"run.name": "blocked", "train.preflight": True})
