@@ -1,5 +1,5 @@
 """Preflight: a healthy model passes all nine checks; each planted defect fails its check and names the culprit
-(issue 4; cases TR3, TR6, TR7 of bugs.md)."""
+(issue 4; cases TR3, TR6, TR7 of docs/cases.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checkpoints in Hugging Face layout, written atomically, verified by sha256 on load.
 
-``runs/NAME/checkpoints/step-000500/`` holds (DESIGN.md): ``model.safetensors`` (Hugging Face Llama names; a
+``runs/NAME/checkpoints/step-000500/`` holds (docs/design.md): ``model.safetensors`` (Hugging Face Llama names; a
 tied lm_head is not stored: transformers and our loader re-tie it), ``config.json`` (LlamaConfig),
 ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``optimizer.pt`` (loads with
 ``torch.load(weights_only=True)``), ``trainer_state.json`` (step, tokens, data position, scheduler, every RNG

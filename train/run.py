@@ -1,7 +1,7 @@
 """``python -m train.run``: prepare data, run preflight, train, evaluate, checkpoint — resumable exactly.
 
 With no arguments it trains config ``small`` on ``data/sample`` into ``runs/small``. The run directory, the
-metrics keys and the checkpoint layout are DESIGN.md's. The loop:
+metrics keys and the checkpoint layout are docs/design.md's. The loop:
 
 * device chosen automatically; on CUDA bf16 autocast, TF32, fused AdamW, the SDPA backend picked by a numerics
   check (cuDNN, then flash) and pinned-memory batches; on CPU float32. Before anything is allocated on a GPU the
@@ -80,7 +80,7 @@ from train.optim import build_optimizer_for, lr_at
 from train.plots import plot_loss, read_metrics
 from train.preflight import PreflightFailed, run_preflight
 from train.shards import open_shard
-from train.tokenizer import EOT, load_tokenizer, token_char_counts, tokenizer_config
+from train.tokenizer import EOT, load_tokenizer, token_char_counts
 
 DATA_WAIT_S = 6 * 3600  # how long ranks > 0 wait for rank 0 to prepare the data under torchrun
 DDP_BUCKET_MB = 100  # fewer, larger all-reduces than DDP's 25 MB default (base-400m: 16 buckets, not 64)
@@ -116,11 +116,6 @@ class CompileInfo:
 def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
     """The run's :class:`ModelConfig`: ``[model]`` plus the tokenizer's vocabulary size."""
     return ModelConfig(vocab_size=vocab_size, **dataclasses.asdict(cfg.model))
-
-
-def generation_config(eot_id: int, pad_id: int) -> dict:
-    return {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": pad_id, "do_sample": False,
-            "max_new_tokens": 64}
 
 
 class Trainer:
@@ -508,14 +503,12 @@ class Trainer:
         if self.dist.is_main:
             tok_dir = self.prepared.tokenizer_dir
             extra = {
-                "config.json": json.dumps(self.mcfg.hf_config("float32", self.eot_id, self.pad_id), indent=2),
-                "generation_config.json": json.dumps(generation_config(self.eot_id, self.pad_id), indent=2),
                 "tokenizer.json": tok_dir / "tokenizer.json",
-                "tokenizer_config.json": json.dumps(tokenizer_config(self.mcfg.max_position_embeddings), indent=2),
                 "data_summary.json": json.dumps(self._data_summary(), indent=2, ensure_ascii=False),
             }
             path = save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self._trainer_state(), extra,
-                                   self.cfg.train.keep_last, serializer=serializer)
+                                   self.cfg.train.keep_last, serializer=serializer,
+                                   special_ids=(self.eot_id, self.pad_id))
             self.last_ckpt = path
             self.log(f"checkpoint: {path}")
         D.barrier(self.dist)
