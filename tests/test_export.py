@@ -19,7 +19,9 @@ import torch
 from export import graph as G
 from export import onnx as E
 from export import pipeline as PL
+from export.errors import ExportError
 from export.parity import PROMPTS, compare_greedy, max_diff
+from export.source import resolve_checkpoint
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
 from train.checkpoint import find_checkpoint, load_model, write_sums
@@ -643,3 +645,12 @@ def test_existing_up_to_date_bundle_is_kept(trained_run, bundle):
     assert (bundle / "manifest.json").stat().st_mtime_ns == before
     with pytest.raises(ExportError, match="not an up-to-date bundle"):
         export_bundle(trained_run, bundle, parity=False, dtype="float16", log=lambda m: None)
+
+
+def test_damaged_latest_is_an_export_error_naming_it(tmp_path):
+    """A run whose checkpoints/latest holds bytes that are not UTF-8: a clear ExportError, not a traceback."""
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step-000001").mkdir(parents=True)
+    (root / "latest").write_bytes(b"\xff\xfe step")
+    with pytest.raises(ExportError, match="latest"):
+        resolve_checkpoint(tmp_path / "run")
