@@ -15,7 +15,7 @@ from train.byte_level import bytes_to_unicode
 from train.corpus import Document, iter_documents, list_input_files
 from train.fertility import TokenizerAdapter, fertility, load_any_tokenizer
 from train.tokenizer import MAX_PRETOKEN_CHARS, SPLIT_PATTERN, load_tokenizer, new_tokenizer, token_char_counts
-from train.tokenizer_cli import main
+from train.tokenizer.cli import main
 from train.tokenizer_sample import sample_quotas
 
 PROBES = {

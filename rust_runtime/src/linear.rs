@@ -6,9 +6,32 @@
 
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{PackedF32, Par, SyncPtr};
-use crate::model::Quantize;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Storage, Tensor};
+
+/// How a weight matrix is stored: f32 (packed panels) or q8_0 (candle's 8-bit blocks, 32 weights a block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantize {
+    None,
+    Q8_0,
+}
+
+impl Quantize {
+    pub fn parse(s: Option<&str>) -> Result<Self> {
+        match s.map(|s| s.trim().to_ascii_lowercase()) {
+            None => Ok(Quantize::None),
+            Some(s) if s.is_empty() || s == "none" || s == "f32" || s == "float32" => Ok(Quantize::None),
+            Some(s) if s == "int8" || s == "q8_0" || s == "q8" => Ok(Quantize::Q8_0),
+            Some(s) => Err(Error::arg(format!("quantize is {s:?}; expected None, \"none\" or \"int8\""))),
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Quantize::None => "none",
+            Quantize::Q8_0 => "int8",
+        }
+    }
+}
 
 pub enum Linear {
     F32(PackedF32),

@@ -16,31 +16,9 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::{self, Par, SyncPtr};
 use crate::linear::Linear;
+pub use crate::linear::Quantize;
 use crate::loader::Loader;
 use std::path::Path;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Quantize {
-    None,
-    Q8_0,
-}
-
-impl Quantize {
-    pub fn parse(s: Option<&str>) -> Result<Self> {
-        match s.map(|s| s.trim().to_ascii_lowercase()) {
-            None => Ok(Quantize::None),
-            Some(s) if s.is_empty() || s == "none" || s == "f32" || s == "float32" => Ok(Quantize::None),
-            Some(s) if s == "int8" || s == "q8_0" || s == "q8" => Ok(Quantize::Q8_0),
-            Some(s) => Err(Error::arg(format!("quantize is {s:?}; expected None, \"none\" or \"int8\""))),
-        }
-    }
-    pub fn name(&self) -> &'static str {
-        match self {
-            Quantize::None => "none",
-            Quantize::Q8_0 => "int8",
-        }
-    }
-}
 
 pub struct Layer {
     attn_norm: Vec<f32>,

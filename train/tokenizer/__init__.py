@@ -17,7 +17,7 @@ The tokenizer (Hugging Face ``tokenizers``):
 
 Sampling the training text is ``train.tokenizer_sample``; fertility against other tokenizers is
 ``train.fertility``; the command lines (``python -m train.tokenizer train|fertility``) are
-``train.tokenizer_cli``.
+``train.tokenizer.cli`` (run as ``python -m train.tokenizer``).
 """
 
 from __future__ import annotations
@@ -161,17 +161,3 @@ def token_char_counts(tok: Tokenizer) -> list[int]:
         counts[idx] = sum(1 for b in bs if (b & 0xC0) != 0x80)
     return counts
 
-
-if __name__ == "__main__":
-    # ``python -m train.tokenizer train|fertility``: the command lines live in train.tokenizer_cli, imported here
-    # only when run as a program (importing it at the top would make every user of the tokenizer load the CLI)
-    import sys
-
-    from train.tokenizer_cli import main
-
-    sys.exit(main())
-
-
-__all__ = ["EOT", "PAD", "SPECIAL_TOKENS", "SPLIT_PATTERN", "BASELINE_PATTERN", "MAX_PRETOKEN_CHARS", "TokenizerError",
-           "new_tokenizer", "train_tokenizer", "tokenizer_config", "write_tokenizer_files", "save_tokenizer",
-           "load_tokenizer", "tokenizer_sha256", "token_char_counts", "bytes_to_unicode"]
