@@ -8,8 +8,8 @@ Usage (from the repository root)::
     python -m tests.golden_losses --write   # train and (re)write the file; say why in the commit message
     python -m tests.golden_losses --json    # train and print the run's record as JSON (what the test reads)
 
-The run is pinned to one intra-op thread (``torch.set_num_threads(1)``) so its floats do not depend on the
-machine's core count. The tokenizer and shards are prepared in a temporary folder, so nothing in the checkout
+The run is pinned to one intra-op thread (``torch.set_num_threads(1)``, restored afterwards) so its floats do
+not depend on the machine's core count or on ``OMP_NUM_THREADS``. The tokenizer and shards are prepared in a temporary folder, so nothing in the checkout
 changes except the golden file under ``--write``.
 """
 
@@ -53,6 +53,7 @@ SETTINGS: dict[str, object] = {
     "train.max_steps": 20,
     "train.warmup_steps": 3,
     "train.eval_every": 1000,
+    "train.eval_tokens": 256,
     "train.ckpt_every": 1000,
     "train.log_every": 1,
     "train.preflight": False,
@@ -68,7 +69,15 @@ def run_losses() -> dict:
     the mean training NLL in nats per target token as logged in the run's ``metrics.jsonl`` and ``hex`` is
     ``float.hex`` of it (the exact value compared).
     """
-    torch.set_num_threads(NUM_THREADS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(NUM_THREADS)  # restored below, so a caller's (a test session's) setting is left alone
+    try:
+        return _run_pinned()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_pinned() -> dict:
     with tempfile.TemporaryDirectory(prefix="shalik-golden-") as tmp:
         paths = {
             "data.paths": [str(MINI)],

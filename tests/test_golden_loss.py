@@ -8,28 +8,18 @@ the change is intended, regenerate with ``python -m tests.golden_losses --write`
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+
+import torch
 
 from tests.conftest import ROOT
-from tests.golden_losses import GOLDEN, REGENERATE, diff
+from tests.golden_losses import GOLDEN, REGENERATE, diff, run_losses
 
 
 def test_tiny_losses_are_bit_identical_to_golden():
     expected = json.loads(GOLDEN.read_text(encoding="utf-8"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    # A subprocess: the run pins torch to one thread, which must not leak into the rest of the test session.
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.golden_losses", "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    actual = json.loads(proc.stdout.strip().splitlines()[-1])
+    threads = torch.get_num_threads()
+    actual = run_losses()
+    assert torch.get_num_threads() == threads  # the pin to one thread does not leak into the session
     assert len(actual["losses"]) == len(expected["losses"]) == 20
     changes = diff(expected, actual)
     assert not changes, (
