@@ -244,6 +244,57 @@ def test_batch_dependence_is_caught():
     assert any("depend on the rest of its batch" in x and "model.norm" in x for x in c.culprits)
 
 
+class _StrideBlindSiLUFn(torch.autograd.Function):
+    """SiLU whose backward reads grad_output through as_strided with contiguous strides (wrong when it is not)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.silu(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        g = torch.as_strided(g, g.shape, torch.empty(g.shape).stride())
+        s = torch.sigmoid(x)
+        return g * s * (1 + x * (1 - s))
+
+
+class StrideBlindSiLU(nn.Module):
+    def forward(self, x):
+        return _StrideBlindSiLUFn.apply(x)
+
+
+class StrideBlindMLP(MLP):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.act = StrideBlindSiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class BackwardStrideBug(LlamaForCausalLM):
+    """Layer 1's MLP activation has a backward that is right only for a contiguous upstream gradient."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.model.layers[1].mlp = StrideBlindMLP(cfg)
+
+
+def test_backward_stride_bug_is_caught_and_named():
+    c = result(preflight(build(BackwardStrideBug), checks=["layout_invariance"]), "layout_invariance")
+    assert not c.ok
+    assert c.culprits == ["model.layers.1.mlp.act"], c.culprits
+    assert "model.layers.1.mlp.act" in c.detail
+
+
+def test_backward_layout_of_the_healthy_model_passes():
+    c = result(preflight(build(), checks=["layout_invariance"]), "layout_invariance")
+    assert c.ok and c.culprits == [], c.detail
+    assert "backward" in c.detail
+
+
 # ------------------------------------------------------------------------------------- precision (TR6)
 
 class Fp16OverflowNorm(RMSNorm):
