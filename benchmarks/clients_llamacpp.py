@@ -7,7 +7,7 @@ text goes through its tokenizer) and generates with ``top_k=1, temp=0`` and no r
 make exactly ``--new-tokens`` tokens, going on past ``<|endoftext|>`` (``ignore_eos`` on our side), so every step
 is compared. Beside it, the teacher-forced log-probs of the prompt's own tokens are compared (max |Δ|, nats):
 greedy text from a weak model can be degenerate, the prompt's log-probs are not. A mismatch is allowed only at a near-tie — the reference's (our bundle's)
-top-2 logit gap below 1e-3 at that step (DESIGN.md) — where the comparison stops and says so. The model is
+top-2 logit gap below 1e-3 at that step (docs/design.md) — where the comparison stops and says so. The model is
 opened through ``export.gguf.LlamaCppBackend`` only for its machine-specific load settings (float32 KV cache, no
 extra buffer types); generation is llama-cpp-python's ``Llama.generate``.
 

@@ -77,6 +77,9 @@ def markdown(f: dict) -> str:
     if f["int8"] and f["int8"].get("val_nll_delta") is not None:
         out += ["", f"int8 val NLL change: {f['int8']['val_nll_delta']:+.5f} nats/token over {f['int8']['tokens']:,} "
                 f"tokens (fp32 {f['int8']['val_nll_fp32']:.4f}, int8 {f['int8']['val_nll_int8']:.4f})."]
+        out += [f"- {lang}: Δ NLL {v['delta']:+.5f}, top-1 agreement {v['top1_agreement']:.3f}, mean |Δ log p| of "
+                f"fp32's top token {v['mean_abs_top_logprob_delta']:.4f} nats"
+                for lang, v in (f["int8"].get("by_lang") or {}).items() if "top1_agreement" in v]
     v = f["versions"]
     out += ["", f"torch {v.get('torch')}, onnx {v.get('onnx')}, onnxruntime {v.get('onnxruntime')}, "
             f"transformers {v.get('transformers')}.", ""]

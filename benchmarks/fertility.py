@@ -9,7 +9,7 @@ plus shard preparation speed.
   ``../shared/anchor_tokenizers``.
 
 Fertility is NFC code points per token, per input file and per language, on the val split (sha256 rule of
-DESIGN.md, val_fraction 0.01). Writes benchmarks/results/fertility.{md,json,png}.
+docs/design.md, val_fraction 0.01). Writes benchmarks/results/fertility.{md,json,png}.
 
     python benchmarks/fertility.py [--data ../shared/corpus] [--anchors ../shared/anchor_tokenizers]
 """

@@ -1,4 +1,4 @@
-"""DESIGN.md's "tiny learns": tiny on data/sample with a 3,000-token vocabulary, 200 steps of 4,096 tokens on CPU,
+"""docs/design.md's "tiny learns": tiny on data/sample with a 3,000-token vocabulary, 200 steps of 4,096 tokens on CPU,
 must bring val NLL at least 2 nats/token below the random-init twin's, in under 2 minutes.
 
 Times the training run itself (data preparation is cached and reported apart) and writes

@@ -7,7 +7,7 @@
   ``torch_dtype`` float32 (the weights').
 * ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``: the checkpoint's (the sidecars
   built by ``train.hf_files`` when an older checkpoint lacks them).
-* ``manifest.json`` (written last): DESIGN.md's keys, with the sha256 and size of every other file.
+* ``manifest.json`` (written last): docs/design.md's keys, with the sha256 and size of every other file.
 """
 
 from __future__ import annotations

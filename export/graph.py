@@ -1,4 +1,4 @@
-"""Torch → ONNX: one decoder graph with a KV cache and DESIGN.md's I/O names, by either exporter.
+"""Torch → ONNX: one decoder graph with a KV cache and docs/design.md's I/O names, by either exporter.
 
 The graph takes ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
 ``[batch, kv_heads, past_sequence_length, head_dim]`` and returns ``logits`` ``[batch, sequence_length, vocab]``

@@ -1,7 +1,7 @@
 """The parity gate: the bundle must compute what the checkpoint computes, in every runtime that serves it.
 
-Reference: our PyTorch model (float32), logits of one single-shot forward without a cache. Cases (DESIGN.md,
-"Testing habits"; cases X1–X6 of cases/bugs.md):
+Reference: our PyTorch model (float32), logits of one single-shot forward without a cache. Cases (docs/design.md,
+"Testing habits"; cases X1–X6 of docs/cases.md):
 
 * logits, batch 1, through the runtime's own Sequence (``prefill``/``decode``, the serving path): prefill of 1, 7,
   64 tokens and of the full context with an empty past; decode with past 1 and 17 and at the last three
@@ -233,7 +233,7 @@ class GreedyRef:
 
 
 def greedy_reference(model: LlamaForCausalLM, tokenizer_path: Path, eot_id: int) -> GreedyRef:
-    """Encode the prompts as ``<|endoftext|>`` + prompt (DESIGN.md) and continue them greedily in PyTorch."""
+    """Encode the prompts as ``<|endoftext|>`` + prompt (docs/design.md) and continue them greedily in PyTorch."""
     tok = Tokenizer.from_file(str(tokenizer_path))
     ctx = model.config.max_position_embeddings
     items = []

@@ -58,7 +58,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (p / SUMS).is_file() or (p / "model.safetensors").is_file():
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    latest = read_latest_name(root)
+    try:
+        latest = read_latest_name(root)
+    except CheckpointError as e:
+        raise ExportError(f"{root / 'latest'}: {e}") from None
     if latest:
         if not (root / latest).is_dir():
             raise ExportError(f"{root / 'latest'} names {latest!r}, which does not exist")

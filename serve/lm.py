@@ -4,7 +4,7 @@ A backend implements the small protocol of :mod:`serve.backends.base` (``new_seq
 and ``decode`` on the sequence); everything else — tokenizing, sampling (:mod:`serve.sampling`),
 incremental detokenizing (:mod:`serve.detok`), stop strings (:mod:`serve.stops`) — lives here, in numpy.
 
-Conventions (DESIGN.md "Serving"):
+Conventions (docs/design.md "Serving"):
 
 * every prompt is encoded as ``<|endoftext|>`` + prompt; prompts are text or lists of token ids;
 * ``prompt_tokens`` counts the positions the prompt occupies, the leading ``<|endoftext|>`` included, so

@@ -1,4 +1,4 @@
-"""Next-token sampling in pure numpy, in DESIGN.md's order.
+"""Next-token sampling in pure numpy, in docs/design.md's order.
 
 For one step, given the model's raw logits (float ``[V]``, any float dtype; computed here in float64):
 

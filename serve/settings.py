@@ -1,4 +1,4 @@
-"""HTTP server settings from ``SHALIK_*`` environment variables (DESIGN.md "Serving").
+"""HTTP server settings from ``SHALIK_*`` environment variables (docs/design.md "Serving").
 
 =========================== ========================= ==================================================
 variable                    default                   meaning

@@ -1,6 +1,6 @@
 """Shared fixtures: the mini corpus, Fixture Tok, Fixture M, fast configs and a trained tiny run.
 
-Fixtures follow ``../shared/cases/bugs.md``:
+Fixtures follow ``docs/cases.md``:
 
 * **Fixture M** — Llama-style decoder, vocab 512, hidden 64, 2 layers, 4 query / 2 KV heads (head_dim 16),
   RMSNorm eps 1e-6, rotate-half RoPE, theta 10000, max_position 128, tied embeddings, fp32, seed 0.

@@ -1,9 +1,9 @@
 """transformers, unchanged, on the exported bundle folder: ``pipeline("text-generation", model=BUNDLE)`` generates,
 and its greedy tokens equal ``serve.load(bundle).complete(..., temperature=0)``'s token for token.
 
-Both read ``<|endoftext|>`` + prompt (DESIGN.md: serve prepends it; transformers gets it as text, which its
+Both read ``<|endoftext|>`` + prompt (docs/design.md: serve prepends it; transformers gets it as text, which its
 tokenizer maps to id 0). A mismatch is allowed only at a near-tie — transformers' top-2 logit gap below 1e-3 at
-that step — where the comparison stops and says so (DESIGN.md, testing habits)."""
+that step — where the comparison stops and says so (docs/design.md, testing habits)."""
 
 from __future__ import annotations
 

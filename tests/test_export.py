@@ -1,4 +1,4 @@
-"""export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of bugs.md.
+"""export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of docs/cases.md.
 
 One full export (CLI, gate on, int8) of the trained tiny run is shared by most tests; the failure tests fail
 before exporting or swap the exporter for a copy of that graph, so the file stays around a minute and a half.
@@ -19,7 +19,9 @@ import torch
 from export import graph as G
 from export import onnx as E
 from export import pipeline as PL
+from export.errors import ExportError
 from export.parity import PROMPTS, compare_greedy, max_diff
+from export.source import resolve_checkpoint
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
 from train.checkpoint import find_checkpoint, load_model, write_sums
@@ -245,7 +247,7 @@ def test_backend_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-# ---------------------------------------------------------------- bugs.md X1–X4 on the exported graph
+# ---------------------------------------------------------------- docs/cases.md X1–X4 on the exported graph
 
 def test_x1_every_position(backend, ref):
     ids = np.random.default_rng(1).integers(2, ref.config.vocab_size, 100)
@@ -643,3 +645,12 @@ def test_existing_up_to_date_bundle_is_kept(trained_run, bundle):
     assert (bundle / "manifest.json").stat().st_mtime_ns == before
     with pytest.raises(ExportError, match="not an up-to-date bundle"):
         export_bundle(trained_run, bundle, parity=False, dtype="float16", log=lambda m: None)
+
+
+def test_damaged_latest_is_an_export_error_naming_it(tmp_path):
+    """A run whose checkpoints/latest holds bytes that are not UTF-8: a clear ExportError, not a traceback."""
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step-000001").mkdir(parents=True)
+    (root / "latest").write_bytes(b"\xff\xfe step")
+    with pytest.raises(ExportError, match="latest"):
+        resolve_checkpoint(tmp_path / "run")

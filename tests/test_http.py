@@ -115,7 +115,7 @@ def _rust_available() -> bool:
 
 
 @pytest.mark.parametrize("backend", ["onnx", pytest.param("rust", marks=pytest.mark.skipif(
-    not _rust_available(), reason="rust_runtime is not built (pip install ./rust_runtime)"))])
+    not _rust_available(), reason="rust_runtime is not built (pip install -e '.[all]' builds it)"))])
 def test_real_bundle_loads_lazily(bundle, backend):
     with TestClient(create_app(Settings(model=bundle, model_name="tiny", backend=backend))) as c:
         for _ in range(600):

@@ -1,4 +1,4 @@
-"""The model against transformers, the KV cache, and cases TR1–TR3, TR6, TR8, TR9 of bugs.md."""
+"""The model against transformers, the KV cache, and cases TR1–TR3, TR6, TR8, TR9 of docs/cases.md."""
 
 from __future__ import annotations
 

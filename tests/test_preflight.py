@@ -1,5 +1,5 @@
 """Preflight: a healthy model passes all nine checks; each planted defect fails its check and names the culprit
-(issue 4; cases TR3, TR6, TR7 of bugs.md)."""
+(issue 4; cases TR3, TR6, TR7 of docs/cases.md)."""
 
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ def test_preflight_cli_writes_report(tmp_path, session_cache):
     import json
 
     from tests.conftest import fast_overrides
-    from train.preflight import main
+    from train.preflight.__main__ import main
 
     args = ["--config", "tiny", "--name", "pf-cli"]
     for o in fast_overrides(tmp_path, session_cache):

@@ -1,12 +1,12 @@
 """The Rust runtime (rust_runtime/, a maturin extension) against transformers, and its error paths.
 
-Cases from ../shared/cases/bugs.md: R1 (RoPE layout: logits at every position), R2 (context limit),
+Cases from docs/cases.md: R1 (RoPE layout: logits at every position), R2 (context limit),
 R3 (GQA with 2 and 1 KV heads, prefill + cached decode), R4 (errors are Exceptions, model usable
 afterwards), T6 (tokenizer.json from Python tokenizers gives the same ids in the Rust crate).
 Every fixture is built here, in tmp dirs: a random-init transformers LlamaForCausalLM saved with
 save_pretrained, and a byte-level BPE trained with Python tokenizers on a few hundred lines.
 
-Build the extension first: pip install ./rust_runtime
+The extension is built by pip install -e ".[all]" (or pip install ./rust_runtime alone)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 rust_runtime = pytest.importorskip(
-    "rust_runtime", reason="rust_runtime is not built; install it with: pip install ./rust_runtime"
+    "rust_runtime", reason="rust_runtime is not built; build it with: pip install -e '.[all]' (needs cargo)"
 )
 torch = pytest.importorskip("torch", reason="the reference model needs torch")
 transformers = pytest.importorskip("transformers", reason="the reference model needs transformers")
@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-ATOL = RTOL = 1e-4  # DESIGN.md: fp32 parity
-NEAR_TIE = 1e-3  # DESIGN.md: greedy mismatch allowed only where the reference top-2 gap is below this
+ATOL = RTOL = 1e-4  # docs/design.md: fp32 parity
+NEAR_TIE = 1e-3  # docs/design.md: greedy mismatch allowed only where the reference top-2 gap is below this
 # int8 (q8_0) vs f32: relative RMS error of the logits at most Q8_REL_RMS, and at most Q8_VS_ROUNDING
 # times the error that rounding the weights to q8_0 alone causes (candle also rounds activations to
 # 8 bits). Measured: 4.6 % (rounding alone 3.9 %) on `tiny`, 10.1 % (7.9 %) on `wide`, whose

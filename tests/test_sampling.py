@@ -1,4 +1,4 @@
-"""serve.sampling: DESIGN.md's sampling order and the S1–S5 cases (pure numpy, milliseconds)."""
+"""serve.sampling: docs/design.md's sampling order and the S1–S5 cases (pure numpy, milliseconds)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def rust_available() -> bool:
 
 
 BACKENDS = ["onnx", pytest.param("rust", marks=pytest.mark.skipif(
-    not rust_available(), reason="rust_runtime is not built (pip install ./rust_runtime)"))]
+    not rust_available(), reason="rust_runtime is not built (pip install -e '.[all]' builds it)"))]
 
 
 class CountingBackend:
@@ -285,7 +285,7 @@ def test_real_generate_equals_stream_and_seed_reproduces(real_lm):
 
 
 def test_real_greedy_matches_full_prefill_argmax(real_lm):
-    """Cached decoding picks what recomputing the whole sequence picks (within DESIGN.md's near-tie rule)."""
+    """Cached decoding picks what recomputing the whole sequence picks (within docs/design.md's near-tie rule)."""
     c = real_lm.complete(PROMPTS[0], 12, temperature=0)
     ids = [real_lm.eot_id, *real_lm.tokenize(PROMPTS[0])]
     for tok in c.token_ids:

@@ -1,4 +1,4 @@
-"""The script-aware tokenizer: cases T1–T5 of bugs.md, round trips, fertility, AutoTokenizer."""
+"""The script-aware tokenizer: cases T1–T5 of docs/cases.md, round trips, fertility, AutoTokenizer."""
 
 from __future__ import annotations
 

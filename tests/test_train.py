@@ -313,7 +313,7 @@ def test_run_with_preflight_is_bit_identical_to_one_without(tmp_path, session_ca
 
 
 def test_preflight_failure_blocks_the_run(tmp_path, session_cache, monkeypatch):
-    import train.preflight as pf
+    import train.preflight.gradients as pf
 
     monkeypatch.setattr(pf, "GRAD_NORM_MIN", float("inf"))  # every gradient now counts as "zero"
     cfg = fast_config(tmp_path, session_cache, **{"run.name": "blocked", "train.preflight": True})
@@ -339,7 +339,7 @@ def test_cli_bad_config_is_clear(capsys):
 
 @pytest.mark.slow
 def test_tiny_learns(tmp_path):
-    """DESIGN.md: tiny on data/sample, vocab 3,000, 200 steps of 4,096 tokens: val NLL ≥ 2 nats below the
+    """docs/design.md: tiny on data/sample, vocab 3,000, 200 steps of 4,096 tokens: val NLL ≥ 2 nats below the
     random-init twin (the 2-minute budget is measured by benchmarks/tiny_learns.py, not here)."""
     cfg = fast_config(tmp_path, tmp_path / "cache")
     from train.config import load_config

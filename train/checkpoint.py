@@ -1,6 +1,6 @@
 """Checkpoints in Hugging Face layout, written atomically, verified by sha256 on load.
 
-``runs/NAME/checkpoints/step-000500/`` holds (DESIGN.md): ``model.safetensors`` (Hugging Face Llama names; a
+``runs/NAME/checkpoints/step-000500/`` holds (docs/design.md): ``model.safetensors`` (Hugging Face Llama names; a
 tied lm_head is not stored: transformers and our loader re-tie it), ``config.json`` (LlamaConfig),
 ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``optimizer.pt`` (loads with
 ``torch.load(weights_only=True)``), ``trainer_state.json`` (step, tokens, data position, scheduler, every RNG
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -132,15 +134,31 @@ def verify_sums(folder: Path) -> None:
     sums = folder / SUMS
     if not sums.is_file():
         raise CheckpointError(f"{folder}: no {SUMS} (an incomplete or foreign checkpoint)")
-    for line in sums.read_text().splitlines():
+    try:
+        text = sums.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{sums}: unreadable ({e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        digest, name = line.split(maxsplit=1)
+        parts = line.split(maxsplit=1)
+        if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{64}", parts[0]):
+            raise CheckpointError(f"{sums}: line {n} is not '<sha256>  <file name>' (truncated or damaged): {line[:80]!r}")
+        digest, name = parts
         f = folder / name.strip()
         if not f.is_file():
             raise CheckpointError(f"{folder}: {name.strip()} is listed in {SUMS} but missing")
         if sha256_file(f) != digest:
             raise CheckpointError(f"{f}: sha256 does not match {SUMS} (truncated or modified)")
+    for name in ("trainer_state.json", "config.json"):
+        f = folder / name
+        if f.is_file():
+            try:
+                ok = isinstance(json.loads(f.read_text(encoding="utf-8")), dict)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{f}: not a JSON object ({e})") from None
+            if not ok:
+                raise CheckpointError(f"{f}: not a JSON object")
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer | None,
@@ -190,7 +208,12 @@ def read_latest_name(ckpt_root: Path) -> str | None:
     f = ckpt_root / "latest"
     if not f.is_file():
         return None
-    name = f.read_text().strip()
+    try:
+        name = f.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e})") from None
+    if name and not re.fullmatch(r"step-\d+", name):
+        raise CheckpointError(f"{f}: names {name[:80]!r}, not a step folder")
     return name or None
 
 
@@ -208,17 +231,22 @@ def find_checkpoint(path: str | Path) -> Path:
     if not root.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint, a checkpoints folder or a run folder")
     candidates = []
-    latest = read_latest_name(root)
+    errors = []
+    try:
+        latest = read_latest_name(root)
+    except CheckpointError as e:
+        errors.append(str(e))
+        latest = None
     if latest:
         candidates.append(root / latest)
     candidates += sorted((q for q in root.glob("step-*") if q.is_dir() and not q.name.startswith(TMP_PREFIX)),
                          reverse=True)
-    errors = []
     for c in candidates:
         try:
             verify_sums(c)
             if errors:
-                print(f"warning: {errors[0]}; using {c} instead")
+                print(f"warning: {'; '.join(errors)}; using {c}, the newest intact checkpoint, instead",
+                      file=sys.stderr)
             return c
         except CheckpointError as e:
             errors.append(str(e))

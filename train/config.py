@@ -1,6 +1,6 @@
 """Configuration: TOML presets in ``configs/``, ``--set section.key=value`` overrides, validation.
 
-Sections and defaults are those of DESIGN.md (``[run] [data] [tokenizer] [model] [train]``); the
+Sections and defaults are those of docs/design.md (``[run] [data] [tokenizer] [model] [train]``); the
 ``[model]`` keys are Hugging Face ``LlamaConfig`` names. ``load_config`` returns a :class:`Config` whose
 every key is filled in; ``to_toml`` writes it back (``runs/NAME/config.toml``).
 

@@ -13,7 +13,7 @@ SwiGLU MLP → residual] → RMSNorm → lm_head (optionally tied to the embeddi
   with a cache or an attention mask it builds a boolean mask (key ≤ query position, key not padding). A query
   always sees itself, so a fully padded row never becomes NaN (case TR8) in any backend.
 * KV cache: ``forward(..., past_key_values=[(k, v)] * L)`` with k, v ``[batch, num_key_value_heads, past, head_dim]``
-  returns the presents ``[batch, kv, past + seq, head_dim]`` — the ONNX I/O of DESIGN.md. K/V are cached before
+  returns the presents ``[batch, kv, past + seq, head_dim]`` — the ONNX I/O of docs/design.md. K/V are cached before
   the GQA repeat; q head h reads kv head ``h // (num_attention_heads // num_key_value_heads)``.
 * Precision: under autocast cos/sin are built in the autocast dtype, so q and k reach SDPA in bf16 (not upcast
   by an fp32 cos); outside autocast everything stays in the weights' dtype. :func:`forward` returns float32 logits
@@ -167,7 +167,7 @@ class Attention(nn.Module):
         present = (k, v)
         rep = self.n_heads // self.n_kv
         # K/V repeated to the query heads (as transformers does), not SDPA's enable_gqa: on CPU that saved under 1 %
-        # of a step and its different rounding alone moved DESIGN's "tiny learns" by 0.4 nats (see the README).
+        # of a step and its different rounding alone moved the design's "tiny learns" by 0.4 nats (see the README).
         kr, vr = repeat_kv(k, rep), repeat_kv(v, rep)
         if mask is None:
             out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from train.config import TrainSection
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """``[{"params": decayed, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]`` with names kept in
@@ -52,3 +54,9 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, max_steps: int
     span = max(max_steps - warmup_steps, 1)
     progress = (step - warmup_steps) / span
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer_for(model: nn.Module, train: TrainSection, device_type: str = "cpu") -> torch.optim.AdamW:
+    """:func:`build_optimizer` with the learning rate, weight decay and betas of a config's ``[train]`` section
+    (the one owner of their defaults)."""
+    return build_optimizer(model, train.lr, train.weight_decay, train.betas, device_type)

@@ -1,7 +1,7 @@
 """``python -m train.run``: prepare data, run preflight, train, evaluate, checkpoint — resumable exactly.
 
 With no arguments it trains config ``small`` on ``data/sample`` into ``runs/small``. The run directory, the
-metrics keys and the checkpoint layout are DESIGN.md's. The loop:
+metrics keys and the checkpoint layout are docs/design.md's. The loop:
 
 * device chosen automatically; on CUDA bf16 autocast, TF32, fused AdamW, the SDPA backend picked by a numerics
   check (cuDNN, then flash) and pinned-memory batches; on CPU float32. Before anything is allocated on a GPU the
@@ -72,22 +72,15 @@ from train.device import (
     setup_cpu_allocator,
     setup_cuda_fast_paths,
 )
+from train.errors import NonFiniteStop, TrainError
 from train.evaluate import evaluate, greedy_samples
 from train.loader import TrainLoader, step_batches, val_windows
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig
-from train.optim import build_optimizer, lr_at
+from train.optim import build_optimizer_for, lr_at
 from train.plots import plot_loss, read_metrics
+from train.preflight import PreflightFailed, run_preflight
 from train.shards import open_shard
-from train.tokenizer import EOT, load_tokenizer, token_char_counts, tokenizer_config
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue; the message says why and what to do."""
-
-
-class NonFiniteStop(TrainError):
-    """Too many non-finite steps in a row."""
-
+from train.tokenizer import EOT, load_tokenizer, token_char_counts
 
 DATA_WAIT_S = 6 * 3600  # how long ranks > 0 wait for rank 0 to prepare the data under torchrun
 DDP_BUCKET_MB = 100  # fewer, larger all-reduces than DDP's 25 MB default (base-400m: 16 buckets, not 64)
@@ -125,21 +118,15 @@ def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, **dataclasses.asdict(cfg.model))
 
 
-def generation_config(eot_id: int, pad_id: int) -> dict:
-    return {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": pad_id, "do_sample": False,
-            "max_new_tokens": 64}
-
-
 class Trainer:
     """One training run: ``Trainer(cfg, …).train()``; see the module doc."""
 
     def __init__(self, cfg: Config, *, resume: bool = False, init_from: str | None = None, use_preflight: bool = True,
-                 log=None, preflight_only: bool = False):
+                 log=None):
         self.cfg = cfg
         self.resume = resume
         self.init_from = init_from
         self.use_preflight = use_preflight and cfg.train.preflight
-        self.preflight_only = preflight_only
         self.device = resolve_device(cfg.train.device)
         self.dist = D.init_distributed(self.device.type)
         if self.dist.enabled and self.device.type == "cuda":
@@ -176,7 +163,7 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------- helpers
     @classmethod
-    def from_args(cls, args, preflight_only: bool = False) -> Trainer:
+    def from_args(cls, args) -> Trainer:
         try:
             cfg = config_from_args(args)
         except ConfigError as e:
@@ -184,7 +171,7 @@ class Trainer:
         if getattr(args, "name", None):
             cfg.run.name = args.name
         return cls(cfg, resume=getattr(args, "resume", False), init_from=getattr(args, "init_from", None),
-                   use_preflight=not getattr(args, "no_preflight", False), preflight_only=preflight_only)
+                   use_preflight=not getattr(args, "no_preflight", False))
 
     def log(self, msg: str) -> None:
         """Rank 0: to the ``log`` callback (or stderr) and, once runs/NAME exists, to runs/NAME/train.log."""
@@ -250,8 +237,7 @@ class Trainer:
                 raise TrainError(f"--init-from: {e}") from None
             self.at_init = False
             self.log(f"init-from: loaded weights of {src} (fresh optimizer, step 0)")
-        self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay, cfg.train.betas,
-                                         self.device.type)
+        self.optimizer = build_optimizer_for(self.model, cfg.train, self.device.type)
         self.flops_per_token = self.model.flops_per_token(cfg.train.seq_len)
         self.peak = peak_flops(self.device, self.dtype)
         self.ctx = autocast_ctx(self.device, self.dtype)
@@ -361,8 +347,6 @@ class Trainer:
     # --------------------------------------------------------------------------------------- preflight
     def preflight(self) -> bool:
         """Run preflight (setting up first when needed), write ``preflight.json``; True when every check passed."""
-        from train.preflight import run_preflight
-
         if self.model is None:
             self.setup()
             if self.dist.is_main:
@@ -377,7 +361,7 @@ class Trainer:
         big = torch.from_numpy(windows[:n_big].copy()).to(self.device)
         report = run_preflight(
             self.model, batch, big_batch=big, device=self.device, dtype=self.dtype, vocab_size=self.vocab_size,
-            optimizer_factory=lambda m: build_optimizer(m, t.lr, t.weight_decay, t.betas, self.device.type),
+            optimizer_factory=lambda m: build_optimizer_for(m, t, self.device.type),
             model_config=self.mcfg, lr=t.lr, at_init=self.at_init, seed=self.cfg.run.seed, log=self.log)
         if self.dist.is_main:
             atomic_write_json(self.run_dir / "preflight.json", report.to_dict())
@@ -519,14 +503,12 @@ class Trainer:
         if self.dist.is_main:
             tok_dir = self.prepared.tokenizer_dir
             extra = {
-                "config.json": json.dumps(self.mcfg.hf_config("float32", self.eot_id, self.pad_id), indent=2),
-                "generation_config.json": json.dumps(generation_config(self.eot_id, self.pad_id), indent=2),
                 "tokenizer.json": tok_dir / "tokenizer.json",
-                "tokenizer_config.json": json.dumps(tokenizer_config(self.mcfg.max_position_embeddings), indent=2),
                 "data_summary.json": json.dumps(self._data_summary(), indent=2, ensure_ascii=False),
             }
             path = save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self._trainer_state(), extra,
-                                   self.cfg.train.keep_last, serializer=serializer)
+                                   self.cfg.train.keep_last, serializer=serializer,
+                                   special_ids=(self.eot_id, self.pad_id))
             self.last_ckpt = path
             self.log(f"checkpoint: {path}")
         D.barrier(self.dist)
@@ -543,7 +525,7 @@ class Trainer:
             self._resume()
         if self.use_preflight and t.max_steps > self.step:
             if not self.preflight():
-                raise TrainError(f"preflight failed; the run did not start. See {self.run_dir / 'preflight.json'}")
+                raise PreflightFailed(f"preflight failed; the run did not start. See {self.run_dir / 'preflight.json'}")
         elif not self.use_preflight:
             self.log("preflight: skipped (--no-preflight or train.preflight=false)")
         n = self.model.num_params()
@@ -726,12 +708,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"nothing to do (use --name for a new run)", file=sys.stderr)
             return 0
         trainer.train()
-    except NonFiniteStop as e:
+    except TrainError as e:  # PreflightFailed and NonFiniteStop exit 1, the rest 2 (train/errors.py)
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    except TrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1 if "preflight failed" in str(e) else 2
+        return e.exit_code
     finally:
         if trainer is not None:
             D.shutdown(trainer.dist)

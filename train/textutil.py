@@ -3,9 +3,9 @@
 * NFC (``unicodedata.normalize``) keeps ZWJ U+200D and ZWNJ U+200C, which change how Bangla conjuncts render
   (র‍্য). The Bengali nukta letters U+09DC, U+09DD, U+09DF are composition exclusions: NFC *decomposes* them to
   base + U+09BC, while e.g. U+0995 U+09C7 U+09BE composes to U+0995 U+09CB.
-* Language by script (DESIGN.md): ``bn`` when most of a text's letters lie in the Bengali block
+* Language by script (docs/design.md): ``bn`` when most of a text's letters lie in the Bengali block
   U+0980–U+09FF, else ``en``.
-* Split (DESIGN.md): a document is in ``val`` when the first 8 hex digits of ``sha256(NFC text)`` read as an
+* Split (docs/design.md): a document is in ``val`` when the first 8 hex digits of ``sha256(NFC text)`` read as an
   integer, divided by 2**32, fall below ``val_fraction``.
 """
 
@@ -58,5 +58,5 @@ def split_value(text_nfc: str) -> float:
 
 
 def is_val(text_nfc: str, val_fraction: float) -> bool:
-    """True when the document belongs to the validation split (DESIGN.md)."""
+    """True when the document belongs to the validation split (docs/design.md)."""
     return split_value(text_nfc) < val_fraction

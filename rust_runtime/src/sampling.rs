@@ -1,4 +1,4 @@
-//! Sampling exactly as DESIGN.md "Serving" defines it, in this order:
+//! Sampling exactly as docs/design.md "Serving" defines it, in this order:
 //! repetition penalty (over prompt + generated ids: a positive logit is divided by it, a negative
 //! one multiplied), presence/frequency penalties (over generated ids only:
 //! `logit -= presence·[count>0] + frequency·count`), then temperature 0 → greedy (ties to the lower

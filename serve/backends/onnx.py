@@ -1,6 +1,6 @@
 """The ONNX backend: a Shalik bundle's ``model.onnx`` (or ``model.int8.onnx``) run by onnxruntime on CPU.
 
-numpy + onnxruntime only — serve never imports torch. The graph's I/O is DESIGN.md's (Optimum decoder naming):
+numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming):
 ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
 ``[batch, kv_heads, past, head_dim]`` → ``logits`` ``[batch, seq, vocab]`` and ``present.{i}.key/.value``
 ``[batch, kv_heads, past + seq, head_dim]``. One graph serves prefill (past length 0) and decode.

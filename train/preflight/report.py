@@ -1,0 +1,46 @@
+"""The preflight report (``runs/NAME/preflight.json``) and the error a failed preflight raises."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from train.errors import TrainError
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    seconds: float = 0.0
+    detail: str = ""
+    culprits: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PreflightReport:
+    ok: bool
+    device: str
+    dtype: str
+    torch_version: str
+    checks: list[CheckResult]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        lines = [f"preflight on {self.device} ({self.dtype}, torch {self.torch_version})"]
+        for c in self.checks:
+            mark = "PASS" if c.ok else "FAIL"
+            lines.append(f"  {mark}  {c.name:<21} {c.seconds:6.2f} s  {c.detail}")
+            for cul in c.culprits[:12]:
+                lines.append(f"          ↳ {cul}")
+            if len(c.culprits) > 12:
+                lines.append(f"          ↳ … and {len(c.culprits) - 12} more")
+        lines.append("preflight: " + ("all checks passed" if self.ok else "FAILED — the run will not start"))
+        return "\n".join(lines)
+
+
+class PreflightFailed(TrainError):
+    """A check failed: the run does not start (exit code 1; the report names the culprits)."""
+
+    exit_code = 1
