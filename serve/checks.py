@@ -62,7 +62,8 @@ def new_token_budget(prompt_tokens: int, max_new_tokens: int | None, context: in
     if max_new_tokens is None:
         return max(0, min(int(default), context - prompt_tokens))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 0:
-        raise RequestError(f"max_tokens must be an integer >= 0, got {max_new_tokens!r}", param="max_tokens")
+        raise RequestError(f"max_new_tokens (max_tokens over HTTP) must be an integer >= 0, got {max_new_tokens!r}",
+                           param="max_tokens")
     if prompt_tokens + max_new_tokens > context:
         raise ContextLengthError(
             f"the prompt is {prompt_tokens} tokens (including the leading {EOT}) and max_tokens asks for "

@@ -414,3 +414,10 @@ def test_bundle_without_manifest_needs_verify_false(bundle, tmp_path):
         load(tmp_path / "b")
     assert load(tmp_path / "b", verify=False).generate("a", 2, temperature=0) == load(bundle).generate(
         "a", 2, temperature=0)
+
+
+def test_negative_max_new_tokens_names_the_python_argument(bundle):
+    """A Python caller passes max_new_tokens; the error names it (and the HTTP field it maps to)."""
+    lm = load(bundle)
+    with pytest.raises(RequestError, match=r"max_new_tokens \(max_tokens over HTTP\) must be an integer >= 0, got -1"):
+        lm.generate("a", -1)
