@@ -122,3 +122,31 @@ class Engine:
     def cancel(self, id: int) -> None: ...
     def stats(self) -> dict[str, int | float]: ...
     def close(self) -> None: ...
+
+class Sampler:
+    """The engine's per-sequence sampler on its own (rust_runtime/src/sampling.rs, the code every Engine and
+    Model.generate sequence runs): ``Sampler(...)(logits) -> token id``. Keeps its own penalty state (prompt
+    ids; generated-token counts, each call's pick recorded) and seeded generator; the vocab is the first
+    call's logits length. Parameters as Engine.submit (None = the default); a bad one is a ValueError naming
+    it. seed: any int (modulo 2**64) or None (fresh entropy). Same order and edges as serve.sampling."""
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        prompt_ids: Seq[int] | None = None,
+    ) -> None: ...
+    def __call__(self, logits: npt.ArrayLike) -> int: ...  # float [vocab] → id; RuntimeError for NaN/+inf/all -inf
+    def penalize(self, logits: npt.ArrayLike) -> npt.NDArray[np.float32]: ...  # after the penalties; records nothing
+    @property
+    def generated(self) -> list[int]: ...
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float32]: ...  # [vocab], as the engine's logprobs
+def top_logprobs(logits: npt.ArrayLike, n: int) -> list[tuple[int, float]]: ...  # of raw logits; ties: lower id

@@ -10,7 +10,7 @@ use crate::engine::{Engine, Event, Finish, Request};
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::{generate_all, Generator};
 use crate::model::{Model, Quantize};
-use crate::sampling::SamplingParams;
+use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tok;
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
@@ -644,6 +644,219 @@ impl Drop for PyRequestStream {
     }
 }
 
+// ---- the sampler on its own (the engine's per-sequence sampling, for tests and parity checks)
+
+/// Logits from Python: whatever numpy turns into a 1-D float array, as float32; ValueError naming
+/// `logits` otherwise.
+fn logits_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
+    let bad = |what: String| PyValueError::new_err(format!("logits: expected a 1-D array of floats [vocab], {what}"));
+    let arr = obj
+        .py()
+        .import("numpy")?
+        .call_method1("ascontiguousarray", (obj, "float32"))
+        .map_err(|e| bad(format!("got {}: {e}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_default())))?;
+    let ndim: usize = arr.getattr("ndim")?.extract()?;
+    if ndim != 1 {
+        return Err(bad(format!("got {ndim} dimensions")));
+    }
+    let a: numpy::PyReadonlyArray1<f32> = arr.extract()?;
+    Ok(a.as_array().to_vec())
+}
+
+/// A sampling parameter given as a real number (not a bool); None = `default`.
+fn real_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: f64) -> PyResult<f64> {
+    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
+    let bad = || {
+        PyValueError::new_err(format!(
+            "{name} must be a finite number, got {}",
+            o.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    };
+    if o.is_instance_of::<pyo3::types::PyBool>() || o.is_instance_of::<pyo3::types::PyString>() {
+        return Err(bad());
+    }
+    o.extract::<f64>().map_err(|_| bad())
+}
+
+/// An integer sampling parameter (not a bool, not a float); None = `default`.
+fn int_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: i64) -> PyResult<i64> {
+    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
+    int_arg(o, name).map_err(|e| PyValueError::new_err(e.value(o.py()).to_string()))
+}
+
+/// A seed as serve.sampling.SamplingParams takes it: any integer, reduced modulo 2**64, or None.
+fn any_int_seed(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+    let bad = || {
+        PyValueError::new_err(format!(
+            "seed must be an int or None, got {}",
+            o.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    };
+    if o.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(bad());
+    }
+    let i = o.call_method0("__index__").map_err(|_| bad())?;
+    Ok(Some(i.rem(u128::from(u64::MAX) + 1)?.extract::<u64>()?))
+}
+
+/// The engine's per-sequence sampler on its own: `Sampler(...)(logits) -> token id`, with its own
+/// penalty state (the prompt ids; the generated tokens, each call's pick recorded) and seeded
+/// generator, created at the first call from the logits' length. It runs the very code each
+/// engine sequence runs (`sampling::sample`, then the token counts as generated).
+#[pyclass(module = "rust_runtime", name = "Sampler")]
+pub struct PySampler {
+    params: SamplingParams,
+    prompt: Vec<u32>,
+    seed: Option<u64>,
+    state: Option<Sampler>,
+    generated: Vec<u32>,
+}
+
+impl PySampler {
+    /// The state for logits `v`: made at the first call (the vocab is `v.len()`), checked after.
+    fn state_for(&mut self, v: &[f32]) -> PyResult<&mut Sampler> {
+        crate::sampling::check_logits(v)?;
+        if self.state.is_none() {
+            if let Some(&bad) = self.prompt.iter().find(|&&i| i as usize >= v.len()) {
+                return Err(PyValueError::new_err(format!(
+                    "prompt_ids: token id {bad} is out of range: expected 0 <= id < vocab = {} (the logits' length)",
+                    v.len()
+                )));
+            }
+        }
+        let state =
+            self.state.get_or_insert_with(|| Sampler::new(self.params.clone(), v.len(), &self.prompt, self.seed));
+        let vocab = state.pen.vocab();
+        if v.len() != vocab {
+            return Err(PyValueError::new_err(format!(
+                "logits: expected {vocab} values (the vocab of the first call), got {}",
+                v.len()
+            )));
+        }
+        Ok(state)
+    }
+}
+
+#[pymethods]
+impl PySampler {
+    /// Parameters as Engine.submit takes them (None = the default; ValueError naming the
+    /// parameter for a bad one). seed: any integer (modulo 2**64) or None (fresh entropy);
+    /// prompt_ids: ids (each < the logits' length) for the repetition penalty.
+    #[new]
+    #[pyo3(signature = (temperature=None, top_k=None, top_p=None, presence_penalty=None, frequency_penalty=None,
+                        repetition_penalty=None, seed=None, prompt_ids=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        temperature: Option<&Bound<'_, PyAny>>,
+        top_k: Option<&Bound<'_, PyAny>>,
+        top_p: Option<&Bound<'_, PyAny>>,
+        presence_penalty: Option<&Bound<'_, PyAny>>,
+        frequency_penalty: Option<&Bound<'_, PyAny>>,
+        repetition_penalty: Option<&Bound<'_, PyAny>>,
+        seed: Option<&Bound<'_, PyAny>>,
+        prompt_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let d = SamplingParams::default();
+        let params = SamplingParams::new(
+            real_param(temperature, "temperature", d.temperature)?,
+            int_param(top_k, "top_k", d.top_k as i64)?,
+            real_param(top_p, "top_p", d.top_p)?,
+            real_param(presence_penalty, "presence_penalty", d.presence_penalty)?,
+            real_param(frequency_penalty, "frequency_penalty", d.frequency_penalty)?,
+            real_param(repetition_penalty, "repetition_penalty", d.repetition_penalty)?,
+        )?;
+        let seed = any_int_seed(seed)?;
+        let ids = match prompt_ids {
+            Some(p) if !p.is_none() => id_list(p, "prompt_ids")?,
+            _ => vec![],
+        };
+        let prompt = ids
+            .iter()
+            .map(|&i| {
+                u32::try_from(i).map_err(|_| {
+                    PyValueError::new_err(format!("prompt_ids: token id {i} is out of range: expected 0 <= id"))
+                })
+            })
+            .collect::<PyResult<Vec<u32>>>()?;
+        Ok(PySampler { params, prompt, seed, state: None, generated: vec![] })
+    }
+
+    /// The next token id from raw logits (float [vocab]; converted to float32), recorded as
+    /// generated. RuntimeError for NaN / +inf / all -inf logits; ValueError for a prompt id
+    /// >= vocab or a vocab that changed since the first call.
+    fn __call__(&mut self, py: Python<'_>, logits: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let v = logits_arg(logits)?;
+        let state = self.state_for(&v)?;
+        let tok = detach(py, || state.sample(&v))?;
+        self.generated.push(tok);
+        Ok(tok)
+    }
+
+    /// The logits (float [vocab]) after the repetition / presence / frequency penalties of the
+    /// current state, as float32 [vocab]: what the next call would sample from before the
+    /// temperature. Records nothing. Errors as for a call.
+    fn penalize<'py>(&mut self, py: Python<'py>, logits: &Bound<'py, PyAny>) -> PyResult<Bound<'py, numpy::PyArray1<f32>>> {
+        let mut v = logits_arg(logits)?;
+        let state = self.state_for(&v)?;
+        state.pen.apply(&state.params, &mut v);
+        Ok(v.into_pyarray(py))
+    }
+
+    /// The token ids picked so far, in order.
+    #[getter]
+    fn generated(&self) -> Vec<u32> {
+        self.generated.clone()
+    }
+
+    /// The prompt ids given at construction.
+    #[getter]
+    fn prompt_ids(&self) -> Vec<u32> {
+        self.prompt.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.params;
+        format!(
+            "Sampler(temperature={}, top_k={}, top_p={}, presence_penalty={}, frequency_penalty={}, \
+             repetition_penalty={}, seed={:?}, generated={})",
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+            self.seed,
+            self.generated.len()
+        )
+    }
+}
+
+/// log softmax of raw logits (float [vocab]) as float32 [vocab], computed as the engine computes
+/// each reported log-prob (float64 sums, then float32). RuntimeError for NaN / +inf / all -inf.
+#[pyfunction]
+#[pyo3(name = "log_softmax")]
+fn py_log_softmax<'py>(py: Python<'py>, logits: &Bound<'py, PyAny>) -> PyResult<Bound<'py, numpy::PyArray1<f32>>> {
+    let v = logits_arg(logits)?;
+    let out = detach(py, || {
+        let max = crate::sampling::check_logits(&v)?;
+        Ok(crate::sampling::log_softmax(&v, max).into_iter().map(|x| x as f32).collect::<Vec<f32>>())
+    })?;
+    Ok(out.into_pyarray(py))
+}
+
+/// The `n` most likely (token id, log-prob) of raw logits (float [vocab]), most likely first, ties
+/// to the lower id: the engine's top_logprobs. n <= 0 gives []. RuntimeError for bad logits.
+#[pyfunction]
+#[pyo3(name = "top_logprobs")]
+fn py_top_logprobs(py: Python<'_>, logits: &Bound<'_, PyAny>, n: i64) -> PyResult<Vec<(u32, f32)>> {
+    let v = logits_arg(logits)?;
+    detach(py, || {
+        let max = crate::sampling::check_logits(&v)?;
+        Ok(crate::sampling::top_logprobs(&v, n.max(0) as usize, max))
+    })
+}
+
 #[pymodule]
 fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Our parallelism is per model (rayon pools, see kernels::Par). candle's own spin-barrier
@@ -659,6 +872,9 @@ fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTokenizer>()?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyRequestStream>()?;
+    m.add_class::<PySampler>()?;
+    m.add_function(wrap_pyfunction!(py_log_softmax, m)?)?;
+    m.add_function(wrap_pyfunction!(py_top_logprobs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("simd_level", format!("{:?}", crate::kernels::simd_level()))?;
     Ok(())

@@ -1,11 +1,16 @@
 //! Sampling exactly as docs/design.md "Serving" defines it, in this order:
-//! repetition penalty (over prompt + generated ids: a positive logit is divided by it, a negative
-//! one multiplied), presence/frequency penalties (over generated ids only:
-//! `logit -= presence·[count>0] + frequency·count`), then temperature 0 → greedy (ties to the lower
-//! id), else divide by the temperature, top_k (0 = off, ties at the k-th value kept), top_p (the
-//! smallest set whose probability reaches top_p, never empty), and a draw from a generator seeded
-//! per call. Probabilities are exp((z - max) / T), so a tiny temperature cannot overflow; sums
-//! are accumulated in f64.
+//! repetition penalty (over prompt + generated ids, each id once: a positive logit is divided by
+//! it, a negative one multiplied), presence/frequency penalties (over generated ids only:
+//! `logit -= presence·[count>0] + frequency·count`), then a temperature below
+//! [`GREEDY_TEMPERATURE`] (0 included) → greedy (ties to the lower id), else divide by the
+//! temperature, top_k (0 = off, every id tied with the k-th value kept, as Hugging Face's
+//! `TopKLogitsWarper` and vLLM do), top_p (the smallest set whose probability reaches top_p,
+//! never empty, so top_p = 0 is the top token), and a draw from a generator seeded per sequence.
+//! Probabilities are exp((z - max) / T), so no temperature can overflow; sums are accumulated in
+//! f64. A penalty that pushes a logit past f32 gives the largest finite value (its limit).
+//!
+//! The Python sampler `serve/sampling.py` implements the same order and edges; the tests of
+//! `tests/test_sampling.py` run against both (this one through `rust_runtime.Sampler`).
 
 use crate::error::{Error, Result};
 use crate::kernels;
@@ -92,6 +97,10 @@ impl PenaltyState {
     pub fn new(vocab: usize) -> Self {
         PenaltyState { seen: vec![false; vocab], seen_list: vec![], counts: vec![0; vocab], gen_list: vec![] }
     }
+    /// The vocabulary size it was made for.
+    pub fn vocab(&self) -> usize {
+        self.seen.len()
+    }
     pub fn add_prompt(&mut self, id: u32) {
         if let Some(s) = self.seen.get_mut(id as usize) {
             if !*s {
@@ -127,7 +136,9 @@ impl PenaltyState {
                 let c = self.counts[id as usize];
                 if let Some(l) = logits.get_mut(id as usize) {
                     let pen = p.presence_penalty * ((c > 0) as u8 as f64) + p.frequency_penalty * c as f64;
-                    *l = (*l as f64 - pen) as f32;
+                    // -inf stays -inf; a finite logit pushed past f32 gets the largest finite value
+                    let z = *l as f64 - pen;
+                    *l = if z.is_finite() { z.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32 } else { z as f32 };
                 }
             }
         }
@@ -153,16 +164,27 @@ pub fn check_logits(logits: &[f32]) -> Result<f32> {
     Ok(m)
 }
 
+/// log Σ exp(logits - max) (logits already checked, `max` = their maximum).
+fn log_sum_exp_shifted(logits: &[f32], max: f32) -> f64 {
+    kernels::sum_exp_shifted(logits, max).ln()
+}
+
 /// log softmax(logits)[id] (logits already checked, `max` = their maximum).
 pub fn log_prob_with_max(logits: &[f32], id: usize, max: f32) -> f64 {
-    let s = kernels::sum_exp_shifted(logits, max);
-    (logits[id] - max) as f64 - s.ln()
+    (logits[id] - max) as f64 - log_sum_exp_shifted(logits, max)
+}
+
+/// log softmax(logits) for every id, as [`log_prob_with_max`] computes each (logits already
+/// checked, `max` = their maximum); `-inf` logits give `-inf`.
+pub fn log_softmax(logits: &[f32], max: f32) -> Vec<f64> {
+    let lse = log_sum_exp_shifted(logits, max);
+    logits.iter().map(|&v| (v - max) as f64 - lse).collect()
 }
 
 /// The `n` most likely ids under log softmax(logits) (`max` = their maximum), most likely
 /// first, ties to the lower id: (id, log-prob).
 pub fn top_logprobs(logits: &[f32], n: usize, max: f32) -> Vec<(u32, f32)> {
-    let lse = kernels::sum_exp_shifted(logits, max).ln();
+    let lse = log_sum_exp_shifted(logits, max);
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
     let n = n.min(ids.len());
@@ -199,10 +221,41 @@ pub fn make_rng(seed: Option<u64>) -> StdRng {
     }
 }
 
-/// True when `temperature` samples as its limit 0: exactly 0, or so small that 1/temperature
-/// overflows f32 (e.g. 1e-310), where every logit but the largest would get probability 0.
+/// Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): 0 is the argmax, and a tiny
+/// positive temperature is its limit, the same argmax with ties to the lower id, whatever the
+/// float precision of the logits. serve/sampling.py uses the same constant.
+pub const GREEDY_TEMPERATURE: f64 = 1e-5;
+
+/// True when `temperature` samples as its limit 0: below [`GREEDY_TEMPERATURE`].
 pub fn is_greedy(temperature: f64) -> bool {
-    temperature == 0.0 || !((1.0 / temperature) as f32).is_finite()
+    temperature < GREEDY_TEMPERATURE
+}
+
+/// One sequence's sampling state, as the engine keeps it per sequence: the parameters, the
+/// penalty state (prompt ids seen, generated-token counts) and the seeded generator.
+/// [`Sampler::sample`] is [`sample`] followed by recording the token as generated.
+pub struct Sampler {
+    pub params: SamplingParams,
+    pub pen: PenaltyState,
+    pub rng: StdRng,
+}
+
+impl Sampler {
+    /// `vocab` = the logits' length; `prompt` ids (each < vocab) count for the repetition penalty.
+    pub fn new(params: SamplingParams, vocab: usize, prompt: &[u32], seed: Option<u64>) -> Self {
+        let mut pen = PenaltyState::new(vocab);
+        for &id in prompt {
+            pen.add_prompt(id);
+        }
+        Sampler { params, pen, rng: make_rng(seed) }
+    }
+
+    /// The next token from raw logits `[vocab]`, recorded as generated for the penalties.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        let tok = sample(logits, &self.params, &self.pen, &mut self.rng)?;
+        self.pen.add_generated(tok);
+        Ok(tok)
+    }
 }
 
 /// Choose the next token from raw model logits (penalties, temperature, top_k, top_p, draw).
@@ -364,7 +417,7 @@ mod tests {
             let mut rng = make_rng(Some(seed));
             assert_eq!(sample(&[1.0, 3.0, 3.0, -1.0], &p, &pen, &mut rng).unwrap(), 1);
         }
-        // tiny temperature: no inf / NaN, still the argmax (ties → either of the tied)
+        // tiny temperature: no inf / NaN, still the argmax
         let p = SamplingParams { temperature: 1e-7, ..Default::default() };
         let logits: Vec<f32> = (0..512).map(|i| ((i * 7919) % 997) as f32 / 100.0).collect();
         let best = argmax(&logits).unwrap() as u32;
@@ -514,6 +567,66 @@ mod tests {
         for seed in 0..10 {
             assert_eq!(sample(&[0.5, 2.0, 2.0, 1.9], &p, &pen, &mut make_rng(Some(seed))).unwrap(), 1);
         }
+    }
+
+    #[test]
+    fn below_greedy_temperature_ties_go_to_the_lower_id() {
+        let pen = PenaltyState::new(4);
+        let l = [1.0f32, 3.0, 3.0, -1.0];
+        for t in [0.0, 1e-6, 1e-300, GREEDY_TEMPERATURE / 2.0] {
+            let p = SamplingParams::new(t, 0, 1.0, 0.0, 0.0, 1.0).unwrap();
+            for seed in 0..20 {
+                assert_eq!(sample(&l, &p, &pen, &mut make_rng(Some(seed))).unwrap(), 1, "temperature {t}");
+            }
+        }
+        // at the threshold it samples: both tied maxima come up
+        let p = SamplingParams::new(GREEDY_TEMPERATURE, 0, 1.0, 0.0, 0.0, 1.0).unwrap();
+        let got: std::collections::BTreeSet<u32> =
+            (0..40).map(|s| sample(&l, &p, &pen, &mut make_rng(Some(s))).unwrap()).collect();
+        assert_eq!(got.into_iter().collect::<Vec<_>>(), vec![1, 2]);
+    }
+
+    #[test]
+    fn a_huge_frequency_penalty_leaves_a_finite_logit() {
+        // the only finite logit, penalised past f32: the largest negative value, still sampleable
+        let mut pen = PenaltyState::new(3);
+        pen.add_generated(0);
+        let p = SamplingParams::new(0.0, 0, 1.0, 0.0, 1e39, 1.0).unwrap();
+        let mut z = vec![0.0f32, f32::NEG_INFINITY, f32::NEG_INFINITY];
+        pen.apply(&p, &mut z);
+        assert_eq!(z, vec![-f32::MAX, f32::NEG_INFINITY, f32::NEG_INFINITY]);
+        assert_eq!(sample(&[0.0, f32::NEG_INFINITY, f32::NEG_INFINITY], &p, &pen, &mut make_rng(None)).unwrap(), 0);
+        // a negative one cannot overflow to +inf either
+        let p = SamplingParams::new(1.0, 0, 1.0, -1e39, 0.0, 1.0).unwrap();
+        let mut z = vec![1.0f32, 0.0, 0.0];
+        pen.apply(&p, &mut z);
+        assert_eq!(z, vec![f32::MAX, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn sampler_records_generated_tokens() {
+        let p = SamplingParams::new(0.0, 0, 1.0, 2.0, 0.0, 1.0).unwrap();
+        let mut s = Sampler::new(p, 3, &[], None);
+        let l = [1.0f32, 0.5, 0.0];
+        let got: Vec<u32> = (0..3).map(|_| s.sample(&l).unwrap()).collect();
+        assert_eq!(got, vec![0, 1, 2]);
+        // the prompt counts for the repetition penalty only
+        let p = SamplingParams::new(0.0, 0, 1.0, 0.0, 0.0, 4.0).unwrap();
+        let mut s = Sampler::new(p, 3, &[0], None);
+        assert_eq!(s.sample(&l).unwrap(), 1);
+    }
+
+    #[test]
+    fn log_softmax_matches_log_prob() {
+        let l = [1.0f32, 3.0, 3.0, f32::NEG_INFINITY];
+        let m = check_logits(&l).unwrap();
+        let all = log_softmax(&l, m);
+        for (i, &v) in all.iter().enumerate().take(3) {
+            assert_eq!(v, log_prob_with_max(&l, i, m));
+        }
+        assert_eq!(all[3], f64::NEG_INFINITY);
+        let s: f64 = all.iter().map(|v| v.exp()).sum();
+        assert!((s - 1.0).abs() < 1e-6, "{s}");
     }
 
     #[test]
