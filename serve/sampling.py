@@ -2,24 +2,30 @@
 
 For one step, given the model's raw logits (float ``[V]``, any float dtype; computed here in float64):
 
-1. ``repetition_penalty`` over every id seen so far (prompt + generated): a positive logit is divided by
-   the penalty, a negative one multiplied (so a repeated token always becomes less likely; case S1);
+1. ``repetition_penalty`` over every id seen so far (prompt + generated, each id once): a positive logit is
+   divided by the penalty, a negative one multiplied (so a repeated token always becomes less likely; case S1);
 2. ``presence_penalty`` / ``frequency_penalty`` over the generated ids only:
-   ``logit -= presence * [count > 0] + frequency * count`` (case S4);
-3. ``temperature == 0`` → greedy: the argmax, ties to the lowest id (case S3); otherwise divide by it — and when
-   that overflows a finite logit to ±inf (``temperature=1e-310``), take the limit temperature → 0: greedy;
-4. ``top_k`` (0 = off): keep the k largest (ties to the lower ids);
+   ``logit -= presence * [count > 0] + frequency * count`` (case S4). A penalty that pushes a finite logit
+   past the float range gives the largest finite value of that sign (its limit), never ±inf;
+3. ``temperature < GREEDY_TEMPERATURE`` (1e-5, vLLM's rule; 0 included) → greedy: the argmax, ties to the
+   lowest id (case S3); otherwise divide ``logits - max`` by it (no temperature overflows that);
+4. ``top_k`` (0 = off): keep the k largest and every id tied with the k-th (Hugging Face's ``TopKLogitsWarper``
+   and vLLM keep ties the same way);
 5. ``top_p`` (1 = off): keep the smallest set, largest first, whose probability reaches ``top_p`` — never
-   empty, so a tiny ``top_p`` (1e-8, even for fp16 logits) keeps exactly the top token (case S2);
+   empty, so ``top_p = 0`` or a tiny one (1e-8, even for fp16 logits) keeps exactly the top token (case S2);
 6. draw with the request's own ``numpy.random.Generator`` (no global RNG; case S5).
 
 Logits with a NaN or +inf, or all ``-inf``, raise :class:`serve.errors.ModelOutputError`. Log-probabilities
 reported to the user come from :func:`log_softmax` of the raw logits (before penalties and temperature).
+
+The Rust runtime samples the same way (``rust_runtime/src/sampling.rs``, exposed as ``rust_runtime.Sampler``);
+``tests/test_sampling.py`` runs its cases against both. Its arithmetic is float32, this one's float64.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,13 +34,14 @@ import numpy as np
 from serve.errors import ModelOutputError, RequestError
 
 SEED_MODULUS = 2**64
+GREEDY_TEMPERATURE = 1e-5  # temperatures below it are greedy (vLLM's _SAMPLING_EPS); rust_runtime uses the same
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. Validated on construction (:class:`RequestError` naming the field).
 
-    temperature: >= 0 (0 = greedy); top_k: >= 0 (0 = off); top_p: in [0, 1] (1 = off, 0 = the top token);
+    temperature: >= 0 (below ``GREEDY_TEMPERATURE`` = greedy); top_k: >= 0 (0 = off); top_p: in [0, 1] (1 = off, 0 = the top token);
     presence_penalty, frequency_penalty: finite floats (OpenAI's range is [-2, 2]); repetition_penalty: > 0
     (1 = off); seed: any int (reduced mod 2**64) or None for fresh entropy.
     """
@@ -50,7 +57,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def number(name: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise RequestError(f"{name} must be a finite number, got {v!r}", param=name)
             if lo is not None and (v <= lo if lo_open else v < lo):
                 raise RequestError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}", param=name)
@@ -69,8 +76,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when temperature is 0 (the argmax is taken; the RNG is never drawn from)."""
-        return self.temperature == 0.0
+        """True when temperature is below ``GREEDY_TEMPERATURE`` (the argmax is taken; the RNG is never drawn)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def make_rng(seed: int | None, index: int = 0) -> np.random.Generator:
@@ -116,16 +123,23 @@ def top_logprobs(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
     return [(int(i), float(logprobs[i])) for i in order]
 
 
+def _clamp_finite(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """``new`` where ``old`` was finite clipped to the float64 range (a penalty's limit), else ``new``."""
+    big = np.finfo(np.float64).max
+    return np.where(np.isfinite(old), np.clip(new, -big, big), new)
+
+
 def apply_repetition_penalty(logits: np.ndarray, ids: Sequence[int], penalty: float) -> np.ndarray:
-    """CTRL-style penalty on every id in ``ids`` (prompt + generated): positive logits / penalty, negative
-    ones * penalty; other ids unchanged. Returns a new float64 array (``penalty == 1`` returns a copy)."""
+    """CTRL-style penalty on every id in ``ids`` (prompt + generated; each id once): positive logits / penalty,
+    negative ones * penalty; other ids unchanged; a result past the float range is the largest finite value.
+    Returns a new float64 array (``penalty == 1`` returns a copy)."""
     out = np.array(logits, dtype=np.float64)
     if penalty == 1.0 or len(ids) == 0:
         return out
     idx = np.unique(np.asarray(ids, dtype=np.int64))
     x = out[idx]
-    with np.errstate(over="ignore"):  # a tiny penalty may push a logit to ±inf; sampling copes
-        out[idx] = np.where(x > 0, x / penalty, x * penalty)
+    with np.errstate(over="ignore"):
+        out[idx] = _clamp_finite(np.where(x > 0, x / penalty, x * penalty), x)
     return out
 
 
@@ -133,21 +147,23 @@ def apply_presence_frequency_penalties(logits: np.ndarray, generated_ids: Sequen
                                        frequency: float) -> np.ndarray:
     """OpenAI's penalties over the generated ids only: ``logit -= presence*[count>0] + frequency*count``.
 
-    Returns a new float64 array."""
+    A finite logit pushed past the float range becomes the largest finite value of that sign. Returns a new
+    float64 array."""
     out = np.array(logits, dtype=np.float64)
     if (presence == 0.0 and frequency == 0.0) or len(generated_ids) == 0:
         return out
     ids, counts = np.unique(np.asarray(generated_ids, dtype=np.int64), return_counts=True)
-    out[ids] -= presence + frequency * counts
+    x = out[ids]
+    with np.errstate(over="ignore", invalid="ignore"):
+        out[ids] = _clamp_finite(x - (presence + frequency * counts), x)
     return out
 
 
-def _largest(z: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest values of ``z``, largest first, ties to the lower id."""
-    if k >= z.shape[0]:
-        return np.argsort(-z, kind="stable")
-    part = np.sort(np.argpartition(-z, k - 1)[:k])  # by id, so the stable sort below breaks ties by id
-    return part[np.argsort(-z[part], kind="stable")]
+def _top_k_ids(z: np.ndarray, k: int) -> np.ndarray:
+    """Ids (ascending) of the ``k`` largest values of ``z`` and of every id tied with the k-th largest
+    (``z >= kth``, as Hugging Face's ``TopKLogitsWarper`` and vLLM keep them); ``0 < k < len(z)``."""
+    kth = np.partition(z, z.shape[0] - k)[z.shape[0] - k]
+    return np.flatnonzero(z >= kth)
 
 
 def _nucleus(z: np.ndarray, top_p: float) -> np.ndarray:
@@ -178,7 +194,7 @@ def _kept_candidates(z: np.ndarray, top_k: int, top_p: float) -> np.ndarray | No
         return None
     if not k_active:
         return _nucleus(z, top_p)
-    cand = _largest(z, top_k)
+    cand = _top_k_ids(z, top_k)
     return cand[_nucleus(z[cand], top_p)] if p_active else cand
 
 
@@ -202,12 +218,9 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     if params.greedy:
         return int(np.argmax(x))  # first maximum: ties go to the lowest id
     if rng is None:
-        raise ValueError("sample_token: a numpy Generator is required when temperature > 0")
-    with np.errstate(over="ignore"):
-        z = x / params.temperature
-    if np.isinf(z[np.isfinite(x)]).any():  # a temperature so small that logits overflow: its limit, greedy
-        return int(np.argmax(x))
-    z[np.isposinf(z)] = np.finfo(np.float64).max  # +inf from a tiny repetition penalty: the largest float
+        raise ValueError("sample_token: a numpy Generator is required when temperature >= GREEDY_TEMPERATURE")
+    with np.errstate(over="ignore"):  # (x - max) / T <= 0: no temperature can overflow it to +inf
+        z = (x - np.max(x)) / params.temperature
     cand = _kept_candidates(z, params.top_k, params.top_p)
     zc = z if cand is None else z[cand]
     with np.errstate(over="ignore"):
@@ -223,16 +236,40 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
 class Sampler:
     """Stateful per-sequence sampler: remembers the prompt and generated ids for the penalties.
 
-    ``Sampler(params, prompt_ids, rng)(logits) -> int`` picks a token and records it as generated.
+    ``Sampler(params, prompt_ids, rng)(logits) -> int`` picks a token and records it as generated. The vocab
+    is the first call's logits length: a prompt id outside ``[0, vocab)`` or a later call with another length
+    is a :class:`RequestError` (``param="prompt_ids"`` / ``"logits"``); bad logits a ModelOutputError.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], rng: np.random.Generator | None):
         self.params = params
-        self.prompt_ids = list(prompt_ids)
+        self.prompt_ids = [int(i) for i in prompt_ids]
         self.generated: list[int] = []
         self.rng = rng
+        self.vocab: int | None = None
+        bad = [i for i in self.prompt_ids if i < 0]
+        if bad:
+            raise RequestError(f"prompt_ids: token id {bad[0]} is out of range: expected 0 <= id", param="prompt_ids")
 
     def __call__(self, logits: np.ndarray) -> int:
-        tok = sample_token(logits, self.params, self.rng, self.prompt_ids, self.generated)
+        tok = sample_token(self._checked(logits), self.params, self.rng, self.prompt_ids, self.generated)
         self.generated.append(tok)
         return tok
+
+    def penalize(self, logits: np.ndarray) -> np.ndarray:
+        """The logits (float ``[V]``) after the penalties of the current state (float64 ``[V]``): what the next
+        call samples from before the temperature. Records nothing; errors as for a call."""
+        return process_logits(self._checked(logits), self.params, self.prompt_ids, self.generated)
+
+    def _checked(self, logits: np.ndarray) -> np.ndarray:
+        x = check_logits(logits)
+        if self.vocab is None:
+            bad = [i for i in self.prompt_ids if i >= x.shape[0]]
+            if bad:
+                raise RequestError(f"prompt_ids: token id {bad[0]} is out of range: expected 0 <= id < vocab = "
+                                   f"{x.shape[0]} (the logits' length)", param="prompt_ids")
+            self.vocab = x.shape[0]
+        elif x.shape[0] != self.vocab:
+            raise RequestError(f"logits: expected {self.vocab} values (the vocab of the first call), got "
+                               f"{x.shape[0]}", param="logits")
+        return x
