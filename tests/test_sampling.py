@@ -1,4 +1,11 @@
-"""serve.sampling: docs/design.md's sampling order and the S1–S5 cases (pure numpy, milliseconds)."""
+"""The sampling cases S1–S5 against both samplers: serve.sampling (numpy, float64; the onnx path) and
+rust_runtime.Sampler (float32; the very code each sequence of rust_runtime.Engine and Model.generate runs).
+
+Every behavioural test takes the ``impl`` fixture, one adapter over either implementation, so the two agree on
+every edge (greedy and its ties, top_k/top_p limits, penalties, bad logits, bad parameters). Random streams may
+differ between the two; seeded reproducibility (S5) is checked within each. The tests of serve.sampling's own
+internals (derived per-choice streams, the nucleus helper) stay Python-only at the end.
+"""
 
 from __future__ import annotations
 
@@ -8,77 +15,163 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve.errors import ModelOutputError, RequestError
-from serve.sampling import (
-    Sampler,
-    SamplingParams,
-    apply_presence_frequency_penalties,
-    apply_repetition_penalty,
-    log_softmax,
-    make_rng,
-    process_logits,
-    sample_token,
-    top_logprobs,
-)
+from serve.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
+
+
+class PythonImpl:
+    """serve.sampling behind the adapter: ``sampler(prompt_ids, seed, **params)``, ``log_softmax``,
+    ``top_logprobs(logits, n)`` (of raw logits), ``model_error`` (what bad logits raise)."""
+
+    name = "python"
+    model_error = ModelOutputError
+    atol = 1e-12  # float64 arithmetic
+
+    @staticmethod
+    def sampler(prompt_ids=(), seed=None, **params):
+        p = SamplingParams(seed=seed, **params)
+        return Sampler(p, prompt_ids, make_rng(seed))
+
+    @staticmethod
+    def log_softmax(logits):
+        return log_softmax(np.asarray(logits))
+
+    @staticmethod
+    def top_logprobs(logits, n):
+        return top_logprobs(log_softmax(np.asarray(logits)), n)
+
+
+class RustImpl:
+    """rust_runtime.Sampler / log_softmax / top_logprobs behind the same adapter."""
+
+    name = "rust"
+    model_error = RuntimeError
+    atol = 1e-5  # float32 arithmetic
+
+    def __init__(self, rr):
+        self.rr = rr
+
+    def sampler(self, prompt_ids=(), seed=None, **params):
+        return self.rr.Sampler(seed=seed, prompt_ids=list(prompt_ids), **params)
+
+    def log_softmax(self, logits):
+        return self.rr.log_softmax(np.asarray(logits, dtype=np.float32))
+
+    def top_logprobs(self, logits, n):
+        return self.rr.top_logprobs(np.asarray(logits, dtype=np.float32), n)
+
+
+@pytest.fixture(params=["python", "rust"])
+def impl(request):
+    if request.param == "python":
+        return PythonImpl()
+    rr = pytest.importorskip("rust_runtime", reason="the Rust extension is not built")
+    if not hasattr(rr, "Sampler"):
+        pytest.skip("this rust_runtime build predates rust_runtime.Sampler; rebuild it")
+    return RustImpl(rr)
+
+
+def force(sampler, ids, vocab):
+    """Make ``sampler`` generate ``ids`` (every other logit -inf), so the penalties see them as generated."""
+    for i in ids:
+        x = np.full(vocab, -np.inf, dtype=np.float32)
+        x[i] = 0.0
+        assert sampler(x) == i
+    return sampler
+
 
 # ---- S1: repetition penalty
 
 
-def test_s1_repetition_penalty_pushes_negative_logits_down():
-    out = apply_repetition_penalty(np.array([2.0, -2.0, 0.5]), [0, 1], 1.5)
-    np.testing.assert_allclose(out, [2.0 / 1.5, -3.0, 0.5])
+def test_s1_repetition_penalty_pushes_negative_logits_down(impl):
+    s = impl.sampler(prompt_ids=[0, 1], repetition_penalty=1.5, temperature=0.0)
+    out = s.penalize(np.array([2.0, -2.0, 0.5], dtype=np.float32))
+    np.testing.assert_allclose(out, [2.0 / 1.5, -3.0, 0.5], rtol=1e-6)
     assert out[1] < -2.0  # dividing would give -1.3333, raising the repeated token's probability
+    # and the pick follows: -3.0 loses to -2.9, beats -3.1
+    assert s(np.array([-2.0, -3.5, -2.9], dtype=np.float32)) == 2
+    s = impl.sampler(prompt_ids=[0], repetition_penalty=1.5, temperature=0.0)
+    assert s(np.array([-2.0, -3.1], dtype=np.float32)) == 0
 
 
-def test_s1_penalty_one_is_a_no_op_and_duplicates_count_once():
-    x = np.array([2.0, -2.0, 0.5])
-    np.testing.assert_array_equal(apply_repetition_penalty(x, [0, 1], 1.0), x)
-    np.testing.assert_allclose(apply_repetition_penalty(x, [1, 1, 1], 2.0), [2.0, -4.0, 0.5])
+def test_s1_penalty_one_is_a_no_op_and_duplicates_count_once(impl):
+    x = np.array([2.0, -2.0, 0.5], dtype=np.float32)
+    np.testing.assert_array_equal(impl.sampler(prompt_ids=[0, 1], repetition_penalty=1.0).penalize(x), x)
+    np.testing.assert_allclose(impl.sampler(prompt_ids=[1, 1, 1], repetition_penalty=2.0).penalize(x),
+                               [2.0, -4.0, 0.5])
+    # a generated id already in the prompt is penalised once, not twice
+    s = force(impl.sampler(prompt_ids=[0], repetition_penalty=2.0), [0, 0], 3)
+    np.testing.assert_allclose(s.penalize(np.array([4.0, 1.0, 1.0], dtype=np.float32)), [2.0, 1.0, 1.0])
 
 
-def test_repetition_penalty_uses_prompt_ids_but_presence_does_not():
-    p = SamplingParams(repetition_penalty=2.0)
-    out = process_logits(np.array([1.0, 1.0, 1.0]), p, prompt_ids=[0], generated_ids=[2])
-    np.testing.assert_allclose(out, [0.5, 1.0, 0.5])
+def test_repetition_penalty_uses_prompt_ids_but_presence_does_not(impl):
+    s = force(impl.sampler(prompt_ids=[0], repetition_penalty=2.0), [2], 3)
+    np.testing.assert_allclose(s.penalize(np.ones(3, dtype=np.float32)), [0.5, 1.0, 0.5])
+    s = force(impl.sampler(prompt_ids=[0], presence_penalty=1.0), [2], 3)
+    np.testing.assert_allclose(s.penalize(np.ones(3, dtype=np.float32)), [1.0, 1.0, 0.0])
 
 
 # ---- S4: presence / frequency
 
 
-def test_s4_presence_frequency_count_generated_tokens_only():
-    params = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
-    out = process_logits(np.zeros(12), params, prompt_ids=[7, 7, 7], generated_ids=[5, 5, 9])
+def test_s4_presence_frequency_count_generated_tokens_only(impl):
+    s = force(impl.sampler(prompt_ids=[7, 7, 7], frequency_penalty=0.5, presence_penalty=1.0), [5, 5, 9], 12)
+    out = s.penalize(np.zeros(12, dtype=np.float32))
     expected = np.zeros(12)
     expected[5], expected[9] = -2.0, -1.5
     np.testing.assert_allclose(out, expected)
     assert out[7] == 0.0
+    assert list(s.generated) == [5, 5, 9]
 
 
-def test_s4_zero_penalties_change_nothing():
-    x = np.random.default_rng(0).normal(size=20)
-    np.testing.assert_array_equal(apply_presence_frequency_penalties(x, [1, 2, 2], 0.0, 0.0), x)
+def test_s4_zero_penalties_change_nothing(impl):
+    x = np.random.default_rng(0).normal(size=20).astype(np.float32)
+    s = force(impl.sampler(prompt_ids=[3, 4]), [1, 2, 2], 20)
+    np.testing.assert_array_equal(s.penalize(x), x)
+
+
+def test_huge_penalties_leave_the_logit_finite(impl):
+    # the only finite logit, penalised past the float range, is still the token picked (the penalty's limit)
+    x = np.array([0.0, -np.inf, -np.inf], dtype=np.float32)
+    for params in [dict(temperature=0.0, frequency_penalty=1e39), dict(presence_penalty=1e300),
+                   dict(presence_penalty=-1e300, temperature=0.5)]:
+        s = force(impl.sampler(**params), [0], 3)
+        out = s.penalize(x)
+        assert np.isfinite(out[0]) and np.isneginf(out[1:]).all()
+        assert [s(x) for _ in range(5)] == [0] * 5
 
 
 # ---- S3: temperature 0 is greedy
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
-def test_s3_temperature_zero_is_argmax_with_ties_to_lowest(seed):
-    p = SamplingParams(temperature=0.0, seed=seed)
-    assert sample_token(np.array([1.0, 3.0, 3.0, -1.0]), p, make_rng(seed)) == 1
+def test_s3_temperature_zero_is_argmax_with_ties_to_lowest(impl, seed):
+    assert impl.sampler(temperature=0.0, seed=seed)(np.array([1.0, 3.0, 3.0, -1.0])) == 1
     x = np.random.default_rng(seed).normal(size=512).astype(np.float32)
-    assert sample_token(x, p, None) == int(np.argmax(x))
+    assert impl.sampler(temperature=0.0)(x) == int(np.argmax(x))
 
 
-def test_s3_tiny_temperature_is_finite_and_argmax():
+def test_s3_tiny_temperature_is_finite_and_argmax(impl):
     x = np.random.default_rng(0).normal(size=512).astype(np.float32)
     for seed in range(5):
-        assert sample_token(x, SamplingParams(temperature=1e-7), make_rng(seed)) == int(np.argmax(x))
+        assert impl.sampler(temperature=1e-7, seed=seed)(x) == int(np.argmax(x))
 
 
-def test_s3_penalties_apply_before_greedy_argmax():
+@pytest.mark.parametrize("temperature", [0.0, 1e-300, 1e-7, GREEDY_TEMPERATURE / 2])
+def test_below_greedy_temperature_ties_go_to_the_lowest_id(impl, temperature):
+    """Below 1e-5 (vLLM's rule) every temperature is its limit 0: the argmax, ties to the lowest id, in float32
+    and float64 alike; at 1e-5 it samples, so two tied maxima both come up."""
+    x = np.array([1.0, 3.0, 3.0, -1.0], dtype=np.float32)
+    assert {impl.sampler(temperature=temperature, seed=s)(x) for s in range(20)} == {1}
+    assert {impl.sampler(temperature=GREEDY_TEMPERATURE, seed=s)(x) for s in range(40)} == {1, 2}
+
+
+def test_s3_penalties_apply_before_greedy_argmax(impl):
     # token 0 wins alone, but it was generated twice: frequency penalty 1.0 drops it below token 2
-    p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
-    assert sample_token(np.array([3.0, 0.0, 2.0]), p, None, generated_ids=[0, 0]) == 2
+    s = force(impl.sampler(temperature=0.0, frequency_penalty=1.0), [0, 0], 3)
+    assert s(np.array([3.0, 0.0, 2.0])) == 2
+    s = impl.sampler(temperature=0.0, presence_penalty=2.0)
+    assert [s(np.array([1.0, 0.5, 0.0])) for _ in range(3)] == [0, 1, 2]  # each pick penalised after it is made
+    assert list(s.generated) == [0, 1, 2]
 
 
 # ---- S2: tiny top_p keeps the top token
@@ -86,42 +179,67 @@ def test_s3_penalties_apply_before_greedy_argmax():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("top_p", [1e-8, 1e-4, 1e-3, 0.0])
-def test_s2_tiny_top_p_always_returns_argmax(dtype, top_p):
+def test_s2_tiny_top_p_always_returns_argmax(impl, dtype, top_p):
     x = np.random.default_rng(0).normal(size=4096).astype(dtype)
     want = int(np.argmax(x))
     for seed in range(20):
-        got = sample_token(x, SamplingParams(temperature=0.8, top_p=top_p, seed=seed), make_rng(seed))
-        assert got == want
+        assert impl.sampler(temperature=0.8, top_p=top_p, seed=seed)(x) == want
 
 
-def test_s2_top_p_one_disables_the_filter():
-    x = np.zeros(50)  # uniform: with the filter off, 200 draws see many distinct ids
-    rng = make_rng(0)
-    seen = {sample_token(x, SamplingParams(top_p=1.0), rng) for _ in range(200)}
-    assert len(seen) > 30
+def test_top_p_zero_is_the_top_token_with_ties_to_the_lowest_id(impl):
+    x = np.array([0.5, 2.0, 2.0, 1.9], dtype=np.float32)
+    assert {impl.sampler(top_p=0.0, seed=s)(x) for s in range(30)} == {1}
 
 
-def test_top_p_keeps_smallest_set_reaching_mass():
-    # probs 0.5, 0.3, 0.2: top_p 0.6 keeps {0, 1}; top_p 0.5 keeps {0}
-    x = np.log(np.array([0.5, 0.3, 0.2]))
-    rng = make_rng(3)
-    assert {sample_token(x, SamplingParams(top_p=0.6), rng) for _ in range(300)} == {0, 1}
-    assert {sample_token(x, SamplingParams(top_p=0.5), rng) for _ in range(50)} == {0}
+def test_s2_top_p_one_disables_the_filter(impl):
+    x = np.zeros(50, dtype=np.float32)  # uniform: with the filter off, 200 draws see many distinct ids
+    s = impl.sampler(top_p=1.0, seed=0)
+    assert len({s(x) for _ in range(200)}) > 30
 
 
-def test_top_k_keeps_k_largest():
-    x = np.array([0.0, 5.0, 4.0, 3.0, -1.0])
-    rng = make_rng(1)
-    assert {sample_token(x, SamplingParams(top_k=2, temperature=5.0), rng) for _ in range(300)} == {1, 2}
-    assert {sample_token(x, SamplingParams(top_k=1, temperature=5.0), rng) for _ in range(20)} == {1}
+def test_top_p_keeps_smallest_set_reaching_mass(impl):
+    # probs 0.5, 0.3, 0.2: top_p 0.6 keeps {0, 1}; top_p 0.45 keeps {0}; 0.81 keeps all
+    x = np.log(np.array([0.5, 0.3, 0.2])).astype(np.float32)
+    s = impl.sampler(top_p=0.6, seed=3)
+    assert {s(x) for _ in range(300)} == {0, 1}
+    s = impl.sampler(top_p=0.45, seed=3)
+    assert {s(x) for _ in range(50)} == {0}
+    s = impl.sampler(top_p=0.81, seed=3)
+    assert {s(x) for _ in range(300)} == {0, 1, 2}
+
+
+def test_top_k_keeps_k_largest(impl):
+    x = np.array([0.0, 5.0, 4.0, 3.0, -1.0], dtype=np.float32)
+    s = impl.sampler(top_k=2, temperature=5.0, seed=1)
+    assert {s(x) for _ in range(300)} == {1, 2}
+    s = impl.sampler(top_k=1, temperature=5.0, seed=1)
+    assert {s(x) for _ in range(20)} == {1}
+
+
+def test_top_k_keeps_every_id_tied_with_the_kth(impl):
+    """As Hugging Face's TopKLogitsWarper and vLLM: everything >= the k-th largest value stays."""
+    x = np.array([1.0, 3.0, 3.0, 0.0, 2.0], dtype=np.float32)
+    s = impl.sampler(top_k=1, temperature=2.0, seed=2)
+    assert {s(x) for _ in range(100)} == {1, 2}
+    s = impl.sampler(top_k=3, temperature=50.0, seed=2)  # k-th value 2.0 (id 4): no tie beyond it
+    assert {s(x) for _ in range(300)} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("top_k", [0, 5, 6, 10**6])
+def test_top_k_zero_or_at_least_the_vocab_is_off(impl, top_k):
+    x = np.zeros(5, dtype=np.float32)
+    s = impl.sampler(top_k=top_k, seed=4)
+    assert {s(x) for _ in range(200)} == {0, 1, 2, 3, 4}
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(-30, 30), min_size=2, max_size=64), st.floats(0.05, 3.0), st.integers(0, 10),
        st.floats(0.0, 1.0), st.integers(0, 2**32))
-def test_sampled_token_is_inside_top_k_and_nucleus(logits, temperature, top_k, top_p, seed):
-    x = np.array(logits)
-    tok = sample_token(x, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), make_rng(seed))
+@pytest.mark.parametrize("which", ["python", "rust"])
+def test_sampled_token_is_inside_top_k_and_nucleus(which, logits, temperature, top_k, top_p, seed):
+    impl = PythonImpl() if which == "python" else _rust_or_skip()
+    x = np.array(logits, dtype=np.float32).astype(np.float64)  # values both implementations see exactly
+    tok = impl.sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)(x)
     assert 0 <= tok < len(x)
     if top_k:
         assert x[tok] >= np.sort(x)[::-1][min(top_k, len(x)) - 1]
@@ -130,23 +248,151 @@ def test_sampled_token_is_inside_top_k_and_nucleus(logits, temperature, top_k, t
         order = np.lexsort((np.arange(len(x)), -w))  # most probable first, ties (equal probability) by id
         p = w[order] / w.sum()
         rank = int(np.flatnonzero(order == tok)[0])
-        assert rank == 0 or p[:rank].sum() < top_p + 1e-9
+        assert rank == 0 or p[:rank].sum() < top_p + impl.atol
 
 
-# ---- S5: per-request generators
+def _rust_or_skip():
+    rr = pytest.importorskip("rust_runtime", reason="the Rust extension is not built")
+    if not hasattr(rr, "Sampler"):
+        pytest.skip("this rust_runtime build predates rust_runtime.Sampler; rebuild it")
+    return RustImpl(rr)
 
 
-def test_s5_same_seed_same_draws_and_no_global_rng():
-    x = np.zeros(1000)
-    p = SamplingParams(temperature=1.0, seed=42)
+# ---- S5: per-request generators (each implementation reproduces itself; the two streams may differ)
+
+
+def test_s5_same_seed_same_draws_and_no_global_rng(impl):
+    x = np.zeros(1000, dtype=np.float32)
     np.random.seed(0)
-    rng = make_rng(42)
-    first = [sample_token(x, p, rng) for _ in range(16)]
+    s = impl.sampler(temperature=1.0, seed=42)
+    first = [s(x) for _ in range(16)]
     np.random.random(1000)  # disturbing numpy's global RNG changes nothing
-    rng = make_rng(42)
-    second = [sample_token(x, p, rng) for _ in range(16)]
+    s = impl.sampler(temperature=1.0, seed=42)
+    second = [s(x) for _ in range(16)]
     assert first == second
     assert len(set(first)) > 8  # really random draws, not a constant
+    s = impl.sampler(temperature=1.0, seed=43)
+    assert [s(x) for _ in range(16)] != first
+    for a, b in [(-1, 2**64 - 1), (2**64 + 5, 5)]:  # seeds are taken modulo 2**64
+        sa, sb = impl.sampler(seed=a), impl.sampler(seed=b)
+        assert [sa(x) for _ in range(8)] == [sb(x) for _ in range(8)]
+
+
+# ---- errors
+
+
+@pytest.mark.parametrize("bad", [np.full(5, -np.inf), np.array([0.0, np.nan, 1.0]), np.array([np.inf, 0.0]),
+                                 np.zeros(0)])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_unsampleable_logits_raise(impl, bad, temperature):
+    with pytest.raises(impl.model_error):
+        impl.sampler(temperature=temperature)(bad)
+
+
+def test_some_neg_inf_logits_are_never_drawn(impl):
+    x = np.array([-np.inf, 0.0, -np.inf, 0.0])
+    s = impl.sampler(seed=0)
+    assert {s(x) for _ in range(100)} == {1, 3}
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")), ("temperature", "1"),
+                                         ("temperature", True), ("top_p", 1.5), ("top_p", -0.1),
+                                         ("top_p", float("nan")), ("top_k", -1), ("top_k", True), ("top_k", 2.0),
+                                         ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+                                         ("repetition_penalty", float("inf")), ("presence_penalty", float("inf")),
+                                         ("frequency_penalty", float("nan")), ("seed", 1.5), ("seed", True)])
+def test_params_reject_out_of_range(impl, field, value):
+    """A ValueError naming the parameter, in both (serve's RequestError is a ValueError with ``param``)."""
+    kwargs = {field: value}
+    with pytest.raises(ValueError, match=field) as e:
+        impl.sampler(**kwargs)
+    if isinstance(e.value, RequestError):
+        assert e.value.param == field
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0), dict(top_p=0.0), dict(top_p=1), dict(top_k=0),
+                                    dict(top_k=np.int64(3)), dict(temperature=np.float32(0.5)),
+                                    dict(repetition_penalty=1e-300), dict(presence_penalty=-1e300),
+                                    dict(seed=-(2**70)), dict(seed=np.uint64(2**64 - 1))])
+def test_params_accept_the_edges(impl, kwargs):
+    x = np.array([0.0, 1.0, 0.5], dtype=np.float32)
+    assert impl.sampler(**{"seed": 0, **kwargs})(x) in {0, 1, 2}
+
+
+def test_prompt_ids_outside_the_vocab_and_a_changing_vocab_are_refused(impl):
+    x = np.zeros(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        impl.sampler(prompt_ids=[4])(x)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        impl.sampler(prompt_ids=[-1])
+    s = impl.sampler(prompt_ids=[3])
+    s(x)
+    with pytest.raises(ValueError, match="logits"):
+        s(np.zeros(5, dtype=np.float32))
+
+
+# ---- log-probs
+
+
+def test_log_softmax_and_top_logprobs(impl):
+    x = np.array([1.0, 3.0, 3.0, -np.inf])
+    lp = impl.log_softmax(x)
+    np.testing.assert_allclose(np.exp(lp.astype(np.float64)).sum(), 1.0, rtol=1e-6)
+    assert lp[3] == -np.inf
+    want = np.log(np.exp([1.0, 3.0, 3.0]) / (np.exp(1) + 2 * np.exp(3)))
+    np.testing.assert_allclose(lp[:3], want, rtol=1e-6)
+    top = impl.top_logprobs(x, 3)
+    assert [i for i, _ in top] == [1, 2, 0]  # ties ordered by id
+    assert top[0][1] == pytest.approx(want[1], rel=1e-6)
+    assert impl.top_logprobs(x, 0) == []
+    assert [i for i, _ in impl.top_logprobs(x, 10)] == [1, 2, 0, 3]
+
+
+def test_log_softmax_agrees_between_the_implementations():
+    rust = _rust_or_skip()
+    x = (np.random.default_rng(5).normal(size=1000) * 4).astype(np.float32)
+    np.testing.assert_allclose(rust.log_softmax(x), PythonImpl.log_softmax(x), rtol=1e-5, atol=1e-5)
+    assert [i for i, _ in rust.top_logprobs(x, 20)] == [i for i, _ in PythonImpl.top_logprobs(x, 20)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(-40, 40), min_size=2, max_size=40), st.sampled_from([1.0, 2.0, 0.5, 4.0]),
+       st.sampled_from([0.0, 0.5, 1.0, -0.25]), st.sampled_from([0.0, 0.25, 2.0, -1.0]),
+       st.lists(st.integers(0, 1000), max_size=6), st.lists(st.integers(0, 1000), max_size=6))
+def test_greedy_picks_are_identical_in_both(logits, rep, presence, frequency, prompt, history):
+    """Logits on a 1/8 grid and penalties exact in float32: the two greedy picks must be the same id."""
+    rust = _rust_or_skip()
+    v = len(logits)
+    x = np.array(logits, dtype=np.float32) / 8
+    params = dict(temperature=0.0, repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency)
+    prompt = [i % v for i in prompt]
+    py = force(PythonImpl.sampler(prompt_ids=prompt, **params), [i % v for i in history], v)
+    rs = force(rust.sampler(prompt_ids=prompt, **params), [i % v for i in history], v)
+    np.testing.assert_array_equal(rs.penalize(x), py.penalize(x).astype(np.float32))
+    assert [py(x) for _ in range(4)] == [rs(x) for _ in range(4)]
+
+
+def test_extreme_penalty_and_temperature_stay_finite(impl):
+    # a repetition penalty of 5e-324 sends positive seen logits to the largest float: sampling picks among them
+    x = np.array([1.0, 2.0, -1.0, 0.5], dtype=np.float32)
+    picks = {impl.sampler(repetition_penalty=5e-324, prompt_ids=[0, 1], seed=s)(x) for s in range(50)}
+    assert picks == {0, 1}
+    assert impl.sampler(temperature=1e-308, seed=0)(x) == 1
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300])
+def test_a_temperature_so_small_that_logits_overflow_is_greedy(impl, temperature):
+    """logits / temperature would overflow to inf for several tokens: the limit of temperature → 0 is the argmax,
+    not a uniform draw among the tokens that overflowed."""
+    logits = np.array([1.0, 3.0, 2.0, -1.0, 2.5])
+    assert {impl.sampler(temperature=temperature, seed=s)(logits) for s in range(50)} == {1}
+    filters = dict(temperature=temperature, top_k=3, top_p=0.9)
+    assert {impl.sampler(**filters, seed=s)(logits) for s in range(50)} == {1}
+    negative = np.array([-3.0, -1.0, -2.0])  # every logit overflows to -inf
+    assert {impl.sampler(temperature=temperature, seed=s)(negative) for s in range(20)} == {1}
+
+
+# ---- serve.sampling's own internals (Python only)
 
 
 def test_s5_derived_streams_differ_per_choice_and_are_reproducible():
@@ -154,66 +400,13 @@ def test_s5_derived_streams_differ_per_choice_and_are_reproducible():
     p = SamplingParams(seed=7)
 
     def draws(index):
-        rng = make_rng(7, index)
-        return [sample_token(x, p, rng) for _ in range(8)]
+        s = Sampler(p, [], make_rng(7, index))
+        return [s(x) for _ in range(8)]
 
     choices = [draws(i) for i in range(4)]
     assert len({tuple(c) for c in choices}) == 4
     assert choices == [draws(i) for i in range(4)]
     assert make_rng(-1).random() == make_rng(2**64 - 1).random()  # negative seeds wrap
-
-
-# ---- errors, log-probs
-
-
-@pytest.mark.parametrize("bad", [np.full(5, -np.inf), np.array([0.0, np.nan, 1.0]), np.array([np.inf, 0.0])])
-def test_unsampleable_logits_raise(bad):
-    with pytest.raises(ModelOutputError):
-        sample_token(bad, SamplingParams(), make_rng(0))
-    with pytest.raises(ModelOutputError):
-        sample_token(bad, SamplingParams(temperature=0.0), None)
-
-
-def test_some_neg_inf_logits_are_never_drawn():
-    x = np.array([-np.inf, 0.0, -np.inf, 0.0])
-    rng = make_rng(0)
-    assert {sample_token(x, SamplingParams(), rng) for _ in range(100)} == {1, 3}
-
-
-@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")), ("top_p", 1.5),
-                                         ("top_p", -0.1), ("top_k", -1), ("repetition_penalty", 0.0),
-                                         ("presence_penalty", float("inf")), ("seed", 1.5), ("top_k", True)])
-def test_params_reject_out_of_range(field, value):
-    with pytest.raises(RequestError) as e:
-        SamplingParams(**{field: value})
-    assert e.value.param == field
-
-
-def test_log_softmax_and_top_logprobs():
-    x = np.array([1.0, 3.0, 3.0, -np.inf])
-    lp = log_softmax(x)
-    np.testing.assert_allclose(np.exp(lp).sum(), 1.0)
-    assert lp[3] == -np.inf
-    top = top_logprobs(lp, 3)
-    assert [i for i, _ in top] == [1, 2, 0]  # ties ordered by id
-    assert top[0][1] == pytest.approx(np.log(np.exp(3) / (np.exp(1) + 2 * np.exp(3))))
-    assert top_logprobs(lp, 0) == []
-
-
-def test_sampler_records_generated_for_penalties():
-    s = Sampler(SamplingParams(temperature=0.0, presence_penalty=2.0), prompt_ids=[], rng=None)
-    x = np.array([1.0, 0.5, 0.0])
-    assert [s(x) for _ in range(3)] == [0, 1, 2]  # each pick is penalised after it is made
-    assert s.generated == [0, 1, 2]
-
-
-def test_extreme_penalty_and_temperature_stay_finite():
-    # a repetition penalty of 5e-324 turns positive seen logits into +inf; sampling must still pick among them
-    x = np.array([1.0, 2.0, -1.0, 0.5])
-    rng = make_rng(0)
-    picks = {sample_token(x, SamplingParams(repetition_penalty=5e-324), rng, prompt_ids=[0, 1]) for _ in range(50)}
-    assert picks <= {0, 1} and picks
-    assert sample_token(x, SamplingParams(temperature=1e-308), rng) == 1
 
 
 @settings(max_examples=150, deadline=None)
@@ -228,17 +421,3 @@ def test_nucleus_is_the_smallest_set_with_ties_to_lower_ids(logits, top_p):
     order = np.lexsort((np.arange(len(z)), -w))  # most probable first, ties by id
     keep = max(1, min(int(np.searchsorted(np.cumsum(w[order]), top_p, side="left")) + 1, len(z)))
     assert _nucleus(z, top_p).tolist() == sorted(order[:keep].tolist())
-
-
-@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300])
-def test_a_temperature_so_small_that_logits_overflow_is_greedy(temperature):
-    """logits / temperature overflows to inf for several tokens: the limit of temperature → 0 is the argmax,
-    not a uniform draw among the tokens that overflowed."""
-    logits = np.array([1.0, 3.0, 2.0, -1.0, 2.5])
-    p = SamplingParams(temperature=temperature)
-    picks = {sample_token(logits, p, make_rng(s)) for s in range(50)}
-    assert picks == {1}
-    with_filters = SamplingParams(temperature=temperature, top_k=3, top_p=0.9)
-    assert {sample_token(logits, with_filters, make_rng(s)) for s in range(50)} == {1}
-    negative = np.array([-3.0, -1.0, -2.0])  # every logit overflows to -inf
-    assert {sample_token(negative, p, make_rng(s)) for s in range(20)} == {1}
