@@ -650,11 +650,10 @@ impl Drop for PyRequestStream {
 /// `logits` otherwise.
 fn logits_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
     let bad = |what: String| PyValueError::new_err(format!("logits: expected a 1-D array of floats [vocab], {what}"));
-    let arr = obj
-        .py()
-        .import("numpy")?
-        .call_method1("ascontiguousarray", (obj, "float32"))
-        .map_err(|e| bad(format!("got {}: {e}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_default())))?;
+    let arr =
+        obj.py().import("numpy")?.call_method1("ascontiguousarray", (obj, "float32")).map_err(|e| {
+            bad(format!("got {}: {e}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()))
+        })?;
     let ndim: usize = arr.getattr("ndim")?.extract()?;
     if ndim != 1 {
         return Err(bad(format!("got {ndim} dimensions")));
@@ -678,10 +677,19 @@ fn real_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: f64) -> PyRes
     o.extract::<f64>().map_err(|_| bad())
 }
 
-/// An integer sampling parameter (not a bool, not a float); None = `default`.
+/// An integer sampling parameter (not a bool, not a float); None = `default`. An integer above
+/// i64 saturates to i64::MAX (for top_k: off, as serve.sampling reads any k >= vocab).
 fn int_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: i64) -> PyResult<i64> {
     let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
-    int_arg(o, name).map_err(|e| PyValueError::new_err(e.value(o.py()).to_string()))
+    int_arg(o, name).or_else(|e| {
+        let huge = !o.is_instance_of::<pyo3::types::PyBool>()
+            && o.call_method0("__index__").and_then(|i| i.gt(i64::MAX)).unwrap_or(false);
+        if huge {
+            Ok(i64::MAX)
+        } else {
+            Err(PyValueError::new_err(e.value(o.py()).to_string()))
+        }
+    })
 }
 
 /// A seed as serve.sampling.SamplingParams takes it: any integer, reduced modulo 2**64, or None.
@@ -796,7 +804,11 @@ impl PySampler {
     /// The logits (float [vocab]) after the repetition / presence / frequency penalties of the
     /// current state, as float32 [vocab]: what the next call would sample from before the
     /// temperature. Records nothing. Errors as for a call.
-    fn penalize<'py>(&mut self, py: Python<'py>, logits: &Bound<'py, PyAny>) -> PyResult<Bound<'py, numpy::PyArray1<f32>>> {
+    fn penalize<'py>(
+        &mut self,
+        py: Python<'py>,
+        logits: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, numpy::PyArray1<f32>>> {
         let mut v = logits_arg(logits)?;
         let state = self.state_for(&v)?;
         state.pen.apply(&state.params, &mut v);
