@@ -519,6 +519,25 @@ def test_sampling_edges_behave_as_their_limit(model):
     )
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=0.9, top_k=40, top_p=0.95, presence_penalty=0.3, frequency_penalty=0.2,
+                                     repetition_penalty=1.1), dict(temperature=0.0, repetition_penalty=1.3)])
+def test_sampler_replays_generate(model, kw):
+    """rust_runtime.Sampler is the sampler Model.generate runs: fed the same logits step by step with the same
+    seed, it picks the same tokens, and rust_runtime.log_softmax gives the same log-probs."""
+    p = prompt_ids(6, seed=34)
+    out = model.generate(p, 16, seed=77, **kw)
+    sampler = rust_runtime.Sampler(seed=77, prompt_ids=p, **kw)
+    seq = model.new_sequence()
+    logits = seq.prefill(p)
+    for tok, lp in out:
+        assert sampler(logits) == tok
+        assert float(rust_runtime.log_softmax(logits)[tok]) == lp
+        logits = seq.decode(tok)
+    assert sampler.generated == [t for t, _ in out]
+    if len(out) < 16:  # it stopped at end-of-text: the replay picks that next
+        assert sampler(logits) == model.eot_id
+
+
 def write_manifest(bundle: Path) -> None:
     """A manifest.json as export/ writes it: files: {name: {sha256, bytes}}."""
     files = {
