@@ -831,14 +831,14 @@ impl PySampler {
         let p = &self.params;
         format!(
             "Sampler(temperature={}, top_k={}, top_p={}, presence_penalty={}, frequency_penalty={}, \
-             repetition_penalty={}, seed={:?}, generated={})",
+             repetition_penalty={}, seed={}, generated={})",
             p.temperature,
             p.top_k,
             p.top_p,
             p.presence_penalty,
             p.frequency_penalty,
             p.repetition_penalty,
-            self.seed,
+            self.seed.map_or("None".to_string(), |v| v.to_string()),
             self.generated.len()
         )
     }
