@@ -264,9 +264,14 @@ class StepEngine:
             self._cond.notify()
 
     def stats(self) -> dict[str, float]:
-        """Counters (:func:`engine_stats_keys`)."""
+        """Counters (:func:`engine_stats_keys`); running counts the choices not yet ended (live, so a
+        finished request is never counted after its last event)."""
         with self._cond:
-            return dict(self._stats)
+            out = dict(self._stats)
+            out["waiting"] = sum(r.n for r in self._waiting)
+        out["running"] = (sum(1 for c in list(self._running) if c.index in c.req.open)
+                          + sum(len(r.open) for r in list(self._prefilling)))
+        return out
 
     def close(self) -> None:
         """Stop the scheduler thread; running and waiting requests end with "cancelled"."""
@@ -302,7 +307,6 @@ class StepEngine:
                     for r in {*self._prefilling, *(c.req for c in self._running)}:
                         r.end("error", e)
                     self._prefilling, self._running = [], []
-            self._publish()
 
     def _used(self) -> int:
         return len(self._running) + sum(r.n for r in self._prefilling)
@@ -411,11 +415,6 @@ class StepEngine:
             r.post(c.index, TokenEvent(None, finish="length"))
         else:
             c.next_token = tok
-
-    def _publish(self) -> None:
-        with self._cond:
-            self._stats["running"] = len(self._running) + sum(r.n for r in self._prefilling)
-            self._stats["waiting"] = sum(r.n for r in self._waiting)
 
 
 def derived_seed(seed: int, first_index: int) -> int:

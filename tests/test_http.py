@@ -416,6 +416,14 @@ def test_metrics(client):
     assert samples[("shalik_time_to_first_token_seconds_count", ())] == 1
     assert samples[("shalik_decode_tokens_per_second_count", ())] == 1
     assert samples[("shalik_in_flight", ())] == 0 and samples[("shalik_queue_depth", ())] == 0
+    # the engine's counters: one request of 1 + 1 prompt positions and 3 tokens (the last is never fed back)
+    assert samples[("shalik_engine_admitted_total", ())] == 1
+    assert samples[("shalik_engine_prefill_tokens_total", ())] == 2
+    assert samples[("shalik_engine_decode_tokens_total", ())] == 2
+    assert samples[("shalik_engine_steps_total", ())] == 3
+    assert samples[("shalik_engine_running_sequences", ())] == 0
+    assert samples[("shalik_engine_waiting_sequences", ())] == 0
+    assert samples[("shalik_engine_queue_wait_seconds_total", ())] >= 0
 
 
 def test_openapi_declares_errors_and_no_422():
