@@ -39,6 +39,7 @@ from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_l
 DEFAULT_MAX_BATCH = 16  # sequences per step; benchmarks/serve_batching.py: 16 streams ≈ 5x one on `small`
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step (decode tokens + prefill chunks); llama.cpp's n_batch
 SEED_MODULUS = 2**64
+TOP_K_OFF = 2**31  # a top_k at least the vocabulary keeps every token: clamped before it reaches Rust's i64
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class RustEngine:
         seed = None if params.seed is None else derived_seed(int(params.seed), first_index)
         try:
             stream = self._engine.submit(
-                list(ids), max_new_tokens, temperature=params.temperature, top_k=int(params.top_k),
+                list(ids), max_new_tokens, temperature=params.temperature, top_k=min(int(params.top_k), TOP_K_OFF),
                 top_p=params.top_p, presence_penalty=params.presence_penalty,
                 frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
                 seed=seed, n=n, top_logprobs=top_logprobs, ignore_eos=ignore_eos)
