@@ -32,8 +32,16 @@ import numpy as np
 from serve.bundle import eot_id, parse_quantize, verify_files
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
+from serve.engine import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_TOKEN_BUDGET,
+    Submission,
+    TokenEvent,
+    check_engine_limits,
+    make_engine,
+)
 from serve.errors import RequestError
-from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
+from serve.sampling import SamplingParams, log_softmax, top_logprobs
 from serve.stops import StopMatcher
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -113,27 +121,67 @@ class Chunk:
     text_offset: list[int]
 
 
+class ChoiceGroup:
+    """The ``n`` choices of one prompt: submitted to the LM's engine together (one prefill) on first use, so a
+    request can be validated and queued before any work is spent on it. Thread-safe."""
+
+    def __init__(self, lm: LM, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 top_n: int | None, ignore_eos: bool, n: int, first_index: int = 0):
+        self.lm, self.prompt_ids, self.max_new_tokens, self.params = lm, prompt_ids, max_new_tokens, params
+        self.top_n, self.ignore_eos, self.n, self.first_index = top_n, ignore_eos, n, first_index
+        self._lock = threading.Lock()
+        self._submission: Submission | None = None
+        self._cancelled: set[int] = set()
+
+    def submission(self) -> Submission:
+        """The engine's :class:`serve.engine.Submission` (submitted now if it was not yet)."""
+        with self._lock:
+            if self._submission is None:
+                self._submission = self.lm.engine.submit(
+                    [self.lm.eot_id, *self.prompt_ids], self.max_new_tokens, self.params, n=self.n,
+                    top_logprobs=self.top_n or 0, ignore_eos=self.ignore_eos, first_index=self.first_index)
+                if len(self._cancelled) == self.n:
+                    self._submission.cancel()
+                for i in self._cancelled if len(self._cancelled) < self.n else ():
+                    self._submission.cancel_choice(i)
+            return self._submission
+
+    def cancel(self, index: int) -> None:
+        """End choice ``index`` in the engine (the whole request once every choice is cancelled)."""
+        with self._lock:
+            self._cancelled.add(index)
+            sub = self._submission
+            if sub is None:
+                return
+            if len(self._cancelled) == self.n:
+                sub.cancel()
+            else:
+                sub.cancel_choice(index)
+
+
 class Generation:
     """A running generation: iterate it for :class:`Chunk` s (only non-empty ones); afterwards
-    ``finish_reason`` is set. Built by :meth:`LM.start`; runs in whichever thread iterates it.
+    ``finish_reason`` is set. Built by :meth:`LM.start` / :meth:`LM.start_choices`; its tokens come from the
+    LM's engine (:mod:`serve.engine`, which steps every running generation together); detokenising, stop
+    strings and chunking happen in whichever thread iterates it.
 
     Live attributes (readable from another thread): ``tokens_generated`` (model steps that produced a
     token, end-of-text included), ``completion_tokens`` (output tokens released in chunks so far),
     ``first_token_at`` / ``finished_at`` (``time.perf_counter()`` stamps, or None). ``cancel()``
-    (thread-safe) makes the loop stop before the next model step with finish_reason ``"cancelled"``.
+    (thread-safe) ends the generation in the engine before its next step, with finish_reason ``"cancelled"``.
     """
 
-    def __init__(self, lm: LM, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                 stop: Sequence[str], top_n: int | None, echo: bool, index: int = 0, ignore_eos: bool = False):
-        self.lm = lm
-        self.prompt_ids = prompt_ids
-        self.prompt_tokens = len(prompt_ids) + 1
-        self.max_new_tokens = max_new_tokens
-        self.params = params
-        self.top_n = top_n
+    def __init__(self, group: ChoiceGroup, index: int, stop: Sequence[str], echo: bool):
+        self.lm = group.lm
+        self.group = group
+        self.index = index
+        self.prompt_ids = group.prompt_ids
+        self.prompt_tokens = len(group.prompt_ids) + 1
+        self.max_new_tokens = group.max_new_tokens
+        self.params = group.params
+        self.top_n = group.top_n
         self.echo = echo
-        self.ignore_eos = ignore_eos
-        self.rng = None if params.greedy else make_rng(params.seed, index)
+        self.ignore_eos = group.ignore_eos
         self._stops = StopMatcher(stop)
         self._cancel = threading.Event()
         self.finish_reason: str | None = None
@@ -153,9 +201,17 @@ class Generation:
     def __next__(self) -> Chunk:
         return next(self._iter)
 
+    def submit(self) -> None:
+        """Queue this generation's request in the engine now (iterating does it otherwise), so that the
+        generations of one HTTP request or one batch run in the same steps. No-op when there is nothing to
+        generate or it was cancelled."""
+        if self.max_new_tokens > 0 and not self._cancel.is_set():
+            self.group.submission()
+
     def cancel(self) -> None:
-        """Ask the loop to stop before its next model step (thread-safe)."""
+        """End the generation before its next model step (thread-safe)."""
         self._cancel.set()
+        self.group.cancel(self.index)
 
     @property
     def cancelled(self) -> bool:
@@ -165,52 +221,58 @@ class Generation:
     def _run(self) -> Iterator[Chunk]:
         lm = self.lm
         self.started_at = time.perf_counter()
+        ended = False
         try:
-            if self.max_new_tokens == 0 and not self.echo:
-                self.finish_reason = "length"
+            if self._cancel.is_set():
+                self.finish_reason = "cancelled"
                 return
-            seq = lm.backend.new_sequence()
-            full = [lm.eot_id, *self.prompt_ids]
             if self.echo:  # the prompt's own log-probs, the first predicted from <|endoftext|>
-                lp, tops, logits = lm.prefill_logprobs(seq, full, self.prompt_ids, self.top_n)
+                full = [lm.eot_id, *self.prompt_ids]
+                lp, tops, _ = lm.prefill_logprobs(lm.backend.new_sequence(), full, self.prompt_ids, self.top_n)
                 self.prompt = lm.describe(self.prompt_ids, lp, None if self.top_n is None else tops)
-            else:
-                logits = np.asarray(seq.prefill(full))
-            yield from self._decode_loop(seq, logits)
+            if self.max_new_tokens == 0:
+                self.finish_reason = "length"
+                ended = True
+                return
+            yield from self._decode_loop(self.group.submission().events(self.index))
+            ended = True
         finally:
+            if not ended:  # closed early (the consumer stopped iterating) or failed: free its engine slot
+                self.group.cancel(self.index)
             self.finished_at = time.perf_counter()
 
-    def _decode_loop(self, seq, logits: np.ndarray) -> Iterator[Chunk]:
+    def _decode_loop(self, events: Iterator[TokenEvent]) -> Iterator[Chunk]:
         lm, stops = self.lm, self._stops
-        sampler = Sampler(self.params, self.prompt_ids, self.rng)
         detok = StreamDecoder(lm.table)
         pending: list[tuple[int, float, dict[str, float] | None, int]] = []  # (id, logprob, top, offset)
         self.finish_reason = "length"
         tail = ""
-        for step in range(self.max_new_tokens):
+        for ev in events:
+            if ev.token is None:  # the end: length, cancelled, timeout, or an error to raise
+                if ev.error is not None:
+                    raise ev.error
+                self.finish_reason = ev.finish
+                break
             if self._cancel.is_set():
                 self.finish_reason = "cancelled"
                 break
-            tok = sampler(logits)
-            lp = log_softmax(logits)
             self.tokens_generated += 1
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            if tok == lm.eot_id and not self.ignore_eos:
+            top = self._top(ev.top)
+            if ev.finish == "stop":  # end-of-text (not part of the output)
                 self.finish_reason = "stop"
-                self.end_of_text = (float(lp[tok]), lm.top_alternatives(lp, self.top_n))
+                self.end_of_text = (ev.logprob, top)
                 break
             offset = len(detok.text)
-            top = lm.top_alternatives(lp, self.top_n)
-            pending.append((tok, float(lp[tok]), top, offset))
-            released = stops.push(detok.push(tok))
+            pending.append((ev.token, ev.logprob, top, offset))
+            released = stops.push(detok.push(ev.token))
             if stops.stop_at is not None:
                 tail = released
+                self.group.cancel(self.index)
                 break
             if released:
                 yield self._chunk(released, pending, stops.released)
-            if step + 1 < self.max_new_tokens:
-                logits = np.asarray(seq.decode(tok))
         if stops.stop_at is None:
             tail = stops.push(detok.flush())
             tail += stops.finish()
@@ -219,6 +281,11 @@ class Generation:
         final = self._chunk(tail, pending, stops.released)
         if final.text or final.token_ids:
             yield final
+
+    def _top(self, top: list[tuple[int, float]]) -> dict[str, float] | None:
+        if self.top_n is None:
+            return None
+        return {self.lm.table.display(i): p for i, p in top}
 
     def _chunk(self, text: str, pending: list, released_chars: int) -> Chunk:
         """Pop the pending tokens that start before ``released_chars`` into a chunk with ``text``."""
@@ -236,10 +303,13 @@ class LM:
     """A language model ready to serve: a backend (serve.backends.base protocol) plus its tokenizer.
 
     ``tokenizer`` is a ``tokenizers.Tokenizer`` (byte-level BPE with ``<|endoftext|>``). ``name`` is a label
-    (the bundle's run name). Thread-safe: each generation gets its own KV cache.
+    (the bundle's run name). Generations go through one engine (:mod:`serve.engine`, started on first use):
+    up to ``max_batch`` sequences are stepped together, ``token_budget`` tokens per step. Thread-safe.
     """
 
-    def __init__(self, backend: Any, tokenizer: Any, name: str = "model", path: Path | None = None):
+    def __init__(self, backend: Any, tokenizer: Any, name: str = "model", path: Path | None = None,
+                 max_batch: int = DEFAULT_MAX_BATCH, token_budget: int = DEFAULT_TOKEN_BUDGET):
+        check_engine_limits(max_batch, token_budget)
         self.backend = backend
         self.tokenizer = tokenizer
         self.name = name
@@ -248,6 +318,34 @@ class LM:
         self.eot_id = eot_id(tokenizer)
         self.vocab_size = int(backend.vocab_size)
         self.context_length = int(backend.max_position_embeddings)
+        self.max_batch, self.token_budget = int(max_batch), int(token_budget)
+        self._engine = None
+        self._engine_lock = threading.Lock()
+
+    @property
+    def engine(self):
+        """The engine every generation goes through (:func:`serve.engine.make_engine`; started on first use)."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = make_engine(self.backend, self.eot_id, self.max_batch, self.token_budget)
+            return self._engine
+
+    def configure_engine(self, max_batch: int, token_budget: int | None = None) -> None:
+        """Size the engine (before its first use; the HTTP server sets ``SHALIK_MAX_CONCURRENCY`` here). Raises
+        ValueError for a limit < 1 and RuntimeError once the engine has started."""
+        token_budget = self.token_budget if token_budget is None else token_budget
+        check_engine_limits(max_batch, token_budget)
+        with self._engine_lock:
+            if self._engine is not None and (max_batch, token_budget) != (self.max_batch, self.token_budget):
+                raise RuntimeError("the engine has started already; size it before the first generation")
+            self.max_batch, self.token_budget = int(max_batch), int(token_budget)
+
+    def close(self) -> None:
+        """Stop the engine (running generations end with "cancelled"); a later generation starts a new one."""
+        with self._engine_lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
 
     def __repr__(self) -> str:
         return f"LM(name={self.name!r}, backend={getattr(self.backend, 'name', '?')!r}, " \
@@ -301,19 +399,26 @@ class LM:
 
     # ---- generation
 
-    def start(self, prompt: Prompt, max_new_tokens: int | None = None, *, temperature: float = 1.0,
-              top_k: int = 0, top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-              repetition_penalty: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-              top_logprobs: int | None = None, echo: bool = False, index: int = 0, ignore_eos: bool = False,
-              default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Generation:
-        """Validate a request and return a :class:`Generation` (lazy: nothing runs until it is iterated).
+    def start(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> Generation:
+        """Validate a request and return a :class:`Generation` (lazy: nothing runs until it is iterated or
+        :meth:`Generation.submit` is called). Options as :meth:`start_choices`."""
+        return self.start_choices(prompt, 1, max_new_tokens, **options)[0]
 
-        prompt: text or token ids (``<|endoftext|>`` is prepended); max_new_tokens: int >= 0, or None for
-        ``default_max_new_tokens`` capped by the context; sampling parameters: see
+    def start_choices(self, prompt: Prompt, n: int = 1, max_new_tokens: int | None = None, *,
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, presence_penalty: float = 0.0,
+                      frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
+                      stop: str | Sequence[str] | None = None, top_logprobs: int | None = None, echo: bool = False,
+                      ignore_eos: bool = False, default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+                      ) -> list[Generation]:
+        """Validate a request for ``n`` choices of one prompt and return their :class:`Generation` s (lazy). The
+        prompt is prefilled once for every ``max_batch`` of them; each choice draws from a random stream of its
+        own derived from ``seed`` (choice 0 equals the ``n = 1`` generation).
+
+        prompt: text or token ids (``<|endoftext|>`` is prepended); n: an int >= 1; max_new_tokens:
+        int >= 0, or None for ``default_max_new_tokens`` capped by the context; sampling parameters: see
         :class:`serve.sampling.SamplingParams`; stop: a string or list of non-empty strings; top_logprobs:
-        N alternatives per token (None = none); echo: also score the prompt (``Generation.prompt``);
-        index: which derived random stream of ``seed`` to use (choice number for ``n > 1``); ignore_eos: keep
-        going past ``<|endoftext|>`` (its text then appears; for benchmarks that need fixed lengths).
+        N alternatives per token (None = none); echo: also score the prompt (``Generation.prompt``); ignore_eos:
+        keep going past ``<|endoftext|>`` (its text then appears; for benchmarks that need fixed lengths).
 
         Raises RequestError (ContextLengthError when prompt + max_new_tokens exceed the context).
         """
@@ -324,24 +429,44 @@ class LM:
         if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
                                          or top_logprobs < 0):
             raise RequestError(f"logprobs must be an integer >= 0, got {top_logprobs!r}", param="logprobs")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"n must be an integer >= 1, got {n!r}", param="n")
         ids = self.encode_prompt(prompt)
         budget = self.new_token_budget(len(ids) + 1, max_new_tokens, default_max_new_tokens)
-        return Generation(self, ids, budget, params, stops, top_logprobs, bool(echo), index, bool(ignore_eos))
+        gens = []
+        for first in range(0, n, self.max_batch):  # a group's choices must fit in one batch
+            size = min(self.max_batch, n - first)
+            group = ChoiceGroup(self, ids, budget, params, top_logprobs, bool(ignore_eos), size, first)
+            gens += [Generation(group, i, stops, bool(echo)) for i in range(size)]
+        return gens
 
     def stream(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> Iterator[str]:
-        """Yield text pieces as they are produced (same options as :meth:`start`).
+        """Yield text pieces as they are produced (same options as :meth:`start_choices`).
 
         Pieces never split a character and concatenate to ``complete(...).text`` for the same options."""
         for chunk in self.start(prompt, max_new_tokens, **options):
             yield chunk.text
 
-    def generate(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> str:
-        """The generated text (same options as :meth:`start`)."""
+    def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int | None = None,
+                 **options: Any) -> str | list[str]:
+        """The generated text (same options as :meth:`start_choices`). A list of prompts (texts, or lists of
+        token ids) gives a list of texts, generated together in the engine's batches."""
+        if is_prompt_list(prompt):
+            return [c.text for c in self.complete_batch(prompt, max_new_tokens, **options)]
         return self.complete(prompt, max_new_tokens, **options).text
 
     def complete(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> Completion:
-        """Run a generation to the end and return a :class:`Completion` (same options as :meth:`start`)."""
+        """Run a generation to the end and return a :class:`Completion` (same options as :meth:`start_choices`)."""
         return self.collect(self.start(prompt, max_new_tokens, **options))
+
+    def complete_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | None = None, n: int = 1,
+                       **options: Any) -> list[Completion]:
+        """Completions of several prompts (``n`` each, prompt-major), all submitted at once so that they share the
+        engine's steps. Every prompt is validated before any runs (RequestError naming the first bad one)."""
+        gens = [g for p in prompts for g in self.start_choices(p, n, max_new_tokens, **options)]
+        for g in gens:
+            g.submit()
+        return [self.collect(g) for g in gens]
 
     @staticmethod
     def collect(gen: Generation, chunks: Sequence[Chunk] | None = None) -> Completion:
@@ -435,6 +560,13 @@ class LM:
         return {self.table.display(i): p for i, p in top_logprobs(lp, n)}
 
 
+def is_prompt_list(prompt: Any) -> bool:
+    """True for a list (or tuple) of prompts — texts or token-id lists — rather than one prompt."""
+    return (isinstance(prompt, list | tuple) and len(prompt) > 0
+            and all(isinstance(p, str) or (isinstance(p, Sequence | np.ndarray) and not isinstance(p, bytes | bytearray))
+                    for p in prompt))
+
+
 def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
     """``stop`` as a list of non-empty strings; RequestError (param "stop") otherwise."""
     if stop is None:
@@ -457,14 +589,16 @@ def bundle_files(backend: str, quantize: str | None) -> list[str]:
 
 
 def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
-         name: str | None = None, verify: bool = True) -> LM:
+         name: str | None = None, verify: bool = True, max_batch: int = DEFAULT_MAX_BATCH,
+         token_budget: int = DEFAULT_TOKEN_BUDGET) -> LM:
     """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors) for serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
     ``"none"`` or ``"int8"``; threads: compute threads, an int >= 1 (None = all cores); name: the model's label
     (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``); verify: check the sha256
     of every file the backend reads against ``manifest.json`` first (:func:`serve.bundle.verify_files`; False for
-    those who verify the bundle elsewhere).
+    those who verify the bundle elsewhere); max_batch / token_budget: the engine's sequences per step and tokens
+    per step (:mod:`serve.engine`).
     Raises BundleError (a ValueError) naming a corrupt or unlisted file, or a missing manifest; TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
     FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
     threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
@@ -482,6 +616,7 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     if backend not in BACKENDS:
         raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
     quantize = parse_quantize(quantize)
+    check_engine_limits(max_batch, token_budget)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no model bundle at {path} (expected a folder with tokenizer.json and the model)")
@@ -499,4 +634,5 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
 
         model = RustBackend(path, quantize=quantize, threads=threads)
     label = name or path.resolve().parent.name or path.name
-    return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path)
+    return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path, max_batch=max_batch,
+              token_budget=token_budget)

@@ -2,9 +2,10 @@
 
 * :class:`Admission`: at most ``max_concurrency`` generations run; at most ``max_queue`` requests wait for a
   slot; one more is refused at once (:class:`Overloaded`, HTTP 429) instead of waiting into a timeout.
-* :class:`ThreadedRun`: one request's generations (its choices, one after another) in a thread of its own;
-  chunks come back to the event loop through an ``asyncio.Queue``. ``cancel()`` (client gone, timeout) stops
-  the model loop before its next step; the slot is released when the thread ends.
+* :class:`ThreadedRun`: one request's generations, all queued in the LM's engine at once (so its prompts and
+  choices are stepped together with every other request's; :mod:`serve.engine`), read in a thread of its own;
+  chunks come back to the event loop through an ``asyncio.Queue``. ``cancel()`` (client gone, timeout) takes
+  them out of the engine before its next step; the slot is released when the thread ends.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ class ThreadedRun:
 
     def _work(self) -> None:
         try:
+            for gen in self.generations:  # queue them all in the engine first: they run in the same steps
+                gen.submit()
             for i, gen in enumerate(self.generations):
                 if self._cancelled.is_set():
                     break

@@ -67,9 +67,18 @@ class ScriptedSequence:
         return rows if all_logits else rows[-1]
 
     def decode(self, token_id: int) -> np.ndarray:
+        self.backend.pause()
+        return self._advance(token_id)
+
+    def fork(self) -> ScriptedSequence:
+        """A copy of this sequence (same position and script step)."""
+        other = ScriptedSequence(self.backend)
+        other.position, other.steps = self.position, self.steps
+        return other
+
+    def _advance(self, token_id: int) -> np.ndarray:
         b = self.backend
         check_ids([token_id], b.vocab_size, self.position, b.max_position_embeddings)
-        b.pause()
         self.position += 1
         self.steps += 1
         b.decoded += 1
@@ -99,6 +108,12 @@ class ScriptedBackend:
 
     def new_sequence(self) -> ScriptedSequence:
         return ScriptedSequence(self)
+
+    def decode_batch(self, seqs: Sequence[ScriptedSequence], token_ids: Sequence[int]) -> np.ndarray:
+        """One step of every sequence at the cost of one (as a batched forward that reads the weights once):
+        one delay, then float32 logits ``[len(seqs), V]``."""
+        self.pause()
+        return np.stack([s._advance(t) for s, t in zip(seqs, token_ids)])
 
     def pause(self) -> None:
         """The per-step delay: blocks the calling thread, sleeping or (``busy``) spinning the CPU in Python

@@ -10,7 +10,7 @@ SHALIK_QUANTIZE             ``none``                  ``none`` or ``int8``
 SHALIK_THREADS              all cores                 compute threads
 SHALIK_API_KEY              unset (no auth)           ``Authorization: Bearer KEY`` on all but /, /health,
                                                       /static/*
-SHALIK_MAX_CONCURRENCY      2                         generations at once
+SHALIK_MAX_CONCURRENCY      16                        sequences stepped together (the engine's batch)
 SHALIK_MAX_QUEUE            64                        waiting requests; beyond → 429 with Retry-After
 SHALIK_MAX_BODY_BYTES       1048576                   larger body → 413
 SHALIK_REQUEST_TIMEOUT_S    120                       → 504
@@ -69,7 +69,7 @@ class Settings:
     quantize: str | None = None
     threads: int | None = None
     api_key: str | None = None
-    max_concurrency: int = 2
+    max_concurrency: int = 16
     max_queue: int = 64
     max_body_bytes: int = 1_048_576
     request_timeout_s: float = 120.0

@@ -64,7 +64,7 @@ def test_n2_with_seed_differs_between_choices_and_reproduces(client, lm):
     assert [c.index for c in first.choices] == [0, 1]
     assert texts[0] != texts[1]
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
-    assert texts == [lm.complete(PROMPT, 16, temperature=1.0, seed=1234, index=j).text for j in (0, 1)]
+    assert texts == [c.text for c in lm.complete_batch([PROMPT], 16, n=2, temperature=1.0, seed=1234)]
 
 
 def test_stop_string_cuts_the_output(client, lm):

@@ -97,7 +97,7 @@ def test_settings_from_env(tmp_path):
     s = Settings.from_env({"SHALIK_MAX_QUEUE": "3", "SHALIK_QUANTIZE": "int8", "SHALIK_BACKEND": "rust"},
                           runs_dir=tmp_path / "runs")
     assert s.model == tmp_path / "runs" / "new" / "bundle" and s.served_name == "new"
-    assert (s.max_queue, s.quantize, s.backend, s.max_concurrency, s.default_max_tokens) == (3, "int8", "rust", 2, 64)
+    assert (s.max_queue, s.quantize, s.backend, s.max_concurrency, s.default_max_tokens) == (3, "int8", "rust", 16, 64)
     empty = Settings.from_env({}, runs_dir=tmp_path / "none")
     assert empty.model is None and "SHALIK_MODEL" in empty.model_problem
     with pytest.raises(SettingsError, match="SHALIK_MAX_CONCURRENCY"):
@@ -416,6 +416,14 @@ def test_metrics(client):
     assert samples[("shalik_time_to_first_token_seconds_count", ())] == 1
     assert samples[("shalik_decode_tokens_per_second_count", ())] == 1
     assert samples[("shalik_in_flight", ())] == 0 and samples[("shalik_queue_depth", ())] == 0
+    # the engine's counters: one request of 1 + 1 prompt positions and 3 tokens (the last is never fed back)
+    assert samples[("shalik_engine_admitted_total", ())] == 1
+    assert samples[("shalik_engine_prefill_tokens_total", ())] == 2
+    assert samples[("shalik_engine_decode_tokens_total", ())] == 2
+    assert samples[("shalik_engine_steps_total", ())] == 3
+    assert samples[("shalik_engine_running_sequences", ())] == 0
+    assert samples[("shalik_engine_waiting_sequences", ())] == 0
+    assert samples[("shalik_engine_queue_wait_seconds_total", ())] >= 0
 
 
 def test_openapi_declares_errors_and_no_422():

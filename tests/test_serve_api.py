@@ -222,9 +222,9 @@ def test_s5_seeded_generation_unaffected_by_concurrent_ones():
 
 def test_s5_choices_get_derived_streams():
     lm = scripted_lm(None, context=256)
-    choices = [lm.generate("p", 12, temperature=1.0, seed=5, index=i) for i in range(4)]
+    choices = [c.text for c in lm.complete_batch(["p"], 12, n=4, temperature=1.0, seed=5)]
     assert len(set(choices)) > 1
-    assert choices == [lm.generate("p", 12, temperature=1.0, seed=5, index=i) for i in range(4)]
+    assert choices == [c.text for c in lm.complete_batch(["p"], 12, n=4, temperature=1.0, seed=5)]
     assert choices[0] == lm.generate("p", 12, temperature=1.0, seed=5)
 
 

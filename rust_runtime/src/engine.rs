@@ -38,6 +38,8 @@ pub struct Request {
     pub top_logprobs: usize,
     /// the request ends with `Finish::Timeout` this long after submission
     pub timeout: Option<Duration>,
+    /// keep going past end-of-text (it is then an ordinary token); stop ids still stop
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -70,6 +72,9 @@ impl Finish {
 pub enum Event {
     Token { index: usize, id: u32, logprob: f32, top: Vec<(u32, f32)> },
     Finished { index: usize, reason: Finish },
+    /// choice `index` ended at end-of-text or a stop id `id` (not part of the output), with its
+    /// log-prob and top alternatives as for a token (vLLM reports this step too; lm-eval reads it)
+    Stopped { index: usize, id: u32, logprob: f32, top: Vec<(u32, f32)> },
 }
 
 /// Counters for /metrics, updated after every step.
@@ -94,6 +99,8 @@ enum Cmd {
         at: Instant,
     },
     Cancel(u64),
+    /// end one choice (id, index) of a request, e.g. at a stop string; the others go on
+    CancelChoice(u64, usize),
     /// tests: allow only this many more steps (None = no limit), to order events deterministically
     #[cfg(test)]
     Hold(Option<u64>),
@@ -180,6 +187,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             cancelled: HashSet::new(),
+            cancelled_choices: HashSet::new(),
             stats: stats.clone(),
             allowed: None,
         };
@@ -245,6 +253,14 @@ impl Engine {
         let _ = self.send(Cmd::Cancel(id));
     }
 
+    /// End choice `index` of request `id` before the next step (it ends with
+    /// `Finish::Cancelled`; the request's other choices go on). Unknown ones are ignored. A
+    /// choice whose prompt is still being prefilled (n > 1 shares one sequence until then) is
+    /// not split: cancel the whole request instead.
+    pub fn cancel_choice(&self, id: u64, index: usize) {
+        let _ = self.send(Cmd::CancelChoice(id, index));
+    }
+
     pub fn stats(&self) -> Stats {
         self.stats.lock().map(|s| s.clone()).unwrap_or_default()
     }
@@ -284,6 +300,7 @@ struct Scheduler {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     cancelled: HashSet<u64>,
+    cancelled_choices: HashSet<(u64, usize)>,
     stats: Arc<Mutex<Stats>>,
     /// steps still allowed (tests only hold the scheduler; None = no limit)
     allowed: Option<u64>,
@@ -337,6 +354,9 @@ impl Scheduler {
                 Cmd::Cancel(id) => {
                     self.cancelled.insert(id);
                 }
+                Cmd::CancelChoice(id, index) => {
+                    self.cancelled_choices.insert((id, index));
+                }
                 #[cfg(test)]
                 Cmd::Hold(h) => self.allowed = h,
                 Cmd::Submit { id, req, tx, at } => {
@@ -376,8 +396,10 @@ impl Scheduler {
     fn drop_finished(&mut self) {
         let now = Instant::now();
         let cancelled = std::mem::take(&mut self.cancelled);
+        let choices = std::mem::take(&mut self.cancelled_choices);
         let verdict = |s: &Seq| -> Option<Finish> {
-            if cancelled.contains(&s.id) {
+            let whole = s.last.is_none() && s.req.n > 1; // still one sequence for every choice
+            if cancelled.contains(&s.id) || (!whole && choices.contains(&(s.id, s.index))) {
                 Some(Finish::Cancelled)
             } else if s.deadline.is_some_and(|d| now >= d) {
                 Some(Finish::Timeout)
@@ -551,13 +573,13 @@ fn sample_seq(s: &mut Seq, logits: &[f32], eot: Option<u32>) -> Result<bool> {
             return Ok(true);
         }
     };
-    if Some(tok) == eot || s.req.stop_ids.contains(&tok) {
-        s.finish(Finish::Stop);
-        return Ok(true);
-    }
     let max = sampling::check_logits(logits)?;
     let logprob = sampling::log_prob_with_max(logits, tok as usize, max) as f32;
     let top = if s.req.top_logprobs > 0 { sampling::top_logprobs(logits, s.req.top_logprobs, max) } else { vec![] };
+    if (Some(tok) == eot && !s.req.ignore_eos) || s.req.stop_ids.contains(&tok) {
+        s.send(Event::Stopped { index: s.index, id: tok, logprob, top });
+        return Ok(true);
+    }
     s.produced += 1;
     s.pen.add_generated(tok);
     s.last = Some(tok);
@@ -584,13 +606,14 @@ mod tests {
             match rx.recv_timeout(Duration::from_secs(30)).expect("an event within 30 s") {
                 Event::Token { index, id, logprob, .. } => out[index].0.push((id, logprob)),
                 Event::Finished { index, reason } => out[index].1 = Some(reason),
+                Event::Stopped { index, .. } => out[index].1 = Some(Finish::Stop),
             }
         }
         out.into_iter().map(|(t, f)| (t, f.unwrap())).collect()
     }
 
     fn req(prompt: Vec<u32>, max_new: usize, params: SamplingParams, seed: Option<u64>, n: usize) -> Request {
-        Request { prompt, max_new_tokens: max_new, params, seed, stop_ids: vec![], n, top_logprobs: 0, timeout: None }
+        Request { prompt, max_new_tokens: max_new, params, seed, stop_ids: vec![], n, top_logprobs: 0, timeout: None, ignore_eos: false }
     }
 
     fn alone(m: &Model, prompt: &[u32], max_new: usize, params: SamplingParams, seed: Option<u64>) -> Vec<(u32, f32)> {

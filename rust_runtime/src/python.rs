@@ -466,11 +466,12 @@ impl PyEngine {
     }
 
     /// Queue a request; returns an iterator of its events. Arguments as Model.generate, plus
-    /// n (choices, one prefill), top_logprobs (alternatives reported per token) and timeout
-    /// (seconds from now, then the choices end with "timeout").
+    /// n (choices, one prefill), top_logprobs (alternatives reported per token), timeout
+    /// (seconds from now, then the choices end with "timeout") and ignore_eos (end-of-text is
+    /// then an ordinary token; stop_ids still stop).
     #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
                         frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None, n=1,
-                        top_logprobs=0, timeout=None))]
+                        top_logprobs=0, timeout=None, ignore_eos=false))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -487,6 +488,7 @@ impl PyEngine {
         n: i64,
         top_logprobs: i64,
         timeout: Option<f64>,
+        ignore_eos: bool,
     ) -> PyResult<PyRequestStream> {
         let params =
             SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
@@ -535,6 +537,7 @@ impl PyEngine {
             n: n as usize,
             top_logprobs: top_logprobs as usize,
             timeout,
+            ignore_eos,
         };
         let n = req.n;
         let (id, rx) = self.engine.submit(req)?;
@@ -580,8 +583,9 @@ impl PyEngine {
 
 /// The events of one request, from Engine.submit: tuples
 /// (index, token_id, logprob, top_logprobs, finish_reason) — a token has finish_reason None;
-/// the end of choice `index` has token_id None and finish_reason "stop" / "length" /
-/// "cancelled" / "timeout" / "error: …". Iteration ends when every choice has ended.
+/// the end of choice `index` has finish_reason "stop" / "length" / "cancelled" / "timeout" /
+/// "error: …" and token_id None (logprob NaN), except a "stop" at end-of-text or a stop id,
+/// which carries that token (not part of the output) with its logprob and top alternatives. Iteration ends when every choice has ended.
 /// Dropping the stream cancels the request.
 #[pyclass(module = "rust_runtime", name = "RequestStream")]
 pub struct PyRequestStream {
@@ -613,6 +617,10 @@ impl PyRequestStream {
             });
             match got {
                 Ok(Event::Token { index, id, logprob, top }) => return Ok(Some((index, Some(id), logprob, top, None))),
+                Ok(Event::Stopped { index, id, logprob, top }) => {
+                    self.open = self.open.saturating_sub(1);
+                    return Ok(Some((index, Some(id), logprob, top, Some("stop".to_string()))));
+                }
                 Ok(Event::Finished { index, reason }) => {
                     self.open = self.open.saturating_sub(1);
                     let name = match &reason {
@@ -633,6 +641,11 @@ impl PyRequestStream {
     /// Ask the engine to drop this request before its next step.
     fn cancel(&self) {
         self.engine.cancel(self.id);
+    }
+
+    /// End choice `index` only (e.g. at a stop string); the other choices go on.
+    fn cancel_choice(&self, index: usize) {
+        self.engine.cancel_choice(self.id, index);
     }
 }
 

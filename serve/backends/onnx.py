@@ -72,6 +72,14 @@ class OnnxSequence:
         self._past = None
         self.position = 0
 
+    def fork(self) -> OnnxSequence:
+        """A second sequence with the same cache (``n > 1`` choices of one prefill). The past arrays are shared:
+        a step never writes into them, it replaces them with onnxruntime's new outputs."""
+        other = OnnxSequence(self._backend)
+        other._past = None if self._past is None else list(self._past)
+        other.position = self.position
+        return other
+
 
 class OnnxBackend:
     """A bundle's ONNX graph in an onnxruntime session, plus a factory of KV caches.

@@ -97,11 +97,18 @@ class RustBackend:
 
     @property
     def engine(self):
-        """The continuous-batching ``rust_runtime.Engine`` over this model (started on first use): concurrent
-        ``generate``/``stream``/``generate_batch`` calls are stepped together, up to ``max_batch`` sequences."""
+        """The continuous-batching ``rust_runtime.Engine`` over this model (started on first use, sized
+        ``max_batch`` / ``token_budget``): concurrent ``generate``/``stream``/``generate_batch`` calls — and every
+        generation of :mod:`serve` — are stepped together."""
+        return self.start_engine(self.max_batch, self.token_budget)
+
+    def start_engine(self, max_batch: int, token_budget: int):
+        """The model's one ``rust_runtime.Engine``: started now with these limits, or the running one (whose
+        limits were fixed when it started)."""
         with self._engine_lock:
             if self._engine is None:
-                self._engine = _rr.Engine(self.model, max_batch=self.max_batch, token_budget=self.token_budget)
+                self.max_batch, self.token_budget = max_batch, token_budget
+                self._engine = _rr.Engine(self.model, max_batch=max_batch, token_budget=token_budget)
             return self._engine
 
     def new_sequence(self) -> RustSequence:

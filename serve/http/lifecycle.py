@@ -28,6 +28,9 @@ class ServerState:
         if lm is None and settings.model is None and self.problem is None:
             self.problem = "no model configured (set SHALIK_MODEL to a bundle folder)"
         self.loading = False
+        if lm is not None:
+            lm.configure_engine(settings.max_concurrency)
+            self.metrics.watch_engine(lambda: lm.engine.stats())
         self._admission: Admission | None = None
         self.created = int(time.time())
         if settings.model_name:
@@ -64,7 +67,9 @@ class ServerState:
         s = self.settings
         try:
             self.lm = load(s.model, backend=s.backend, quantize=s.quantize, threads=s.threads, name=self.name,
-                           verify=s.verify)
+                           verify=s.verify, max_batch=s.max_concurrency)
+            lm = self.lm
+            self.metrics.watch_engine(lambda: lm.engine.stats())
         except Exception as e:  # reported by /health; the server keeps answering
             self.problem = f"loading {s.model} with the {s.backend} backend failed: {type(e).__name__}: {e}"
             log.error("%s (/health answers 503 with this)", self.problem)

@@ -48,15 +48,15 @@ def generation_options(req: CompletionRequest, default_max_tokens: int) -> dict[
 
 
 def start_generations(lm: LM, req: CompletionRequest, default_max_tokens: int) -> list[Generation]:
-    """One :class:`Generation` per (prompt, choice), prompt-major (OpenAI's choice order). Choice j of every
-    prompt uses random stream j of the seed. Raises RequestError before anything runs."""
+    """One :class:`Generation` per (prompt, choice), prompt-major (OpenAI's choice order); the choices of a prompt
+    share its prefill (:meth:`LM.start_choices`). Raises RequestError before anything runs."""
     options = generation_options(req, default_max_tokens)
     prompts = split_prompts(req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
         raise RequestError(f"{len(prompts)} prompts × n = {req.n} asks for {len(prompts) * req.n} completions in one "
                            f"request; at most {MAX_CHOICES} are allowed (they share one concurrency slot)", param="n",
                            code="too_many_completions")
-    return [lm.start(p, req.max_tokens, index=j, **options) for p in prompts for j in range(req.n)]
+    return [g for p in prompts for g in lm.start_choices(p, req.n, req.max_tokens, **options)]
 
 
 def prompt_usage(gens: Sequence[Generation], n: int) -> int:
