@@ -237,6 +237,11 @@ class OnnxBackend:
         them back without a copy; a different set is re-padded (one copy of each cache), and a sequence used
         alone again copies its row out. Not thread-safe: one caller steps a backend's sequences.
 
+        fp32: the padding is masked exactly (its slots get weight 0) and a row matches its single run to ~1e-6.
+        int8: the graph's DynamicQuantizeLinear takes one activation scale per tensor, i.e. over all rows, so a
+        row's logits move with the other rows' activations (max |Δlogit| ~5e-2 on `small`; tokens may differ
+        where the top two are that close) — a sequence's output then depends on its companions.
+
         Raises BackendError, before any cache changes, for an empty list, ``len(seqs) != len(token_ids)``, a
         sequence given twice or not made by this backend's :meth:`new_sequence`, a token id that is not an int
         in ``[0, vocab_size)``, or a sequence already at the context length.
@@ -304,7 +309,8 @@ class OnnxBackend:
 
     def batch_pays(self, batch_size: int) -> bool:
         """Whether :meth:`decode_batch` of ``batch_size`` sequences beats as many :meth:`OnnxSequence.decode`
-        calls (benchmarks/onnx_batching.py: aggregate decode tokens/s, same sequences, interleaved)."""
+        calls in aggregate decode tokens/s (benchmarks/onnx_batching.py, `small`, 2 threads: from B = 2 on, for
+        the fp32 and the int8 graph; at B = 1 it is the same call)."""
         return batch_size >= BATCH_PAYS_FROM
 
     def logits(self, ids: Seq[int]) -> np.ndarray:
