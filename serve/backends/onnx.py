@@ -5,6 +5,11 @@ numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/
 ``[batch, kv_heads, past, head_dim]`` → ``logits`` ``[batch, seq, vocab]`` and ``present.{i}.key/.value``
 ``[batch, kv_heads, past + seq, head_dim]``. One graph serves prefill (past length 0) and decode.
 
+:meth:`OnnxBackend.decode_batch` steps several sequences in one session run: their caches left-padded to the
+longest (attention_mask 0 over the padding, each row its own position_ids). The padded presents are kept as one
+batched cache (:class:`_Batch`) so that the next step over the same sequences feeds them back without a copy; a
+sequence's own cache is cut out of it only when it is used alone again (or the batch changes).
+
 Session options follow notes/export-facts.md: intra-op threads = ``threads`` or every core this process may use,
 inter-op 1, ``ORT_ENABLE_ALL`` (it folds the tied lm_head transpose), no spinning between calls (the cores are
 shared).
@@ -15,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from serve.backends.base import BackendError, check_ids
 from serve.bundle import eot_id, parse_quantize
 
 MODEL_FILES = {None: "model.onnx", "int8": "model.int8.onnx"}
+BATCH_PAYS_FROM = 2  # smallest batch at which decode_batch beats one-at-a-time decode (benchmarks/onnx_batching.py)
 
 Past = list[tuple[np.ndarray, np.ndarray]]
 
@@ -37,13 +44,55 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+class _Batch:
+    """The left-padded KV cache of the sequences stepped together by the last :meth:`OnnxBackend.decode_batch`.
+
+    ``past``: per layer (k, v) ``[rows, kv_heads, width, head_dim]``; row ``i`` holds ``members[i]``'s cache in
+    its last ``position`` slots (the slots before are padding, zeros). ``members``: weak references, so a
+    finished sequence that nobody holds any more does not keep its row alive by itself.
+    """
+
+    __slots__ = ("past", "width", "members")
+
+    def __init__(self, past: Past, width: int, members: list[OnnxSequence]):
+        self.past = past
+        self.width = width
+        self.members = [weakref.ref(m) for m in members]
+
+    def rows(self, row: int, pad: int) -> Past:
+        """Row ``row``'s cache without its ``pad`` padding slots (views, not copies)."""
+        return [(k[row:row + 1, :, pad:], v[row:row + 1, :, pad:]) for k, v in self.past]
+
+
 class OnnxSequence:
-    """One sequence's KV cache (numpy arrays returned by the previous step). Implements base.Sequence."""
+    """One sequence's KV cache (numpy arrays returned by the previous step). Implements base.Sequence.
+
+    After :meth:`OnnxBackend.decode_batch` the cache lives in a row of the batch's padded cache (``_slot``); it
+    is copied out into arrays of its own on the first call that uses this sequence alone.
+    """
 
     def __init__(self, backend: OnnxBackend):
         self._backend = backend
         self._past: Past | None = None
+        self._slot: tuple[_Batch, int] | None = None
         self.position = 0
+
+    def _own_past(self) -> Past | None:
+        """This sequence's cache as contiguous ``[1, kv_heads, position, head_dim]`` arrays (None when empty),
+        leaving the batched cache it was part of."""
+        if self._slot is not None:
+            batch, row = self._slot
+            self._past = [(np.ascontiguousarray(k), np.ascontiguousarray(v))
+                          for k, v in batch.rows(row, batch.width - self.position)]
+            self._slot = None
+        return self._past
+
+    def _rows(self) -> Past | None:
+        """This sequence's cache as ``[1, kv_heads, position, head_dim]`` arrays or views, without copying."""
+        if self._slot is not None:
+            batch, row = self._slot
+            return batch.rows(row, batch.width - self.position)
+        return self._past
 
     def prefill(self, ids: Seq[int], all_logits: bool = False) -> np.ndarray:
         """Append ``ids`` (non-empty ints) to the cache; float32 logits ``[len(ids), V]`` or ``[V]`` (the last).
@@ -58,7 +107,7 @@ class OnnxSequence:
             np.asarray([ids], dtype=np.int64),
             np.ones((1, total), dtype=np.int64),
             np.arange(self.position, total, dtype=np.int64)[None],
-            self._past,
+            self._own_past(),
         )
         self.position = total
         return logits[0] if all_logits else logits[0, -1]
@@ -70,6 +119,7 @@ class OnnxSequence:
     def reset(self) -> None:
         """Empty the cache (position 0)."""
         self._past = None
+        self._slot = None
         self.position = 0
 
     def fork(self) -> OnnxSequence:
@@ -180,6 +230,96 @@ class OnnxBackend:
         logits = np.asarray(outs[0], dtype=np.float32)
         presents = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(self.num_layers)]
         return logits, presents
+
+    #: keep the padded presents of a batch for the next step over the same sequences (False: re-pad every step;
+    #: benchmarks/onnx_batching.py measures the copy this saves)
+    keep_batched_cache = True
+
+    def decode_batch(self, seqs: Seq[OnnxSequence], token_ids: Seq[int]) -> np.ndarray:
+        """Append ``token_ids[i]`` to ``seqs[i]`` for every i in ONE session run; float32 logits ``[B, V]``.
+
+        Row i equals ``seqs[i].decode(token_ids[i])`` up to float noise (B = 1 is exactly that call), and each
+        sequence's cache and ``position`` end as that call would leave them. The caches are left-padded to the
+        longest (attention_mask 0 over the padding, ``position_ids`` = each row's own position). The padded
+        presents stay shared by the sequences, so the next call with the same sequences in the same order feeds
+        them back without a copy; a different set is re-padded (one copy of each cache), and a sequence used
+        alone again copies its row out. Not thread-safe: one caller steps a backend's sequences.
+
+        fp32: the padding is masked exactly (its slots get weight 0) and a row matches its single run to ~1e-6.
+        int8: the graph's DynamicQuantizeLinear takes one activation scale per tensor, i.e. over all rows, so a
+        row's logits move with the other rows' activations (max |Δlogit| ~5e-2 on `small`; tokens may differ
+        where the top two are that close) — a sequence's output then depends on its companions.
+
+        Raises BackendError, before any cache changes, for an empty list, ``len(seqs) != len(token_ids)``, a
+        sequence given twice or not made by this backend's :meth:`new_sequence`, a token id that is not an int
+        in ``[0, vocab_size)``, or a sequence already at the context length.
+        """
+        b = len(seqs)
+        if b == 0:
+            raise BackendError("decode_batch: expected at least one sequence, got an empty list")
+        if len(token_ids) != b:
+            raise BackendError(f"decode_batch: {b} sequences but {len(token_ids)} token ids; expected one id per "
+                               "sequence")
+        seen: dict[int, int] = {}
+        ids = []
+        for i, (seq, tok) in enumerate(zip(seqs, token_ids, strict=True)):
+            if not isinstance(seq, OnnxSequence) or seq._backend is not self:
+                raise BackendError(f"decode_batch: seqs[{i}] ({type(seq).__name__}) is not a sequence of this "
+                                   f"backend; expected one made by {self!r}.new_sequence()")
+            if id(seq) in seen:
+                raise BackendError(f"decode_batch: seqs[{i}] is seqs[{seen[id(seq)]}] again; expected distinct "
+                                   "sequences")
+            seen[id(seq)] = i
+            try:
+                ids += check_ids([tok], self.vocab_size, seq.position, self.max_position_embeddings)
+            except BackendError as e:
+                raise BackendError(f"decode_batch: seqs[{i}] / token_ids[{i}]: {e}") from None
+        if b == 1:
+            return seqs[0].decode(ids[0])[None]
+        positions = np.array([s.position for s in seqs], dtype=np.int64)
+        first = seqs[0]._slot
+        same = (self.keep_batched_cache and first is not None and len(first[0].members) == b
+                and all(s._slot is not None and s._slot[0] is first[0] and s._slot[1] == i
+                        for i, s in enumerate(seqs)))
+        if same:
+            width, past = first[0].width, first[0].past
+        else:
+            width, past = int(positions.max()), self._pad([s._rows() for s in seqs], positions)
+        mask = (np.arange(width + 1)[None] >= (width - positions)[:, None]).astype(np.int64)
+        logits, presents = self.forward(np.asarray(ids, dtype=np.int64)[:, None], mask, positions[:, None], past)
+        old = {id(s._slot[0]): s._slot[0] for s in seqs if s._slot is not None and not same}
+        batch = _Batch(presents, width + 1, list(seqs))
+        for i, s in enumerate(seqs):
+            s._slot, s._past = (batch, i), None
+            s.position += 1
+        for g in old.values():  # members left out of this batch take their rows, so the old batch can go
+            for ref in g.members:
+                m = ref()
+                if m is not None and m._slot is not None and m._slot[0] is g:
+                    m._own_past()
+        return logits[:, -1]
+
+    def _pad(self, pasts: list[Past | None], positions: np.ndarray) -> Past:
+        """Per layer (k, v) ``[B, kv_heads, max(positions), head_dim]``: row i = ``pasts[i]`` right-aligned,
+        zeros before it."""
+        width = int(positions.max())
+        out = []
+        for layer in range(self.num_layers):
+            kv = []
+            for j in (0, 1):
+                a = np.zeros((len(pasts), self.num_kv_heads, width, self.head_dim), dtype=self.kv_dtype)
+                for i, p in enumerate(pasts):
+                    if p is not None and positions[i]:
+                        a[i, :, width - positions[i]:] = p[layer][j][0]
+                kv.append(a)
+            out.append((kv[0], kv[1]))
+        return out
+
+    def batch_pays(self, batch_size: int) -> bool:
+        """Whether :meth:`decode_batch` of ``batch_size`` sequences beats as many :meth:`OnnxSequence.decode`
+        calls in aggregate decode tokens/s (benchmarks/onnx_batching.py, `small`, 2 threads: from B = 2 on, for
+        the fp32 and the int8 graph; at B = 1 it is the same call)."""
+        return batch_size >= BATCH_PAYS_FROM
 
     def logits(self, ids: Seq[int]) -> np.ndarray:
         """float32 logits ``[len(ids), V]`` for one sequence from position 0 (no cache kept)."""

@@ -1,0 +1,196 @@
+"""Batched decode in serve's onnx backend: ``OnnxBackend.decode_batch`` (B sequences in one session run, caches
+left-padded) against B ``OnnxSequence.decode`` calls, over the same sequences, at B = 1, 2, 4, 8, 16, for the fp32
+graph and its int8 one.
+
+Builds a random-init model of the `small` shape (benchmarks/rust_decode.py's: hidden 512, 6 layers, 8 heads / 4 KV
+heads, intermediate 1280, vocab 32000, tied, context 512) with train.model, exports its graph with
+export.graph.export_graph (the exporter of ``python -m export.onnx``) into a temporary folder beside a config.json,
+quantizes it as ``--quantize int8`` does (export.quantize), and opens both with serve's OnnxBackend. For each B and
+graph, three sets of B sequences get the same prompts (lengths 8 to 32, all different, so the batch is padded) and
+then the same greedy tokens, round by round, interleaved:
+
+* ``batched``: ``decode_batch`` (the padded presents kept between steps);
+* ``single``: one ``decode`` per sequence per step;
+* ``repadded``: ``decode_batch`` with ``keep_batched_cache = False``, so every step copies each cache into a fresh
+  padded batch (what the kept cache saves).
+
+Decode tokens/s = tokens appended / wall time of the steps; per B the median over rounds is reported, with the
+ratio batched / single, and max |logit| difference of batched and repadded against single (same tokens).
+Writes benchmarks/results/onnx_batching.{json,md}.
+
+    nice python benchmarks/onnx_batching.py [--threads 2] [--batch 1 2 4 8 16] [--rounds 5] [--steps 16]
+        [--graphs fp32 int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SMALL = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+             intermediate_size=1280, vocab_size=32000, max_position_embeddings=512)
+MODES = ("batched", "single", "repadded")
+
+
+def build_bundle(out: Path, int8: bool) -> None:
+    """config.json + model.onnx (and model.int8.onnx when ``int8``) of a random-init (seed 0) `small` model."""
+    import torch
+
+    from export.graph import export_graph
+    from export.quantize import INT8_FILE, quantize_int8
+    from train.model import LlamaForCausalLM, ModelConfig
+
+    cfg = ModelConfig(**SMALL, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    export_graph(model, out / "model.onnx")
+    (out / "config.json").write_text(json.dumps(cfg.hf_config(), indent=2))
+    if int8:
+        quantize_int8(out / "model.onnx", out / INT8_FILE)
+
+
+def prompts(b: int) -> list[list[int]]:
+    """B prompts of different lengths (8..32 tokens), ids spread over the vocabulary."""
+    return [[(17 + 131 * j + 7919 * i) % SMALL["vocab_size"] for i in range(8 + (j * 11) % 25)] for j in range(b)]
+
+
+def step(backend, mode: str, seqs, toks):
+    """One decode step of every sequence in ``seqs``: logits [B, V]."""
+    import numpy as np
+
+    if mode == "single":
+        return np.stack([s.decode(t) for s, t in zip(seqs, toks, strict=True)])
+    backend.keep_batched_cache = mode == "batched"
+    return backend.decode_batch(seqs, toks)
+
+
+def run_batch(backend, b: int, rounds: int, steps: int) -> dict:
+    """Interleaved rounds (batched, single, repadded in turn) over three sets of the same B sequences."""
+    import numpy as np
+
+    sets = {m: [backend.new_sequence() for _ in range(b)] for m in MODES}
+    toks = []
+    for m in MODES:
+        toks = [int(s.prefill(p).argmax()) for s, p in zip(sets[m], prompts(b), strict=True)]
+    times = {m: [] for m in MODES}
+    diff = {m: 0.0 for m in MODES}
+    agree, total = 0, 0
+    for _ in range(rounds):
+        logits = {}
+        inputs = [toks]  # every mode gets the same tokens: the batched run's greedy choices
+        for m in MODES:
+            out = []
+            t0 = time.perf_counter()
+            for k in range(steps):
+                out.append(step(backend, m, sets[m], inputs[k]))
+                greedy = [int(t) for t in out[-1].argmax(-1)]  # every mode picks its tokens (a generation loop)
+                if m == "batched":
+                    inputs.append(greedy)
+            times[m].append(time.perf_counter() - t0)
+            logits[m] = out
+        for m in MODES:
+            diff[m] = max(diff[m], max(float(np.abs(a - s).max())
+                                       for a, s in zip(logits[m], logits["single"], strict=True)))
+        toks = inputs[-1]
+        for a, s in zip(logits["batched"], logits["single"], strict=True):
+            agree += int((a.argmax(-1) == s.argmax(-1)).sum())
+            total += a.shape[0]
+    tps = {m: [b * steps / t for t in times[m]] for m in MODES}
+    med = {m: statistics.median(v) for m, v in tps.items()}
+    return {
+        "batch": b, "rounds": rounds, "steps": steps,
+        "prompt_lengths": [len(p) for p in prompts(b)],
+        "tokens_per_s": med, "tokens_per_s_rounds": tps,
+        "ratio_batched_vs_single": med["batched"] / med["single"],
+        "ratio_repadded_vs_batched": med["repadded"] / med["batched"],
+        "max_abs_logit_diff_vs_single": {m: diff[m] for m in ("batched", "repadded")},
+        "greedy_agreement_vs_single": agree / total,
+    }
+
+
+def loadavg() -> list[str]:
+    p = Path("/proc/loadavg")
+    return p.read_text().split()[:3] if p.exists() else []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--graphs", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "onnx_batching")
+    args = ap.parse_args()
+
+    import onnxruntime as ort
+
+    from serve.backends.onnx import OnnxBackend
+    from train.atomic import atomic_write_json, atomic_write_text
+
+    load_before = loadavg()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="onnx-batching-") as tmp:
+        t0 = time.time()
+        build_bundle(Path(tmp), "int8" in args.graphs)
+        print(f"exported small in {time.time() - t0:.0f} s", flush=True)
+        backends = {g: OnnxBackend(tmp, quantize=None if g == "fp32" else g, threads=args.threads)
+                    for g in args.graphs}
+        for backend in backends.values():
+            run_batch(backend, 2, 1, 2)  # warm-up
+        for b in args.batch:
+            for graph, backend in backends.items():
+                r = {"graph": graph, **run_batch(backend, b, args.rounds, args.steps)}
+                rows.append(r)
+                t = r["tokens_per_s"]
+                print(f"{graph} B={b:2d}: batched {t['batched']:7.1f}  single {t['single']:7.1f}  repadded "
+                      f"{t['repadded']:7.1f} tok/s  batched/single {r['ratio_batched_vs_single']:.2f}  max|dlogit| "
+                      f"{r['max_abs_logit_diff_vs_single']['batched']:.1e}", flush=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = {"shape": "small", "threads": args.threads, "rounds": args.rounds, "steps": args.steps,
+            "onnxruntime": ort.__version__, "cores": os.cpu_count(), "commit": commit,
+            "loadavg_before": load_before, "loadavg_after": loadavg()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out.with_suffix(".json"), {"meta": meta, "rows": rows})
+    lines = [
+        "# onnx_batching: OnnxBackend.decode_batch vs one decode per sequence",
+        "",
+        f"`small` random-init, onnxruntime {meta['onnxruntime']}, {args.threads} threads, {args.rounds} "
+        f"interleaved rounds of {args.steps} steps per B (median), commit {commit}; load average "
+        f"{' '.join(load_before)} before, {' '.join(meta['loadavg_after'])} after, on {meta['cores']} cores.",
+        "",
+        "| graph | B | batched tok/s | single tok/s | batched / single | repadded tok/s | repadded / batched "
+        "| max abs logit diff batched vs single | same greedy token as single |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["tokens_per_s"]
+        lines.append(f"| {r['graph']} | {r['batch']} | {t['batched']:.1f} | {t['single']:.1f} | {r['ratio_batched_vs_single']:.2f} "
+                     f"| {t['repadded']:.1f} | {r['ratio_repadded_vs_batched']:.2f} "
+                     f"| {r['max_abs_logit_diff_vs_single']['batched']:.1e} "
+                     f"| {100 * r['greedy_agreement_vs_single']:.1f} % |")
+    lines += ["", "B = 1: decode_batch is that one decode call, so its ratio shows the noise of the measurement.",
+              "", "repadded: decode_batch with `keep_batched_cache = False` (every step copies each cache into a "
+              "fresh padded batch). int8: the graph's DynamicQuantizeLinear takes one activation scale per tensor, so a "
+              "row's logits depend on the other rows of the batch (fp32 rows do not, up to float noise)."]
+    atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
