@@ -165,5 +165,7 @@ def test_bad_input_is_refused_and_changes_nothing(backend, bundle):
 
 
 def test_batch_pays_from_two(backend):
-    """benchmarks/onnx_batching.py: decode_batch wins from B = 2 on (fp32 and int8); B = 1 is the same call."""
-    assert [backend.batch_pays(b) for b in (1, 2, 4, 16)] == [False, True, True, True]
+    """benchmarks/onnx_batching.py: decode_batch wins from B = 2 on; B = 1 is the same call. The engine never
+    batches the int8 graph: its rows depend on each other (one activation scale per batch)."""
+    expected = [False, True, True, True] if backend.quantize is None else [False] * 4
+    assert [backend.batch_pays(b) for b in (1, 2, 4, 16)] == expected

@@ -237,3 +237,23 @@ def test_rust_lm_stop_string_in_one_choice_leaves_the_other(rust_lm):
     assert LM.collect(gens[1]).text == cut.text
     assert rest.token_ids == full.token_ids
     assert LM.collect(gens2[0]).finish_reason == "cancelled"
+
+
+def test_onnx_engine_batches_fp32_and_forks_choices(bundle):
+    """The onnx backend behind the Python engine: a batch of greedy prompts gives each one's tokens alone (fp32
+    rows are independent up to float noise), decoded in batched steps; n = 3 shares one prefill."""
+    from serve.lm import load
+
+    lm = load(bundle, backend="onnx", threads=1, verify=False)
+    calls = []
+    real = lm.backend.decode_batch
+    lm.backend.decode_batch = lambda seqs, toks: calls.append(len(seqs)) or real(seqs, toks)
+    prompts = ["আমি বাংলায়", "The river", "নদী"]
+    alone = [lm.complete(p, 10, temperature=0) for p in prompts]
+    together = lm.complete_batch(prompts, 10, temperature=0)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert max(calls) == 3
+    one = lm.complete("নদী", 8, temperature=1.0, seed=4)
+    three = lm.complete_batch(["নদী"], 8, n=3, temperature=1.0, seed=4)
+    assert three[0].token_ids == one.token_ids and len({tuple(c.token_ids) for c in three}) > 1
+    lm.close()

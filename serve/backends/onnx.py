@@ -125,8 +125,9 @@ class OnnxSequence:
     def fork(self) -> OnnxSequence:
         """A second sequence with the same cache (``n > 1`` choices of one prefill). The past arrays are shared:
         a step never writes into them, it replaces them with onnxruntime's new outputs."""
+        past = self._own_past()
         other = OnnxSequence(self._backend)
-        other._past = None if self._past is None else list(self._past)
+        other._past = None if past is None else list(past)
         other.position = self.position
         return other
 
@@ -316,10 +317,13 @@ class OnnxBackend:
         return out
 
     def batch_pays(self, batch_size: int) -> bool:
-        """Whether :meth:`decode_batch` of ``batch_size`` sequences beats as many :meth:`OnnxSequence.decode`
-        calls in aggregate decode tokens/s (benchmarks/onnx_batching.py, `small`, 2 threads: from B = 2 on, for
-        the fp32 and the int8 graph; at B = 1 it is the same call)."""
-        return batch_size >= BATCH_PAYS_FROM
+        """Whether the engine (:mod:`serve.engine`) should step ``batch_size`` sequences with :meth:`decode_batch`:
+        it beats as many :meth:`OnnxSequence.decode` calls in aggregate decode tokens/s from B = 2 on
+        (benchmarks/onnx_batching.py, `small`, 2 threads: 1.6x at 2, 5.3x at 16 in fp32). Never for the int8
+        graph: it quantizes activations with one scale over the whole batch, so a row's tokens would depend on
+        which requests share its steps (serving promises the same text for the same seed whatever runs
+        beside); int8 is batched bit-exactly by the rust backend instead."""
+        return self.quantize is None and batch_size >= BATCH_PAYS_FROM
 
     def logits(self, ids: Seq[int]) -> np.ndarray:
         """float32 logits ``[len(ids), V]`` for one sequence from position 0 (no cache kept)."""
