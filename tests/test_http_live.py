@@ -107,9 +107,9 @@ def test_h6_busy_model_does_not_block_the_event_loop():
         for t in threads:
             t.join()
     assert len(latencies) >= 10 and max(latencies) < 0.2, latencies
-    for i in (0, 1):  # 40 tokens at 50 ms: ~2 s; the first chunk comes long before the last
+    for i in (0, 1):  # 40 tokens at 50 ms: ~2 s; the first chunk comes long before the last (1 s: a loaded CI box)
         assert len(arrivals[i]) >= 40
-        assert arrivals[i][0] < 0.6 and arrivals[i][-1] > 1.8
+        assert arrivals[i][0] < 1.0 and arrivals[i][-1] > 1.8
         assert arrivals[i][0] < arrivals[1 - i][-1]  # both streams progressed at the same time
 
 

@@ -52,7 +52,7 @@ def overflows_context(lm, body) -> bool:
     if not isinstance(body, dict) or "prompt" not in body:
         return False
     prompt = body["prompt"]
-    single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int | float))  # 0.0 is a JSON integer
     prompts = [prompt] if single else prompt
     longest = max(len(p) if isinstance(p, list) else len(lm.tokenize(p)) for p in prompts)
     max_tokens = body.get("max_tokens")
@@ -74,7 +74,7 @@ def check(case, app, headers=None) -> None:
             from serve.app import MAX_CHOICES
 
             prompt = case.body["prompt"]
-            single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+            single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int | float))  # 0.0 is a JSON integer
             assert (1 if single else len(prompt)) * case.body.get("n", 1) > MAX_CHOICES, case.body
             excluded = [POSITIVE_DATA_ACCEPTANCE]
     case.validate_response(response, headers=headers, excluded_checks=excluded)
