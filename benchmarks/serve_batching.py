@@ -168,7 +168,6 @@ def main() -> None:
     lines = [
         f"# serve_batching ({meta})",
         "",
-        "",
         f"× C={args.concurrency[0]}: the figure over the same engine's at concurrency {args.concurrency[0]}. "
         "ITL: gaps between consecutive tokens of one stream after its first token, pooled over streams.",
         "",

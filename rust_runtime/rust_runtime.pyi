@@ -98,7 +98,7 @@ class RequestStream(Iterator[Event]):
     def cancel(self) -> None: ...
 
 class Engine:
-    def __init__(self, model: Model, max_batch: int = 16, token_budget: int = 256, prefill_chunk: int = 32) -> None:
+    def __init__(self, model: Model, max_batch: int = 16, token_budget: int = 256, prefill_chunk: int = 16) -> None:
         """max_batch: sequences stepped together; token_budget: tokens per step (decodes plus prompt chunks);
         prefill_chunk: at most this many prompt tokens in a step that also decodes (a step with nothing
         decoding prefills up to token_budget). Each an integer >= 1, else ValueError."""

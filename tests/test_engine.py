@@ -148,7 +148,7 @@ def test_prompts_beside_decodes_go_prefill_chunk_tokens_a_step_and_stay_bit_iden
     Model.generate alone."""
     eng = rust_runtime.Engine(model, max_batch=4, token_budget=256, prefill_chunk=8)
     assert (eng.max_batch, eng.token_budget, eng.prefill_chunk) == (4, 256, 8)
-    assert rust_runtime.Engine(model).prefill_chunk == 32
+    assert rust_runtime.Engine(model).prefill_chunk == 16
     pa, pb = prompt_ids(5, seed=21), prompt_ids(90, seed=22)
     sa = eng.submit(pa, 200, temperature=0.0)
     it = iter(sa)
