@@ -7,8 +7,8 @@ is TTFT, not ITL), pooled over the streams of a run (and over --rounds runs).
 Builds the random-init `small` model of benchmarks/rust_decode.py in a temporary folder, then for each engine
 (rust f32, rust int8 = q8_0) and each concurrency C, submits C requests at once (same prompt length and
 max_tokens, greedy; a stream may end early at end-of-text, so the tokens actually produced are counted) to an Engine with max_batch = C, each stream read by a
-Python thread of its own. The engines are interleaved per concurrency so that load from other jobs hits them
-alike. Writes benchmarks/results/serve_batching.{json,md,png}.
+Python thread of its own. Runs are interleaved (each round: every concurrency, every engine) so that load from
+other jobs hits every cell alike; tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/results/serve_batching.{json,md,png}.
 
     python benchmarks/serve_batching.py [--threads 2] [--prompt 32] [--new 64] [--concurrency 1 2 4 8 16 32]
         [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines "rust f32" "rust int8"]
@@ -130,17 +130,21 @@ def main() -> None:
         }
         kw = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
         chunk = None
-        for c in args.concurrency:
-            runs: dict[str, list[dict]] = {name: [] for name in models}
-            for _ in range(args.rounds):
+        # rounds outermost, then concurrency, then engine: load from other jobs spreads over every cell alike
+        runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for c in args.concurrency for name in models}
+        for rnd in range(args.rounds):
+            for c in args.concurrency:
                 for name, model in models.items():
                     eng = rust_runtime.Engine(model, max_batch=c, token_budget=args.token_budget, **kw)
                     chunk = eng.prefill_chunk
                     run_concurrency(eng, 1, 4, 2)  # warm-up
-                    runs[name].append(run_concurrency(eng, c, args.prompt, args.new))
+                    r = run_concurrency(eng, c, args.prompt, args.new)
                     eng.close()
+                    runs[(name, c)].append(r)
+                    print(f"round {rnd} {name:10s} C={c:2d}: {r['tokens'] / r['wall_s']:7.1f} tok/s", flush=True)
+        for c in args.concurrency:
             for name in models:
-                r = summarize(c, runs[name])
+                r = summarize(c, runs[(name, c)])
                 r["engine"] = name
                 rows.append(r)
                 print(
