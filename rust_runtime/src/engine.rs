@@ -689,7 +689,8 @@ mod tests {
         assert!(Engine::start(model.clone(), None, 4, 64, 0).is_err());
         let eng = Engine::start(model.clone(), None, 4, 64, 4).unwrap();
         let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
-        let (pa, pb): (Vec<u32>, Vec<u32>) = ((0..3).map(|i| i * 7 + 1).collect(), (0..14).map(|i| i * 5 + 2).collect());
+        let (pa, pb): (Vec<u32>, Vec<u32>) =
+            ((0..3).map(|i| i * 7 + 1).collect(), (0..14).map(|i| i * 5 + 2).collect());
         eng.send(Cmd::Hold(Some(0))).unwrap();
         let (_, rxa) = eng.submit(req(pa.clone(), 12, greedy.clone(), None, 1)).unwrap();
         eng.send(Cmd::Hold(Some(1))).unwrap();

@@ -464,9 +464,7 @@ impl PyEngine {
             return Err(PyValueError::new_err(format!("token_budget is {token_budget}; expected an integer >= 1")));
         }
         if !(1..=1 << 20).contains(&prefill_chunk) {
-            return Err(PyValueError::new_err(format!(
-                "prefill_chunk is {prefill_chunk}; expected an integer >= 1"
-            )));
+            return Err(PyValueError::new_err(format!("prefill_chunk is {prefill_chunk}; expected an integer >= 1")));
         }
         let inner = &model.inner;
         let engine = Engine::start(
