@@ -1,13 +1,17 @@
 """Continuous batching in rust_runtime.Engine: aggregate completion tokens/s, time to first token (TTFT) and
-inter-token latency (ITL p50/p99) at 1, 2, 4, 8, 16 and 32 concurrent streams.
+inter-token latency (ITL p50/p99) at 1, 2, 4, 8, 16 and 32 concurrent streams, each as a ratio to one stream.
+
+ITL is the gap between consecutive tokens of one stream, from its first token on (the wait for the first token
+is TTFT, not ITL), pooled over the streams of a run (and over --rounds runs).
 
 Builds the random-init `small` model of benchmarks/rust_decode.py in a temporary folder, then for each engine
 (rust f32, rust int8 = q8_0) and each concurrency C, submits C requests at once (same prompt length and
 max_tokens, greedy; a stream may end early at end-of-text, so the tokens actually produced are counted) to an Engine with max_batch = C, each stream read by a
-Python thread of its own. The engines are interleaved per concurrency so that load from other jobs hits them
-alike. Writes benchmarks/results/serve_batching.{json,md,png}.
+Python thread of its own. Runs are interleaved (each round: every concurrency, every engine) so that load from
+other jobs hits every cell alike; tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/results/serve_batching.{json,md,png}.
 
     python benchmarks/serve_batching.py [--threads 2] [--prompt 32] [--new 64] [--concurrency 1 2 4 8 16 32]
+        [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines "rust f32" "rust int8"]
 
 Not here: onnxruntime (serve's onnx backend is still one sequence per request, driven from Python) and
 llama.cpp's llama-server (no build at hand; building it from the llama-cpp-python sdist takes 40+ minutes on
@@ -35,6 +39,12 @@ def load_rust_decode():
     return mod
 
 
+def loadavg() -> list[str]:
+    """The 1, 5 and 15 minute load averages (empty where /proc/loadavg is missing)."""
+    p = Path("/proc/loadavg")
+    return p.read_text().split()[:3] if p.exists() else []
+
+
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -43,7 +53,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_concurrency(engine, c: int, prompt_len: int, new: int) -> dict:
-    """C requests at once; each stream read by its own thread. Returns the figures of one run."""
+    """C requests at once; each stream read by its own thread. Returns the figures of one run: tokens, wall_s,
+    and the raw latencies in seconds, `ttft` (one per stream) and `itl` (consecutive-token gaps within a stream,
+    after its first token)."""
     results: list[dict] = [{} for _ in range(c)]
     barrier = threading.Barrier(c + 1)
 
@@ -68,14 +80,25 @@ def run_concurrency(engine, c: int, prompt_len: int, new: int) -> dict:
     tokens = sum(len(r["stamps"]) for r in results)
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
+    return {"tokens": tokens, "wall_s": wall, "ttft": ttft, "itl": itl}
+
+
+def summarize(c: int, runs: list[dict]) -> dict:
+    """Pool the runs of one (engine, concurrency): aggregate tokens/s = all tokens / all wall time."""
+    tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    ttft = [x for r in runs for x in r["ttft"]]
+    itl = [x for r in runs for x in r["itl"]]
     return {
         "concurrency": c,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
         "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "itl_n": len(itl),
         "itl_p50_ms": 1e3 * percentile(itl, 50),
         "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "itl_max_ms": 1e3 * max(itl, default=float("nan")),
     }
 
 
@@ -86,26 +109,42 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="Engine prefill_chunk (default: the Engine's)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per (engine, concurrency), pooled")
+    ap.add_argument("--engines", nargs="+", default=["rust f32", "rust int8"], choices=["rust f32", "rust int8"])
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_batching")
     args = ap.parse_args()
 
     import rust_runtime
 
+    load_start = loadavg()
     rd = load_rust_decode()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / "bundle"
         rd.build_bundle(bundle, "small")
+        quant = {"rust f32": None, "rust int8": "int8"}
         models = {
-            "rust f32": rust_runtime.Model.load(str(bundle), threads=args.threads),
-            "rust int8": rust_runtime.Model.load(str(bundle), threads=args.threads, quantize="int8"),
+            name: rust_runtime.Model.load(str(bundle), threads=args.threads, quantize=quant[name])
+            for name in args.engines
         }
+        kw = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+        chunk = None
+        # rounds outermost, then concurrency, then engine: load from other jobs spreads over every cell alike
+        runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for c in args.concurrency for name in models}
+        for rnd in range(args.rounds):
+            for c in args.concurrency:
+                for name, model in models.items():
+                    eng = rust_runtime.Engine(model, max_batch=c, token_budget=args.token_budget, **kw)
+                    chunk = eng.prefill_chunk
+                    run_concurrency(eng, 1, 4, 2)  # warm-up
+                    r = run_concurrency(eng, c, args.prompt, args.new)
+                    eng.close()
+                    runs[(name, c)].append(r)
+                    print(f"round {rnd} {name:10s} C={c:2d}: {r['tokens'] / r['wall_s']:7.1f} tok/s", flush=True)
         for c in args.concurrency:
-            for name, model in models.items():
-                eng = rust_runtime.Engine(model, max_batch=c, token_budget=args.token_budget)
-                run_concurrency(eng, 1, 4, 2)  # warm-up
-                r = run_concurrency(eng, c, args.prompt, args.new)
-                eng.close()
+            for name in models:
+                r = summarize(c, runs[(name, c)])
                 r["engine"] = name
                 rows.append(r)
                 print(
@@ -113,22 +152,38 @@ def main() -> None:
                     f"ITL p50 {r['itl_p50_ms']:6.1f} ms p99 {r['itl_p99_ms']:6.1f} ms",
                     flush=True,
                 )
-    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
-    meta = {"threads": args.threads, "prompt": args.prompt, "new": args.new, "shape": "small", "loadavg": load}
+    meta = {
+        "threads": args.threads,
+        "prompt": args.prompt,
+        "new": args.new,
+        "shape": "small",
+        "token_budget": args.token_budget,
+        "prefill_chunk": chunk,
+        "rounds": args.rounds,
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+    }
+    for r in rows:
+        base = next(x for x in rows if x["engine"] == r["engine"] and x["concurrency"] == args.concurrency[0])
+        r["tokens_per_s_x_c1"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["itl_p99_x_c1"] = r["itl_p99_ms"] / base["itl_p99_ms"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [
         f"# serve_batching ({meta})",
         "",
-        "| engine | concurrency | tokens/s | × C=1 | TTFT p50 ms | ITL p50 ms | ITL p99 ms |",
-        "|---|---|---|---|---|---|---|",
+        f"× C={args.concurrency[0]}: the figure over the same engine's at concurrency {args.concurrency[0]}. "
+        "ITL: gaps between consecutive tokens of one stream after its first token, pooled over streams.",
+        "",
+        "| engine | concurrency | tokens/s | tokens/s × C=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| ITL p99 × C=1 | ITL max ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        base = next(x for x in rows if x["engine"] == r["engine"] and x["concurrency"] == args.concurrency[0])
         lines.append(
-            f"| {r['engine']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
-            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {r['ttft_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} | "
-            f"{r['itl_p99_ms']:.1f} |"
+            f"| {r['engine']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_x_c1']:.2f} | "
+            f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+            f"{r['itl_p99_x_c1']:.2f} | {r['itl_max_ms']:.1f} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:

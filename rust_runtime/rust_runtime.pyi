@@ -100,11 +100,16 @@ class RequestStream(Iterator[Event]):
     def cancel_choice(self, index: int) -> None: ...
 
 class Engine:
-    def __init__(self, model: Model, max_batch: int = 16, token_budget: int = 256) -> None: ...
+    def __init__(self, model: Model, max_batch: int = 16, token_budget: int = 256, prefill_chunk: int = 16) -> None:
+        """max_batch: sequences stepped together; token_budget: tokens per step (decodes plus prompt chunks);
+        prefill_chunk: at most this many prompt tokens in a step that also decodes (a step with nothing
+        decoding prefills up to token_budget). Each an integer >= 1, else ValueError."""
     @property
     def max_batch(self) -> int: ...
     @property
     def token_budget(self) -> int: ...
+    @property
+    def prefill_chunk(self) -> int: ...
     def submit(
         self,
         ids: Seq[int],

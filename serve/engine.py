@@ -38,6 +38,8 @@ from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_l
 
 DEFAULT_MAX_BATCH = 16  # sequences per step; benchmarks/serve_batching.py: 16 streams ≈ 5x one on `small`
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step (decode tokens + prefill chunks); llama.cpp's n_batch
+# prompt tokens in a step that also decodes (Sarathi-Serve's stall-free batching), as rust_runtime.Engine's default
+DEFAULT_PREFILL_CHUNK = 16
 SEED_MODULUS = 2**64
 TOP_K_OFF = 2**31  # a top_k at least the vocabulary keeps every token: clamped before it reaches Rust's i64
 
@@ -220,15 +222,16 @@ class StepEngine:
     """The scheduler of the module docstring in a Python thread (started on the first submit).
 
     backend: a :mod:`serve.backends.base` backend; eot_id: the end-of-text id; max_batch: sequences stepped
-    together (>= 1); token_budget: tokens per step (>= 1). Sequences fork with ``seq.fork()`` where the backend
+    together (>= 1); token_budget: tokens per step (>= 1); prefill_chunk: at most this many prompt tokens in a
+    step that also decodes, so arriving prompts do not stall the decoding streams (>= 1). Sequences fork with ``seq.fork()`` where the backend
     has it (else the prompt is prefilled again per choice).
     """
 
     def __init__(self, backend: Any, eot_id: int, max_batch: int = DEFAULT_MAX_BATCH,
-                 token_budget: int = DEFAULT_TOKEN_BUDGET):
-        check_engine_limits(max_batch, token_budget)
+                 token_budget: int = DEFAULT_TOKEN_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        check_engine_limits(max_batch, token_budget, prefill_chunk)
         self.backend, self.eot_id = backend, eot_id
-        self.max_batch, self.token_budget = max_batch, token_budget
+        self.max_batch, self.token_budget, self.prefill_chunk = max_batch, token_budget, prefill_chunk
         self._cond = threading.Condition()
         self._commands: list = []
         self._waiting: deque[_Request] = deque()
@@ -340,7 +343,7 @@ class StepEngine:
         n_decode = len(decoding)
         if decoding:
             self._decode(decoding)
-        budget = self.token_budget - n_decode if n_decode else self.token_budget
+        budget = min(self.prefill_chunk, self.token_budget - n_decode) if n_decode else self.token_budget
         n_prefill = 0
         for r in list(self._prefilling):
             if budget <= 0:
@@ -426,9 +429,9 @@ def derived_seed(seed: int, first_index: int) -> int:
     return (seed + first_index * 0x9E37_79B9_7F4A_7C15) % SEED_MODULUS
 
 
-def check_engine_limits(max_batch: int, token_budget: int) -> None:
-    """ValueError unless ``max_batch`` and ``token_budget`` are ints >= 1."""
-    for name, v in (("max_batch", max_batch), ("token_budget", token_budget)):
+def check_engine_limits(max_batch: int, token_budget: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+    """ValueError unless ``max_batch``, ``token_budget`` and ``prefill_chunk`` are ints >= 1."""
+    for name, v in (("max_batch", max_batch), ("token_budget", token_budget), ("prefill_chunk", prefill_chunk)):
         if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 

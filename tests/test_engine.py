@@ -134,7 +134,35 @@ def test_bad_requests_name_the_argument(model):
         (lambda: eng.submit([1], -1), ValueError, r"max_new_tokens"),
         (lambda: rust_runtime.Engine(model, max_batch=0), ValueError, r"max_batch"),
         (lambda: rust_runtime.Engine(model, token_budget=0), ValueError, r"token_budget"),
+        (lambda: rust_runtime.Engine(model, prefill_chunk=0), ValueError, r"prefill_chunk"),
+        (lambda: rust_runtime.Engine(model, prefill_chunk=-3), ValueError, r"prefill_chunk"),
     ]
     for fn, exc, pat in cases:
         expect_error(fn, exc, pat)
     assert run(eng.submit([1, 2], 2, temperature=0.0))[0][1] == "length"
+
+
+def test_prompts_beside_decodes_go_prefill_chunk_tokens_a_step_and_stay_bit_identical(model):
+    """A long prompt arriving while another request decodes is prefilled at most prefill_chunk tokens a step
+    (so it takes several steps, each also decoding the first request), and both requests give the bits of
+    Model.generate alone."""
+    eng = rust_runtime.Engine(model, max_batch=4, token_budget=256, prefill_chunk=8)
+    assert (eng.max_batch, eng.token_budget, eng.prefill_chunk) == (4, 256, 8)
+    assert rust_runtime.Engine(model).prefill_chunk == 16
+    pa, pb = prompt_ids(5, seed=21), prompt_ids(90, seed=22)
+    sa = eng.submit(pa, 200, temperature=0.0)
+    it = iter(sa)
+    first = [next(it)]  # A is decoding from here on (200 tokens: still while B runs)
+    before = eng.stats()
+    sb = eng.submit(pb, 10, temperature=0.7, seed=3)
+    got_b = run(sb)
+    st = eng.stats()
+    got_a = first + list(it)
+    # B's 90 prompt tokens took ceil(90 / 8) = 12 steps, then 9 decode steps (whole: 1 + 9); the counters
+    # are published after each step, so they may lag by one
+    assert st["steps"] - before["steps"] >= 12 + 9 - 1
+    assert eng.stats()["prefill_tokens"] == len(pa) + len(pb)
+    assert got_b[0][0] == [(t, lp) for t, lp in model.generate(pb, 10, temperature=0.7, seed=3)]
+    toks_a = [(t, lp) for _i, t, lp, _top, f in got_a if f is None]
+    assert toks_a == [(t, lp) for t, lp in model.generate(pa, 200, temperature=0.0)]
+    eng.close()

@@ -1,4 +1,5 @@
-//! Decode timing without Python: `cargo run --release --example bench_decode -- BUNDLE [threads] [none|int8]`
+//! Decode timing without Python: `cargo run --release --example bench_decode -- BUNDLE [threads] [none|int8]`;
+//! `-- linear [threads]`: f32 vs q8_0 `Linear::forward` time per call against the batch rows m (CANDLE_NUM_THREADS=1).
 //! (set the thread count with CANDLE_NUM_THREADS / RAYON_NUM_THREADS too, before the first op).
 use rust_runtime::{Model, Quantize};
 use std::time::Instant;
@@ -7,6 +8,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(|s| s.as_str()) == Some("gemv") {
         gemv_bench();
+        return Ok(());
+    }
+    if args.get(1).map(|s| s.as_str()) == Some("linear") {
+        let threads: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(1);
+        linear_bench(threads);
         return Ok(());
     }
     let dir = args.get(1).ok_or("usage: bench_decode BUNDLE [threads] [none|int8]")?;
@@ -58,6 +64,42 @@ pub fn gemv_bench() {
                 (rows * k * 4) as f64 / dt / 1e9,
                 (2 * m * rows * k) as f64 / dt / 1e9
             );
+        }
+    }
+}
+
+/// y = x·Wᵀ through `Linear` (f32 packed vs q8_0) at the `small` shapes, m = 1..64 rows: the time per
+/// call and its ratio to m = 1 (weight-bound kernels stay near 1 while m grows).
+pub fn linear_bench(threads: usize) {
+    use rust_runtime::kernels::Par;
+    use rust_runtime::linear::Linear;
+    let par = Par::new(threads).expect("a pool");
+    for &(rows, k) in &[(32000usize, 512usize), (2560, 512), (1024, 512), (512, 1280)] {
+        let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919) % 2001) as f32 * 1e-3 - 1.0).collect();
+        for q in [Quantize::None, Quantize::Q8_0] {
+            let lin = Linear::new(&w, rows, k, q, threads, "bench").expect("a linear");
+            let mut base = 0.0;
+            for m in [1usize, 2, 4, 8, 16, 32, 64] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();
+                let mut y = vec![0f32; m * rows];
+                lin.forward(&par, &x, m, &mut y).unwrap();
+                let reps = (100_000_000 / (rows * k * m.min(8))).max(3);
+                let t = Instant::now();
+                for _ in 0..reps {
+                    par.install(|| lin.forward(&par, &x, m, &mut y)).unwrap();
+                }
+                let dt = t.elapsed().as_secs_f64() / reps as f64;
+                if m == 1 {
+                    base = dt;
+                }
+                println!(
+                    "{:4} {m:2}x{k} · {k}x{rows}: {:8.1} us  x m=1 {:5.2}  {:6.1} GFLOP/s",
+                    q.name(),
+                    dt * 1e6,
+                    dt / base,
+                    (2 * m * rows * k) as f64 / dt / 1e9
+                );
+            }
         }
     }
 }

@@ -2,7 +2,11 @@
 //!
 //! Each step is one `Model::forward_batch` over the next token of every decoding sequence plus
 //! chunks of pending prompts, at most `token_budget` tokens in all (llama.cpp's n_batch, vLLM's
-//! chunked prefill), so the weights are read once per step for all sequences. After the step,
+//! chunked prefill), so the weights are read once per step for all sequences. Decodes come
+//! first; a step that carries decodes takes at most `prefill_chunk` prompt tokens beside them
+//! (Sarathi-Serve's stall-free batching), so a long prompt arriving mid-stream is spread over
+//! several steps instead of stalling every decoding sequence for one long step; a step with
+//! nothing decoding prefills up to the whole `token_budget`. After the step,
 //! every sequence that got logits samples its next token in Rust (`sampling::sample`, its own
 //! seeded generator and penalty state) and its event goes to the request's channel. A cancelled
 //! request, a timed-out one, or one whose receiver was dropped leaves the batch before the next
@@ -164,17 +168,35 @@ pub struct Engine {
     eot: Option<u32>,
     pub max_batch: usize,
     pub token_budget: usize,
+    pub prefill_chunk: usize,
 }
+
+/// The default `prefill_chunk` (prompt tokens in a step that also decodes), picked with
+/// benchmarks/serve_batching.py on `small`: a prompt row skips the lm_head, which is about half
+/// a decode row's work, so 16 prompt tokens beside 16 decodes make the step ≈ 1.5× a pure
+/// 16-decode step (32: ≈ 2×, and a p99 inter-token latency over 4× one stream's).
+pub const DEFAULT_PREFILL_CHUNK: usize = 16;
 
 impl Engine {
     /// Start the scheduler thread. `max_batch`: sequences decoding together (≥ 1);
-    /// `token_budget`: tokens per step, decode plus prefill chunks (≥ 1); `eot`: end-of-text id.
-    pub fn start(model: Arc<Model>, eot: Option<u32>, max_batch: usize, token_budget: usize) -> Result<Self> {
+    /// `token_budget`: tokens per step, decode plus prefill chunks (≥ 1); `prefill_chunk`: at
+    /// most this many prompt tokens in a step that also carries decoding sequences (≥ 1; a
+    /// step with nothing decoding takes up to `token_budget`); `eot`: end-of-text id.
+    pub fn start(
+        model: Arc<Model>,
+        eot: Option<u32>,
+        max_batch: usize,
+        token_budget: usize,
+        prefill_chunk: usize,
+    ) -> Result<Self> {
         if max_batch == 0 || max_batch > 4096 {
             return Err(Error::arg(format!("max_batch is {max_batch}; expected 1 <= max_batch <= 4096")));
         }
         if token_budget == 0 {
             return Err(Error::arg(format!("token_budget is {token_budget}; expected an integer >= 1")));
+        }
+        if prefill_chunk == 0 {
+            return Err(Error::arg(format!("prefill_chunk is {prefill_chunk}; expected an integer >= 1")));
         }
         let (tx, rx) = channel();
         let stats = Arc::new(Mutex::new(Stats::default()));
@@ -183,6 +205,7 @@ impl Engine {
             eot,
             max_batch,
             token_budget,
+            prefill_chunk,
             rx,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -204,6 +227,7 @@ impl Engine {
             eot,
             max_batch,
             token_budget,
+            prefill_chunk,
         })
     }
 
@@ -296,6 +320,7 @@ struct Scheduler {
     eot: Option<u32>,
     max_batch: usize,
     token_budget: usize,
+    prefill_chunk: usize,
     rx: Receiver<Cmd>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
@@ -444,12 +469,10 @@ impl Scheduler {
 
     fn step(&mut self) -> Result<()> {
         let now = Instant::now();
-        // decoding sequences first (one token each), then prompt chunks in admission order
+        // decoding sequences first (one token each), then prompt chunks in admission order:
+        // beside decodes at most prefill_chunk prompt tokens, else the whole token budget
         let decoding = self.running.iter().filter(|s| s.last.is_some()).count();
-        let mut budget = self.token_budget.saturating_sub(decoding);
-        if decoding == 0 {
-            budget = self.token_budget;
-        }
+        let mut budget = prefill_budget(self.token_budget, self.prefill_chunk, decoding);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len) of prompt chunks
         for (i, s) in self.running.iter().enumerate() {
             if s.last.is_none() && budget > 0 {
@@ -563,6 +586,16 @@ impl Scheduler {
     }
 }
 
+/// Prompt tokens a step may take beside `decoding` decode tokens: the whole `token_budget`
+/// when nothing decodes, else `prefill_chunk` capped by what the decodes leave of the budget.
+fn prefill_budget(token_budget: usize, prefill_chunk: usize, decoding: usize) -> usize {
+    if decoding == 0 {
+        token_budget
+    } else {
+        prefill_chunk.min(token_budget.saturating_sub(decoding))
+    }
+}
+
 /// Sample the next token of `s` from `logits` and report it; true when `s` has finished
 /// (stop token, max_new_tokens, or its receiver is gone).
 fn sample_seq(s: &mut Seq, logits: &[f32], eot: Option<u32>) -> Result<bool> {
@@ -627,7 +660,7 @@ mod tests {
         let fx = fixture("engine", 2, None, None);
         let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
         // budget 5: prompts of up to 9 tokens are prefilled in chunks beside decoding sequences
-        let eng = Engine::start(model.clone(), None, 8, 5).unwrap();
+        let eng = Engine::start(model.clone(), None, 8, 5, 5).unwrap();
         let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
         let sampled = SamplingParams { temperature: 0.9, top_p: 0.95, ..Default::default() };
         let prompts: Vec<Vec<u32>> =
@@ -655,11 +688,55 @@ mod tests {
         assert_ne!(got[1].0, got[2].0);
     }
 
+    /// Wait (polling, at most 30 s) until the held scheduler has run `n` steps in all.
+    fn wait_steps(eng: &Engine, n: u64) -> Stats {
+        let t0 = Instant::now();
+        loop {
+            let st = eng.stats();
+            if st.steps >= n {
+                return st;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "step {n} within 30 s");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn a_prompt_beside_decodes_is_prefilled_prefill_chunk_tokens_a_step() {
+        assert_eq!(prefill_budget(64, 4, 0), 64);
+        assert_eq!(prefill_budget(64, 4, 3), 4);
+        assert_eq!(prefill_budget(10, 16, 7), 3);
+        assert_eq!(prefill_budget(10, 16, 12), 0);
+        let fx = fixture("engine_chunk", 2, None, None);
+        let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
+        assert!(Engine::start(model.clone(), None, 4, 64, 0).is_err());
+        let eng = Engine::start(model.clone(), None, 4, 64, 4).unwrap();
+        let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
+        let (pa, pb): (Vec<u32>, Vec<u32>) =
+            ((0..3).map(|i| i * 7 + 1).collect(), (0..14).map(|i| i * 5 + 2).collect());
+        eng.send(Cmd::Hold(Some(0))).unwrap();
+        let (_, rxa) = eng.submit(req(pa.clone(), 12, greedy.clone(), None, 1)).unwrap();
+        eng.send(Cmd::Hold(Some(1))).unwrap();
+        // step 1: nothing decodes, A's whole prompt
+        let st = wait_steps(&eng, 1);
+        assert_eq!((st.prefill_tokens, st.decode_tokens), (3, 0));
+        let (_, rxb) = eng.submit(req(pb.clone(), 8, greedy.clone(), None, 1)).unwrap();
+        eng.send(Cmd::Hold(Some(2))).unwrap();
+        // steps 2 and 3: A decodes, B's 14-token prompt goes in 4 tokens a step
+        let st = wait_steps(&eng, 3);
+        assert_eq!((st.prefill_tokens, st.decode_tokens, st.last_step_tokens), (3 + 8, 2, 5));
+        eng.send(Cmd::Hold(None)).unwrap();
+        let (a, b) = (collect(&rxa, 1).remove(0), collect(&rxb, 1).remove(0));
+        assert_eq!(a.0, alone(&model, &pa, 12, greedy.clone(), None));
+        assert_eq!(b.0, alone(&model, &pb, 8, greedy, None));
+        assert_eq!(eng.stats().prefill_tokens, 3 + 14);
+    }
+
     #[test]
     fn cancel_and_timeout_leave_the_batch() {
         let fx = fixture("engine_cancel", 2, None, None);
         let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
-        let eng = Engine::start(model, None, 4, 64).unwrap();
+        let eng = Engine::start(model, None, 4, 64, DEFAULT_PREFILL_CHUNK).unwrap();
         let p = SamplingParams { temperature: 1.0, ..Default::default() };
         // a running request: held after its first step, cancelled, then released
         eng.send(Cmd::Hold(Some(0))).unwrap();

@@ -450,18 +450,30 @@ pub struct PyEngine {
 impl PyEngine {
     /// Start an engine on a loaded model (its weights are shared, not copied).
     /// max_batch: sequences stepped together; token_budget: tokens per step (decode tokens plus
-    /// chunks of pending prompts).
+    /// chunks of pending prompts); prefill_chunk: at most this many prompt tokens in a step that
+    /// also carries decoding sequences, so that a long prompt is spread over several steps
+    /// instead of stalling the streams already decoding (a step with nothing decoding prefills
+    /// up to token_budget). Each must be an integer >= 1 (ValueError otherwise).
     #[new]
-    #[pyo3(signature = (model, max_batch=16, token_budget=256))]
-    fn new(model: &PyModel, max_batch: i64, token_budget: i64) -> PyResult<Self> {
+    #[pyo3(signature = (model, max_batch=16, token_budget=256, prefill_chunk=crate::engine::DEFAULT_PREFILL_CHUNK as i64))]
+    fn new(model: &PyModel, max_batch: i64, token_budget: i64, prefill_chunk: i64) -> PyResult<Self> {
         if !(1..=4096).contains(&max_batch) {
             return Err(PyValueError::new_err(format!("max_batch is {max_batch}; expected 1 <= max_batch <= 4096")));
         }
         if !(1..=1 << 20).contains(&token_budget) {
             return Err(PyValueError::new_err(format!("token_budget is {token_budget}; expected an integer >= 1")));
         }
+        if !(1..=1 << 20).contains(&prefill_chunk) {
+            return Err(PyValueError::new_err(format!("prefill_chunk is {prefill_chunk}; expected an integer >= 1")));
+        }
         let inner = &model.inner;
-        let engine = Engine::start(inner.model.clone(), inner.eot, max_batch as usize, token_budget as usize)?;
+        let engine = Engine::start(
+            inner.model.clone(),
+            inner.eot,
+            max_batch as usize,
+            token_budget as usize,
+            prefill_chunk as usize,
+        )?;
         Ok(PyEngine { engine: Arc::new(engine) })
     }
 
@@ -572,6 +584,10 @@ impl PyEngine {
     #[getter]
     fn token_budget(&self) -> usize {
         self.engine.token_budget
+    }
+    #[getter]
+    fn prefill_chunk(&self) -> usize {
+        self.engine.prefill_chunk
     }
 
     /// Stop the scheduler thread (running requests end with "cancelled").
