@@ -10,7 +10,7 @@ stop strings. Two engines implement it:
   :mod:`serve.backends.base` (the onnx backend, the scripted test model): each step feeds every decoding
   sequence one token — in one ``backend.decode_batch`` call when the backend has one and says batching pays
   at that batch size (``backend.batch_pays(b)``), else one sequence after another — plus chunks of pending
-  prompts under ``token_budget`` tokens, and samples each sequence with :class:`serve.sampling.Sampler` and
+  prompts under ``token_budget`` tokens (at most ``prefill_chunk`` of them while sequences decode), and samples each sequence with :class:`serve.sampling.Sampler` and
   its own generator (``make_rng(seed, choice)``).
 
 Both admit requests first come, first served while their choices fit in ``max_batch`` sequences (a request

@@ -257,3 +257,37 @@ def test_onnx_engine_batches_fp32_and_forks_choices(bundle):
     three = lm.complete_batch(["নদী"], 8, n=3, temperature=1.0, seed=4)
     assert three[0].token_ids == one.token_ids and len({tuple(c.token_ids) for c in three}) > 1
     lm.close()
+
+
+def test_prompts_beside_decodes_are_prefilled_prefill_chunk_tokens_a_step():
+    """A long prompt arriving while another sequence decodes goes in prefill_chunk tokens a step (the decoding
+    stream is not stalled), and its answer is the one it gets alone."""
+    tok = scripted_tokenizer()
+    backend = CountingBackend(tok.get_vocab_size(with_added_tokens=True), 256, None, delay_s=0.02)
+    chunks = []
+    eng = StepEngine(backend, eot_id=0, max_batch=4, token_budget=64, prefill_chunk=4)
+    real_new = backend.new_sequence
+
+    def new_sequence():
+        seq = real_new()
+        inner = seq.prefill
+        seq.prefill = lambda ids, all_logits=False: chunks.append(len(ids)) or inner(ids, all_logits)
+        return seq
+
+    backend.new_sequence = new_sequence
+    try:
+        first = eng.submit([0, 5], 200, SamplingParams(temperature=0))  # 4 s of decoding at 20 ms a step
+        events = first.events(0)
+        next(events)  # the first request decodes from now on
+        second = eng.submit([0, *range(2, 16)], 3, SamplingParams(temperature=0))
+        got = [e.token for e in second.events(0)]
+        assert chunks[0] == 2 and chunks[1:] == [4, 4, 4, 3]  # 15 prompt positions beside decodes, 4 a step
+        alone = StepEngine(ScriptedBackend(backend.vocab_size, 256, None), eot_id=0)
+        assert got == [e.token for e in alone.submit([0, *range(2, 16)], 3, SamplingParams(temperature=0)).events(0)]
+        alone.close()
+        first.cancel()
+        list(events)
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
+        StepEngine(backend, 0, prefill_chunk=0)
