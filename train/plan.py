@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 
-from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args
+from train.atomic import atomic_write_json
+from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
 from train.device import autocast_ctx, resolve_dtype
 from train.model import (
     CausalLMLoss,
@@ -104,6 +107,8 @@ def _fake_peaks(
 ) -> list[tuple[int, int, int]]:
     """(peak, parameter, optimizer-state) bytes of one training step on fake tensors, optimizer state present, for
     each micro-batch size in ``micros`` (one model and optimizer, a fresh tracker per step)."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415 - seconds to import; a cache hit skips it
+
     out = []
     with FakeTensorMode():
         torch.manual_seed(0)
@@ -247,8 +252,28 @@ def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
         return LlamaForCausalLM(cfg)
 
 
-def memory_model(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> MemoryModel:
-    """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (four fake runs, real one-layer traces)."""
+def memory_model(
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, cache_dir: str | Path | None = None
+) -> MemoryModel:
+    """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (four fake runs, two real one-layer traces).
+
+    With ``cache_dir`` the fit is kept in ``cache_dir/plan/<key>.json``, the key being the sha256 of the model
+    config, ``seq_len``, ``dtype``, torch's version and the source of ``train/plan.py`` and ``train/model.py``: a
+    repeated plan of the same model (``train.run`` on CUDA after ``python -m train.plan``) takes no fake run."""
+    path = None
+    if cache_dir is not None:
+        here = Path(__file__)
+        src = here.read_bytes() + here.with_name("model.py").read_bytes()
+        key = json.dumps([dataclasses.asdict(cfg), seq_len, str(dtype), torch.__version__,
+                          hashlib.sha256(src).hexdigest()], sort_keys=True)
+        path = Path(cache_dir) / "plan" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+            return MemoryModel(cfg, seq_len, dtype, tuple(d["coef"]), tuple(d["param_per_layer"]),
+                               tuple(d["opt_per_layer"]), d["layer_saved_eager"], d["layer_saved_compiled"],
+                               d["params"], d["flops_per_token"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no entry or an unreadable one: fit again
     runs = {}
     for n_layers in (2, 3):
         small = dataclasses.replace(cfg, num_hidden_layers=n_layers)
@@ -266,7 +291,15 @@ def memory_model(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> MemoryMo
     compiled = eager if dtype == torch.float32 else _layer_saved_per_token(cfg, dtype, True)
     meta = _meta_model(cfg)
     n = sum(q.numel() for q in meta.parameters())
-    return MemoryModel(cfg, seq_len, dtype, (a, b, c, d), par, opt, eager, compiled, n, meta.flops_per_token(seq_len))
+    mm = MemoryModel(cfg, seq_len, dtype, (a, b, c, d), par, opt, eager, compiled, n, meta.flops_per_token(seq_len))
+    if path is not None:
+        fields = ("coef", "param_per_layer", "opt_per_layer", "layer_saved_eager", "layer_saved_compiled", "params",
+                  "flops_per_token")
+        try:
+            atomic_write_json(path, {f: getattr(mm, f) for f in fields})
+        except OSError:
+            pass  # a read-only cache folder only costs the next run its fit
+    return mm
 
 
 def estimate(
@@ -317,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU to plan for")
     p.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's size (default tokenizer.vocab_size)")
     p.add_argument("--eager", action="store_true", help="plan for eager training (default: as train.compile says)")
+    p.add_argument("--no-cache", action="store_true", help="fit again instead of reading data.cache_dir/plan/")
     args = p.parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -330,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.train
     global_tokens = t.micro_batch_size * t.grad_accum * t.seq_len
     ac = (t.activation_checkpoint, t.activation_checkpoint_every)
-    mm = memory_model(mcfg, t.seq_len, dtype)
+    mm = memory_model(mcfg, t.seq_len, dtype, cache_dir=None if args.no_cache else resolve_path(cfg.data.cache_dir))
     ckpt = sorted(checkpointed_layers(*ac, mcfg.num_hidden_layers))
     ac_text = {"none": "no activation checkpointing", "full": f"activation checkpointing of all {len(ckpt)} layers",
                "selective": f"activation checkpointing of {len(ckpt)} of {mcfg.num_hidden_layers} layers "

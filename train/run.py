@@ -57,7 +57,15 @@ from train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, to_toml
+from train.config import (
+    Config,
+    ConfigError,
+    HelpFormatter,
+    add_config_args,
+    config_from_args,
+    resolve_path,
+    to_toml,
+)
 from train.corpus import DataError
 from train.data import Prepared, prepare
 from train.device import (
@@ -270,7 +278,7 @@ class Trainer:
         total = torch.cuda.get_device_properties(self.device).total_memory
         compiled = t.compile is not False
         ac = (t.activation_checkpoint, t.activation_checkpoint_every)
-        mm = P.memory_model(self.mcfg, t.seq_len, self.dtype)
+        mm = P.memory_model(self.mcfg, t.seq_len, self.dtype, cache_dir=resolve_path(self.cfg.data.cache_dir))
         self.plan = mm.plan(self.micro, compiled, *ac)
         self.log(f"plan: {self.plan.summary()} against {total / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
         if self.plan.peak_bytes > P.HEADROOM * total:
