@@ -10,14 +10,19 @@ lists match CUDA's for every op this model runs (the linear layers and SDPA in b
 the loss in float32).
 
 The fake run is eager. ``compiled=True`` subtracts what Inductor saves by fusing: the activations one decoder
-layer saves for the backward, measured per token under eager autograd and under AOTAutograd's min-cut
-partitioner (the one Inductor uses), on a real layer at two short sequence lengths (the slope excludes the
-weights' bf16 copies, which do not grow with tokens).
+layer saves for the backward beyond its inputs, measured per token under eager autograd and under AOTAutograd's
+min-cut partitioner (the one Inductor uses), on a real layer at one short prime sequence length (only the
+per-token storages have an element count it divides; the weights' bf16 copies do not grow with tokens).
+Activation checkpointing (``train.activation_checkpoint``) frees, for each checkpointed layer, all of that but
+its inputs; the top layer's recompute, if it is checkpointed, comes back on top. The fit (seconds of CPU) is
+cached under ``data.cache_dir/plan/``, keyed by the model config, sequence length, dtype, torch's version and
+this file's and ``train/model.py``'s source.
 
 Time: FLOPs per token are 6·N_matmul + 12·L·hidden·seq (``LlamaForCausalLM.flops_per_token``, PaLM appendix B);
 the step time assumes dense bf16 matmuls at ``ETA_MATMUL`` of the GPU's peak, causal attention (half of the 12·L·h·s
-term is real work) at ``ETA_ATTENTION``, the chunked loss's extra lm_head forward, and the activation and
-optimizer traffic at the HBM bandwidth. MFU = model FLOPs / (step time × peak), the PaLM definition.
+term is real work) at ``ETA_ATTENTION``, the chunked loss's extra lm_head forward, each checkpointed layer's
+forward once more, and the activation and optimizer traffic at the HBM bandwidth. MFU = model FLOPs / (step time ×
+peak), the PaLM definition (recomputation is not model FLOPs).
 """
 
 from __future__ import annotations
@@ -255,7 +260,8 @@ def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
 def memory_model(
     cfg: ModelConfig, seq_len: int, dtype: torch.dtype, cache_dir: str | Path | None = None
 ) -> MemoryModel:
-    """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (four fake runs, two real one-layer traces).
+    """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (fake runs of 2 and 3 layers at micro-batch
+    1 and 2, one eager and one compiled trace of a real layer).
 
     With ``cache_dir`` the fit is kept in ``cache_dir/plan/<key>.json``, the key being the sha256 of the model
     config, ``seq_len``, ``dtype``, torch's version and the source of ``train/plan.py`` and ``train/model.py``: a
