@@ -417,7 +417,8 @@ def checkpointed_layers(mode: str, every: int, num_layers: int) -> frozenset[int
     for "selective" the layers ``i % every == 0`` (0, every, 2·every, …: ``ceil(num_layers / every)`` of them).
 
     The bottom layer of each group is the checkpointed one, so its recompute in the backward happens after the
-    layers above it have freed their activations and never raises the peak. Raises ValueError for an unknown
+    layers above it have freed their activations and does not raise the peak (only a checkpointed top layer,
+    as in "full", recomputes while every other layer still holds its own). Raises ValueError for an unknown
     ``mode`` or ``every < 1``.
     """
     if mode not in ACTIVATION_CHECKPOINT_MODES:

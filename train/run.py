@@ -9,6 +9,8 @@ metrics keys and the checkpoint layout are docs/design.md's. The loop:
 * ``train.compile``: true (compile each decoder layer and the head + loss with static shapes, warmed up at the
   training micro-batch; a failure is an error), "auto" (the same, falling back to eager with a warning) or false;
   the log and ``summary.json`` say which path ran, why, and how many graphs were compiled after the warm-up;
+* ``train.activation_checkpoint``: "none", "selective" (every ``activation_checkpoint_every``-th decoder layer
+  recomputes its forward in the backward instead of keeping its activations) or "full" (every layer);
 * the loss is computed inside the training module (``train.model.CausalLMLoss``): in bf16 the float32 logits are
   never held whole;
 * AdamW (no decay on norms and embeddings), linear warmup then cosine decay to ``min_lr``, gradient clipping;
@@ -413,6 +415,9 @@ class Trainer:
             info.warmup_s = time.time() - t0
             self._graphs_after_warmup = counters["unique_graphs"]
         self.log(f"training path: {info.path} ({info.reason})")
+        if step_model.checkpointed:
+            self.log(f"activation checkpointing ({self.cfg.train.activation_checkpoint}): decoder layers "
+                     f"{', '.join(map(str, sorted(step_model.checkpointed)))} recompute their forward in the backward")
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415 - only under torchrun
 
