@@ -336,6 +336,9 @@ class LlamaForCausalLM(nn.Module):
         return out
 
 
+CHUNK_TOKENS = 8192  # rows of lm_head + cross-entropy per checkpointed chunk in reduced precision
+
+
 class CausalLMLoss(nn.Module):
     """The training forward: summed next-token NLL of ``lm`` (a :class:`LlamaForCausalLM`), optionally compiled.
 
@@ -360,7 +363,7 @@ class CausalLMLoss(nn.Module):
       gradients (rows never interact), and dropping them instead would lose data.
     """
 
-    def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int = 8192, activation_checkpoint: str = "none",
+    def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int = CHUNK_TOKENS, activation_checkpoint: str = "none",
                  checkpoint_every: int = 2):
         super().__init__()
         self.lm = lm

@@ -5,7 +5,9 @@ tensors (``torch._subclasses.FakeTensorMode``) under PyTorch's memory tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``), as torchtitan's ``estimation.py`` does. Four fake runs
 (2 and 3 layers × micro-batch 1 and 2) fix the bilinear law ``peak = a + b·L + c·B + d·L·B`` (parameters and
 optimizer state grow with L; activations with L·B; the head and loss with B), which gives the peak for any
-number of layers L and micro-batch B in milliseconds. Reduced precision is traced under CPU autocast, whose op
+number of layers L and micro-batch B in milliseconds. In reduced precision the loss runs in chunks of
+``CHUNK_TOKENS`` rows, so its transient stops growing after the first chunk: one more fake step (2 layers, two
+chunks' worth of rows) measures the share of ``c`` that does. Reduced precision is traced under CPU autocast, whose op
 lists match CUDA's for every op this model runs (the linear layers and SDPA in bf16, the norms' reductions and
 the loss in float32).
 
@@ -42,6 +44,7 @@ from train.atomic import atomic_write_json
 from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
 from train.device import autocast_ctx, resolve_dtype
 from train.model import (
+    CHUNK_TOKENS,
     CausalLMLoss,
     DecoderLayer,
     LlamaForCausalLM,
@@ -207,6 +210,7 @@ class MemoryModel:
     layer_saved_compiled: float
     params: int
     flops_per_token: float
+    head_chunk_per_token: float = 0.0  # of c/seq_len: the loss chunk's share, which stops growing at CHUNK_TOKENS
 
     @property
     def compiled_saving_per_token_layer(self) -> float:
@@ -221,6 +225,7 @@ class MemoryModel:
         ckpt = checkpointed_layers(activation_checkpoint, checkpoint_every, L)
         tokens = micro * self.seq_len
         peak = a + b * L + c * micro + d * L * micro
+        peak -= self.head_chunk_per_token * max(0, tokens - CHUNK_TOKENS)  # one chunk's logits at a time
         per_layer = self.layer_saved_eager
         if compiled:
             peak -= self.compiled_saving_per_token_layer * L * tokens
@@ -277,13 +282,18 @@ def memory_model(
             d = json.loads(path.read_text(encoding="utf-8"))
             return MemoryModel(cfg, seq_len, dtype, tuple(d["coef"]), tuple(d["param_per_layer"]),
                                tuple(d["opt_per_layer"]), d["layer_saved_eager"], d["layer_saved_compiled"],
-                               d["params"], d["flops_per_token"])
+                               d["params"], d["flops_per_token"], d["head_chunk_per_token"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # no entry or an unreadable one: fit again
+    # reduced precision computes the loss in chunks of CHUNK_TOKENS rows: past that the head's transient stops
+    # growing, which a fit at micro-batch 1 and 2 cannot see; one more step, over two chunks, measures it
+    chunked = dtype != torch.float32 and 2 * seq_len <= CHUNK_TOKENS
+    big = 2 * math.ceil(CHUNK_TOKENS / seq_len)
     runs = {}
     for n_layers in (2, 3):
         small = dataclasses.replace(cfg, num_hidden_layers=n_layers)
-        for micro, run in zip((1, 2), _fake_peaks(small, (1, 2), seq_len, dtype), strict=True):
+        micros = (1, 2, big) if chunked and n_layers == 2 else (1, 2)
+        for micro, run in zip(micros, _fake_peaks(small, micros, seq_len, dtype), strict=True):
             runs[n_layers, micro] = run
     p = {k: v[0] for k, v in runs.items()}
     d = (p[3, 2] - p[3, 1]) - (p[2, 2] - p[2, 1])
@@ -292,15 +302,20 @@ def memory_model(
     a = p[2, 1] - 2 * b - c - 2 * d
     par = (runs[2, 1][1] - 2 * (runs[3, 1][1] - runs[2, 1][1]), runs[3, 1][1] - runs[2, 1][1])
     opt = (runs[2, 1][2] - 2 * (runs[3, 1][2] - runs[2, 1][2]), runs[3, 1][2] - runs[2, 1][2])
+    head_chunk = 0.0
+    if chunked:  # the linear law's excess at `big` rows is the chunk share of the tokens past one chunk
+        linear = a + 2 * b + c * big + 2 * d * big
+        head_chunk = max(0.0, (linear - p[2, big]) / (big * seq_len - CHUNK_TOKENS))
     eager = _layer_saved_per_token(cfg, dtype, False)
     # float32 is not compiled on CPU and gains nothing from fusing here: the eager figure stands for both
     compiled = eager if dtype == torch.float32 else _layer_saved_per_token(cfg, dtype, True)
     meta = _meta_model(cfg)
     n = sum(q.numel() for q in meta.parameters())
-    mm = MemoryModel(cfg, seq_len, dtype, (a, b, c, d), par, opt, eager, compiled, n, meta.flops_per_token(seq_len))
+    mm = MemoryModel(cfg, seq_len, dtype, (a, b, c, d), par, opt, eager, compiled, n, meta.flops_per_token(seq_len),
+                     head_chunk)
     if path is not None:
         fields = ("coef", "param_per_layer", "opt_per_layer", "layer_saved_eager", "layer_saved_compiled", "params",
-                  "flops_per_token")
+                  "flops_per_token", "head_chunk_per_token")
         try:
             atomic_write_json(path, {f: getattr(mm, f) for f in fields})
         except OSError:
