@@ -50,12 +50,12 @@ def gloo_one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
-def _training_run(backend: str):
+def _training_run(backend: str, activation_checkpoint: str = "none"):
     """Compile + bf16 autocast + fused AdamW + DDP(gloo, the run's settings), accumulation with no_sync, over steps
     whose last micro-batch is short; returns (graphs at warm-up, graphs after, losses)."""
     torch._dynamo.reset()
     model = small_model()
-    step_model = CausalLMLoss(model, chunk_tokens=48)
+    step_model = CausalLMLoss(model, chunk_tokens=48, activation_checkpoint=activation_checkpoint)
     step_model.compile_blocks(4, backend=backend)
     # static_graph stays off with no_sync accumulation (the reducer asserts: expect_autograd_hooks_), as in train.run
     ddp = DDP(step_model, bucket_cap_mb=100, broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=False)
@@ -89,6 +89,15 @@ def test_compiled_bf16_fused_ddp_step_no_recompiles_short_last_microbatch(gloo_o
     assert warm == 2  # one graph shared by every decoder layer, one for the head + loss
     assert after == 0
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_compiled_step_with_selective_activation_checkpointing(gloo_one_rank):
+    """Checkpointed layers compile to one more graph (the checkpoint inside it), shared by all of them; the losses
+    are those of the run without checkpointing."""
+    warm, after, losses = _training_run("aot_eager", "selective")
+    assert (warm, after) == (3, 0)  # plain layer, checkpointed layer, head + loss
+    _, _, plain = _training_run("aot_eager")
+    assert losses == pytest.approx(plain, rel=1e-3)
 
 
 @pytest.mark.slow

@@ -11,7 +11,16 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from train.checkpoint import hf_state_dict, load_weights, save_weights
-from train.model import LlamaForCausalLM, RMSNorm, apply_rotary, causal_lm_loss, repeat_kv
+from train.model import (
+    CausalLMLoss,
+    LlamaForCausalLM,
+    ModelConfig,
+    RMSNorm,
+    apply_rotary,
+    causal_lm_loss,
+    checkpointed_layers,
+    repeat_kv,
+)
 from train.optim import build_optimizer, param_groups
 
 
@@ -285,3 +294,40 @@ def test_serialisation_roundtrip_bitwise(fixture_m):
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
     assert all(torch.equal(sd[k], v) for k, v in fixture_m.state_dict().items())
+
+
+@pytest.mark.parametrize("mode,every,expected", [("selective", 2, {0, 2}), ("selective", 3, {0, 3}),
+                                                 ("full", 2, {0, 1, 2, 3})])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode, every, expected):
+    """float32 CPU, 4 layers: checkpointed layers recompute the same values, so the loss is bitwise the plain one
+    and the gradients equal it to rounding."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg)
+    x = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(4))
+
+    def run(step: CausalLMLoss):
+        m.zero_grad(set_to_none=True)
+        loss = step(x[:, :-1], x[:, 1:])
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    plain_loss, plain = run(CausalLMLoss(m))
+    step = CausalLMLoss(m, activation_checkpoint=mode, checkpoint_every=every)
+    assert step.checkpointed == expected
+    assert [n for n, _ in step.named_parameters()] == [n for n, _ in CausalLMLoss(m).named_parameters()]
+    loss, grads = run(step)
+    assert torch.equal(loss, plain_loss)
+    for n in plain:
+        torch.testing.assert_close(grads[n], plain[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_activation_checkpoint_settings_are_checked():
+    assert checkpointed_layers("none", 2, 24) == frozenset()
+    assert sorted(checkpointed_layers("selective", 6, 24)) == [0, 6, 12, 18]
+    assert checkpointed_layers("full", 6, 3) == {0, 1, 2}
+    with pytest.raises(ValueError, match="activation_checkpoint: expected one of none, selective, full"):
+        checkpointed_layers("some", 2, 4)
+    with pytest.raises(ValueError, match="activation_checkpoint_every: expected an integer >= 1"):
+        checkpointed_layers("selective", 0, 4)

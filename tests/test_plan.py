@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import ROOT
 from train import plan as P
-from train.config import load_config
+from train.config import ConfigError, load_config
 from train.model import ModelConfig
 
 FIXTURE = ModelConfig(
@@ -52,10 +52,96 @@ def test_step_time_and_mfu_follow_the_flops():
     assert mfu == pytest.approx(pl.flops_per_token * 128 / (secs * 989e12))
 
 
+@pytest.mark.slow  # six fake steps and a compiled layer trace
+def test_the_chunked_loss_stops_growing_past_one_chunk():
+    """bf16 computes the loss CHUNK_TOKENS rows at a time: at micro-batch 16 × 2048 (four chunks) the fit must
+    not extrapolate the head's transient linearly from micro-batch 1 and 2 (that overestimated base-400m by 8.7
+    GiB: 67.1 against the 58.4 of a direct fake run of the 24-layer step)."""
+    cfg = dataclasses.replace(FIXTURE, vocab_size=32000)  # the head dominates, as it would unchecked
+    mm = P.memory_model(cfg, 2048, torch.bfloat16)
+    direct, _, _ = P._fake_peak(cfg, 16, 2048, torch.bfloat16)
+    assert mm.plan(16, compiled=False).peak_bytes == pytest.approx(direct, rel=0.03)
+    assert dataclasses.replace(mm, head_chunk_per_token=0.0).plan(16, compiled=False).peak_bytes > 1.2 * direct
+
+
+@pytest.fixture(scope="module")
+def fixture_fp32_model():
+    return P.memory_model(FIXTURE, 128, torch.float32)
+
+
+@pytest.mark.parametrize("mode,every", [("selective", 2), ("selective", 3), ("full", 1)])
+def test_checkpointing_lowers_the_peak_as_a_direct_fake_run_does(fixture_fp32_model, mode, every):
+    """The planner's peak with activation checkpointing against the fake run of the checkpointed step itself: it
+    drops by what the checkpointed layers no longer save; with the top layer checkpointed ("full", or layer 3 of 4
+    at every 3) the planner adds that layer's recompute, so it may exceed the run by at most one layer."""
+    mm = fixture_fp32_model
+    plain = mm.plan(3, compiled=False)
+    got = mm.plan(3, compiled=False, activation_checkpoint=mode, checkpoint_every=every)
+    direct, _, _ = P._fake_peak(FIXTURE, 3, 128, torch.float32, mode, every)
+    one_layer = mm.layer_saved_eager * 3 * 128
+    assert got.checkpointed_layers == {2: 2, 3: 2, 1: 4}[every]
+    assert direct < plain.peak_bytes and got.peak_bytes < plain.peak_bytes
+    if every == 2:  # layers 0 and 2: both recomputed after the layer above freed its activations
+        assert got.peak_bytes == pytest.approx(direct, rel=0.03)
+        assert plain.peak_bytes - got.peak_bytes == pytest.approx(2 * one_layer, rel=1e-6)
+    else:
+        assert direct * 0.97 <= got.peak_bytes <= direct + one_layer * 1.03
+
+
+def test_recomputation_costs_step_time_and_mfu(fixture_fp32_model):
+    mm = fixture_fp32_model
+    gpu, tokens = P.GPUS["h100"], 8 * 128
+    plain = mm.plan(8, compiled=True)
+    ckpt = mm.plan(8, compiled=True, activation_checkpoint="selective", checkpoint_every=2)
+    (s0, m0), (s1, m1) = P.step_time(plain, FIXTURE, gpu, tokens), P.step_time(ckpt, FIXTURE, gpu, tokens)
+    h, s = FIXTURE.hidden_size, 128
+    weights = 4 * h * h - 2 * h * (h - FIXTURE.num_key_value_heads * FIXTURE.head_dim) + 3 * h * 128
+    forward = 2 * (2.0 * weights / (989e12 * P.ETA_MATMUL) + 2.0 * h * s / (989e12 * P.ETA_ATTENTION))
+    assert s1 - s0 >= tokens * forward * 0.999  # two layers' forward again (plus their activations' traffic)
+    assert m1 == pytest.approx(m0 * s0 / s1)  # MFU counts model FLOPs only: recomputation lowers it
+
+
+def test_the_fit_is_cached_by_model_torch_and_source(tmp_path, monkeypatch):
+    first = P.memory_model(FIXTURE, 32, torch.float32, cache_dir=tmp_path)
+    assert len(list((tmp_path / "plan").glob("*.json"))) == 1
+
+    def no_fake_runs(*a, **k):
+        raise AssertionError("a cache hit runs no fake step")
+
+    monkeypatch.setattr(P, "_fake_peaks", no_fake_runs)
+    again = P.memory_model(FIXTURE, 32, torch.float32, cache_dir=tmp_path)
+    assert again.plan(4, False).to_dict() == first.plan(4, False).to_dict()
+    with pytest.raises(AssertionError, match="a cache hit"):  # another sequence length is another key
+        P.memory_model(FIXTURE, 64, torch.float32, cache_dir=tmp_path)
+
+
+def test_activation_checkpoint_config_is_checked():
+    with pytest.raises(ConfigError, match=r'train.activation_checkpoint: expected "none", "selective" or "full"'):
+        load_config("tiny", ["train.activation_checkpoint=some"])
+    with pytest.raises(ConfigError, match=r"train.activation_checkpoint_every: expected an integer >= 1"):
+        load_config("tiny", ["train.activation_checkpoint_every=0"])
+    assert load_config("tiny").train.activation_checkpoint == "none"  # the golden losses' path is unchanged
+
+
+@pytest.mark.slow  # the real base-400m fit: about 10 s of CPU
+def test_base_400m_fits_45_gib_at_50_percent_mfu():
+    cfg = load_config("base-400m")
+    t = cfg.train
+    mcfg = ModelConfig(vocab_size=cfg.tokenizer.vocab_size, **dataclasses.asdict(cfg.model))
+    mm = P.memory_model(mcfg, t.seq_len, torch.bfloat16)
+    tokens = t.micro_batch_size * t.grad_accum * t.seq_len
+    for ac in ((t.activation_checkpoint, t.activation_checkpoint_every), ("selective", 4)):
+        pl = mm.plan(t.micro_batch_size, True, *ac)
+        _, mfu = P.step_time(pl, mcfg, P.GPUS["h100"], tokens)
+        assert pl.peak_bytes <= 45 * 2**30 and mfu >= 0.50, (ac, pl.peak_bytes / 2**30, mfu)
+    plain, sel = mm.plan(16, True), mm.plan(16, True, "selective", 4)
+    assert plain.peak_bytes - sel.peak_bytes == pytest.approx(6 * mm.layer_saved_compiled * 16 * 2048, rel=1e-6)
+
+
 MEASURE = textwrap.dedent("""
     import dataclasses, json, sys, torch
     from pathlib import Path
-    from train.config import load_config
+    from train.config import ConfigError, load_config
     from train.device import peak_memory_bytes, reset_peak_memory
     from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig
     cfg = load_config(sys.argv[1])

@@ -91,6 +91,8 @@ class TrainSection:
     keep_last: int = 3
     log_every: int = 10
     compile: bool | str = False  # true (a failure is an error), false, or "auto" (falls back to eager, loudly)
+    activation_checkpoint: str = "none"  # "none", "selective" (every activation_checkpoint_every-th layer), "full"
+    activation_checkpoint_every: int = 2
     dtype: str = "auto"
     device: str = "auto"
     max_nonfinite: int = 5
@@ -166,6 +168,14 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
         if value in (True, False, "auto"):
             return value
         raise ConfigError(f"{where}: expected true, false or \"auto\", got {value!r}")
+    if (section, key) == ("train", "activation_checkpoint"):
+        if value in ("none", "selective", "full"):
+            return value
+        raise ConfigError(f"{where}: expected \"none\", \"selective\" or \"full\", got {value!r}")
+    if (section, key) == ("train", "activation_checkpoint_every") and not (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    ):
+        raise ConfigError(f"{where}: expected an integer >= 1 (checkpoint every N-th decoder layer), got {value!r}")
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")

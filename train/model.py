@@ -336,6 +336,9 @@ class LlamaForCausalLM(nn.Module):
         return out
 
 
+CHUNK_TOKENS = 8192  # rows of lm_head + cross-entropy per checkpointed chunk in reduced precision
+
+
 class CausalLMLoss(nn.Module):
     """The training forward: summed next-token NLL of ``lm`` (a :class:`LlamaForCausalLM`), optionally compiled.
 
@@ -348,6 +351,11 @@ class CausalLMLoss(nn.Module):
     * reduced precision (autocast): lm_head + cross-entropy in chunks of ``chunk_tokens`` rows, each under
       activation checkpointing, so at most one chunk's float32 logits exist at a time (Liger-Kernel's fused linear
       cross-entropy does the same in one kernel); the price is one more lm_head matmul per chunk in the backward;
+    * ``activation_checkpoint``: "none" (every layer saves its activations for the backward), "full" (every
+      decoder layer under activation checkpointing: only its input is kept and its forward runs again in the
+      backward) or "selective" (the layers ``i`` with ``i % checkpoint_every == 0`` only: torchtitan's per-layer
+      selective AC). A checkpointed layer computes the same values, so the loss and gradients are unchanged; the
+      price is one more forward of that layer per step (see :func:`checkpointed_layers`);
     * :meth:`compile_blocks`: each decoder layer and the head + loss compiled on their own with static shapes
       (torchtitan's ``apply_compile``): one small graph reused by every layer compiles in seconds. Compiled, a
       micro-batch with fewer rows than ``static_batch`` is padded with ignored rows (label -100) to that size, so
@@ -355,20 +363,28 @@ class CausalLMLoss(nn.Module):
       gradients (rows never interact), and dropping them instead would lose data.
     """
 
-    def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int = 8192):
+    def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int = CHUNK_TOKENS, activation_checkpoint: str = "none",
+                 checkpoint_every: int = 2):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.static_batch: int | None = None
-        self._blocks = list(lm.model.layers)  # plain list: compiled wrappers must not become submodules
+        self.checkpointed = checkpointed_layers(activation_checkpoint, checkpoint_every, len(lm.model.layers))
+        # plain list: compiled wrappers must not become submodules (the parameter names stay lm's)
+        self._blocks = [self._wrap(i, b) for i, b in enumerate(lm.model.layers)]
         self._head = self._head_loss
+
+    def _wrap(self, i: int, layer: nn.Module):
+        return CheckpointedLayer(layer) if i in self.checkpointed else layer
 
     def compile_blocks(self, static_batch: int, backend: str = "inductor") -> None:
         """Compile each layer and the head + loss (``fullgraph=True``, ``dynamic=False``); ``static_batch`` is the
         micro-batch the graphs are traced at (call once, then warm up at that size). ``backend`` is
         ``torch.compile``'s (tests use "aot_eager": the same graphs without code generation)."""
         opts = {"fullgraph": True, "dynamic": False, "backend": backend}
-        self._blocks = [torch.compile(b, **opts) for b in self.lm.model.layers]
+        # the checkpoint goes inside the compiled graph (torchtitan's order: AC, then compile), where the
+        # partitioner recomputes the whole layer in the backward
+        self._blocks = [torch.compile(self._wrap(i, b), **opts) for i, b in enumerate(self.lm.model.layers)]
         self._head = torch.compile(self._head_loss, **opts)
         self.static_batch = static_batch
 
@@ -394,6 +410,43 @@ class CausalLMLoss(nn.Module):
         for block in self._blocks:
             x, _ = block(x, cos, sin, None, None)
         return self._head(x, labels)
+
+
+ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
+
+
+def checkpointed_layers(mode: str, every: int, num_layers: int) -> frozenset[int]:
+    """Indices of the decoder layers run under activation checkpointing: none for "none", all for "full", and
+    for "selective" the layers ``i % every == 0`` (0, every, 2·every, …: ``ceil(num_layers / every)`` of them).
+
+    The bottom layer of each group is the checkpointed one, so its recompute in the backward happens after the
+    layers above it have freed their activations and does not raise the peak (only a checkpointed top layer,
+    as in "full", recomputes while every other layer still holds its own). Raises ValueError for an unknown
+    ``mode`` or ``every < 1``.
+    """
+    if mode not in ACTIVATION_CHECKPOINT_MODES:
+        raise ValueError(f"activation_checkpoint: expected one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}, "
+                         f"got {mode!r}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"activation_checkpoint_every: expected an integer >= 1, got {every!r}")
+    if mode == "none":
+        return frozenset()
+    step = 1 if mode == "full" else every
+    return frozenset(range(0, num_layers, step))
+
+
+class CheckpointedLayer(nn.Module):
+    """A decoder layer run under non-reentrant activation checkpointing (torchtitan's ``checkpoint_wrapper``).
+
+    One class for every wrapped layer, so ``torch.compile`` traces one graph for all of them; :class:`CausalLMLoss`
+    keeps it out of the model's modules, so the parameter names stay the model's."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cos, sin, mask, past):
+        return checkpoint(self.layer, x, cos, sin, mask, past, use_reentrant=False)
 
 
 def _chunk_nll(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -5,35 +5,53 @@ tensors (``torch._subclasses.FakeTensorMode``) under PyTorch's memory tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``), as torchtitan's ``estimation.py`` does. Four fake runs
 (2 and 3 layers × micro-batch 1 and 2) fix the bilinear law ``peak = a + b·L + c·B + d·L·B`` (parameters and
 optimizer state grow with L; activations with L·B; the head and loss with B), which gives the peak for any
-number of layers L and micro-batch B in milliseconds. Reduced precision is traced under CPU autocast, whose op
+number of layers L and micro-batch B in milliseconds. In reduced precision the loss runs in chunks of
+``CHUNK_TOKENS`` rows, so its transient stops growing after the first chunk: one more fake step (2 layers, two
+chunks' worth of rows) measures the share of ``c`` that does. Reduced precision is traced under CPU autocast, whose op
 lists match CUDA's for every op this model runs (the linear layers and SDPA in bf16, the norms' reductions and
 the loss in float32).
 
 The fake run is eager. ``compiled=True`` subtracts what Inductor saves by fusing: the activations one decoder
-layer saves for the backward, measured per token under eager autograd and under AOTAutograd's min-cut
-partitioner (the one Inductor uses), on a real layer at two short sequence lengths (the slope excludes the
-weights' bf16 copies, which do not grow with tokens).
+layer saves for the backward beyond its inputs, measured per token under eager autograd and under AOTAutograd's
+min-cut partitioner (the one Inductor uses), on a real layer at one short prime sequence length (only the
+per-token storages have an element count it divides; the weights' bf16 copies do not grow with tokens).
+Activation checkpointing (``train.activation_checkpoint``) frees, for each checkpointed layer, all of that but
+its inputs; the top layer's recompute, if it is checkpointed, comes back on top. The fit (seconds of CPU) is
+cached under ``data.cache_dir/plan/``, keyed by the model config, sequence length, dtype, torch's version and
+this file's and ``train/model.py``'s source.
 
 Time: FLOPs per token are 6·N_matmul + 12·L·hidden·seq (``LlamaForCausalLM.flops_per_token``, PaLM appendix B);
 the step time assumes dense bf16 matmuls at ``ETA_MATMUL`` of the GPU's peak, causal attention (half of the 12·L·h·s
-term is real work) at ``ETA_ATTENTION``, the chunked loss's extra lm_head forward, and the activation and
-optimizer traffic at the HBM bandwidth. MFU = model FLOPs / (step time × peak), the PaLM definition.
+term is real work) at ``ETA_ATTENTION``, the chunked loss's extra lm_head forward, each checkpointed layer's
+forward once more, and the activation and optimizer traffic at the HBM bandwidth. MFU = model FLOPs / (step time ×
+peak), the PaLM definition (recomputation is not model FLOPs).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 
-from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args
+from train.atomic import atomic_write_json
+from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
 from train.device import autocast_ctx, resolve_dtype
-from train.model import CausalLMLoss, DecoderLayer, LlamaForCausalLM, ModelConfig, RotaryEmbedding
+from train.model import (
+    CHUNK_TOKENS,
+    CausalLMLoss,
+    DecoderLayer,
+    LlamaForCausalLM,
+    ModelConfig,
+    RotaryEmbedding,
+    checkpointed_layers,
+)
 
 HEADROOM = 0.90  # plan for at most 90 % of the GPU's memory: the allocator's fragmentation, NCCL and cuBLAS buffers
 ETA_MATMUL = 0.75  # large bf16 GEMMs reach ≈ 700-750 of H100 SXM's 989 dense TFLOP/s
@@ -69,75 +87,118 @@ class Plan:
     activation_bytes: int
     peak_bytes: int
     flops_per_token: float
+    activation_checkpoint: str = "none"
+    checkpointed_layers: int = 0  # decoder layers whose forward runs again in the backward
+    activation_traffic_per_token: float = 0.0  # HBM bytes per token the activations move (written, read back)
 
     def summary(self) -> str:
         g = 2**30
         return (
             f"micro-batch {self.micro_batch_size} × {self.seq_len}, {self.dtype}, "
-            f"{'compiled' if self.compiled else 'eager'}: peak ≈ {self.peak_bytes / g:.1f} GiB (parameters "
+            f"{'compiled' if self.compiled else 'eager'}{self._ac()}: peak ≈ {self.peak_bytes / g:.1f} GiB (parameters "
             f"{self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, AdamW state "
             f"{self.optimizer_bytes / g:.2f}, activations and the rest {self.activation_bytes / g:.1f})"
         )
+
+    def _ac(self) -> str:
+        if self.activation_checkpoint == "none":
+            return ""
+        return f", activation checkpointing {self.activation_checkpoint} ({self.checkpointed_layers} layers)"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _fake_peak(cfg: ModelConfig, micro: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(peak, parameter, optimizer-state) bytes of one training step on fake tensors, optimizer state present."""
+def _fake_peaks(
+    cfg: ModelConfig, micros: tuple[int, ...], seq_len: int, dtype: torch.dtype, activation_checkpoint: str = "none",
+    checkpoint_every: int = 2,
+) -> list[tuple[int, int, int]]:
+    """(peak, parameter, optimizer-state) bytes of one training step on fake tensors, optimizer state present, for
+    each micro-batch size in ``micros`` (one model and optimizer, a fresh tracker per step)."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415 - seconds to import; a cache hit skips it
+
+    out = []
     with FakeTensorMode():
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
-        step = CausalLMLoss(model)
+        step = CausalLMLoss(model, activation_checkpoint=activation_checkpoint, checkpoint_every=checkpoint_every)
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
         for p in model.parameters():  # create the AdamW state before tracking, as at any step after the first
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        x = torch.randint(0, cfg.vocab_size, (micro, seq_len + 1))
-        with tracker:
-            with autocast_ctx(torch.device("cpu"), dtype):
-                loss = step(x[:, :-1], x[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        snap = tracker.get_tracker_snapshot("peak")
-    per_dev = next(iter(snap.values()))
-    kinds = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in per_dev.items()}
-    return int(kinds["Total"]), int(kinds.get("Parameter", 0)), int(kinds.get("Optstate", 0))
+        for micro in micros:
+            tracker = MemTracker()
+            tracker.track_external(model, opt)
+            x = torch.randint(0, cfg.vocab_size, (micro, seq_len + 1))
+            with tracker:
+                with autocast_ctx(torch.device("cpu"), dtype):
+                    loss = step(x[:, :-1], x[:, 1:])
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            snap = tracker.get_tracker_snapshot("peak")
+            per_dev = next(iter(snap.values()))
+            kinds = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in per_dev.items()}
+            out.append((int(kinds["Total"]), int(kinds.get("Parameter", 0)), int(kinds.get("Optstate", 0))))
+            del x, loss
+    return out
 
 
-def _saved_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool) -> float:
-    """Bytes per token one decoder layer saves for its backward (slope between 64 and 128 tokens)."""
+def _fake_peak(
+    cfg: ModelConfig, micro: int, seq_len: int, dtype: torch.dtype, activation_checkpoint: str = "none",
+    checkpoint_every: int = 2,
+) -> tuple[int, int, int]:
+    """(peak, parameter, optimizer-state) bytes of one training step at ``micro`` on fake tensors."""
+    return _fake_peaks(cfg, (micro,), seq_len, dtype, activation_checkpoint, checkpoint_every)[0]
+
+
+def _trace_length(cfg: ModelConfig) -> int:
+    """A sequence length that divides no element count but the per-token ones: the smallest prime from 61 on that
+    divides none of the layer's dimensions (so a weight's copy, ``hidden × intermediate`` say, never counts)."""
+    dims = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+    s = 61
+    while any(d % s == 0 for d in dims) or any(s % k == 0 for k in range(2, math.isqrt(s) + 1)):
+        s += 1
+    return s
+
+
+def _layer_saved_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool) -> float:
+    """Bytes per token one decoder layer saves for its backward beyond its inputs (x, cos, sin), measured on a
+    real layer at one sequence length (:func:`_trace_length`): the saved storages whose element count it divides
+    grow with tokens; the weights' reduced-precision copies do not and are left out.
+
+    ``compiled`` traces the layer through AOTAutograd's min-cut partitioner (the one Inductor uses). This is also
+    what activation checkpointing frees for each checkpointed layer (it keeps only the inputs)."""
     torch.manual_seed(0)
     layer = DecoderLayer(cfg)
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
     fn = (
         torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False) if compiled else layer
     )
-    sizes = []
-    for s in (64, 128):
-        x = torch.randn(1, s, cfg.hidden_size, requires_grad=True)
-        seen: dict[int, int] = {}
+    s = _trace_length(cfg)
+    x = torch.randn(1, s, cfg.hidden_size, requires_grad=True)
+    seen: dict[int, tuple[int, int]] = {}
 
-        def pack(t, seen=seen):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-            return t
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = (st.nbytes(), t.element_size())
+        return t
 
-        with autocast_ctx(torch.device("cpu"), dtype):
-            cos, sin = rope(torch.arange(s)[None], dtype)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                fn(x, cos, sin, None, None)
-        sizes.append(sum(seen.values()))
-    return (sizes[1] - sizes[0]) / 64
+    with autocast_ctx(torch.device("cpu"), dtype):
+        cos, sin = rope(torch.arange(s)[None], dtype)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x, cos, sin, None, None)
+    for t in (x, cos, sin):
+        seen.pop(t.untyped_storage().data_ptr(), None)
+    return sum(n for n, size in seen.values() if (n // size) % s == 0) / s
 
 
 @dataclasses.dataclass
 class MemoryModel:
-    """``peak(L, B) = a + b·L + c·B + d·L·B`` bytes, fitted on fake runs, plus the compiled saving per token·layer."""
+    """``peak(L, B) = a + b·L + c·B + d·L·B`` bytes, fitted on eager fake runs, corrected by what one decoder layer
+    saves per token eager and compiled (``layer_saved``): Inductor's fusion saves less per layer, and a
+    checkpointed layer keeps only its inputs."""
 
     cfg: ModelConfig
     seq_len: int
@@ -145,29 +206,54 @@ class MemoryModel:
     coef: tuple[float, float, float, float]
     param_per_layer: tuple[float, float]
     opt_per_layer: tuple[float, float]
-    compiled_saving_per_token_layer: float
+    layer_saved_eager: float  # bytes per token, the layer's inputs excluded
+    layer_saved_compiled: float
+    params: int
+    flops_per_token: float
+    head_chunk_per_token: float = 0.0  # of c/seq_len: the loss chunk's share, which stops growing at CHUNK_TOKENS
 
-    def plan(self, micro: int, compiled: bool) -> Plan:
+    @property
+    def compiled_saving_per_token_layer(self) -> float:
+        """Bytes per token and layer that compiling saves against eager."""
+        return max(0.0, self.layer_saved_eager - self.layer_saved_compiled)
+
+    def plan(self, micro: int, compiled: bool, activation_checkpoint: str = "none", checkpoint_every: int = 2) -> Plan:
+        """The :class:`Plan` at micro-batch ``micro`` (``activation_checkpoint`` as :class:`CausalLMLoss` takes
+        it; ValueError for a bad mode or ``checkpoint_every``)."""
         a, b, c, d = self.coef
         L = self.cfg.num_hidden_layers
+        ckpt = checkpointed_layers(activation_checkpoint, checkpoint_every, L)
+        tokens = micro * self.seq_len
         peak = a + b * L + c * micro + d * L * micro
+        peak -= self.head_chunk_per_token * max(0, tokens - CHUNK_TOKENS)  # one chunk's logits at a time
+        per_layer = self.layer_saved_eager
         if compiled:
-            peak -= self.compiled_saving_per_token_layer * L * micro * self.seq_len
-        params = sum(p.numel() for p in _meta_model(self.cfg).parameters())
+            peak -= self.compiled_saving_per_token_layer * L * tokens
+            per_layer = self.layer_saved_eager - self.compiled_saving_per_token_layer
+        plain_activations = peak  # before checkpointing, for the traffic
+        peak -= per_layer * len(ckpt) * tokens  # a checkpointed layer keeps only its inputs ...
+        if L - 1 in ckpt:  # ... until its recompute; the top layer's comes before any other layer has freed its own
+            peak += per_layer * tokens
         pb = self.param_per_layer[0] + self.param_per_layer[1] * L
         ob = self.opt_per_layer[0] + self.opt_per_layer[1] * L
+        act_plain = (plain_activations - 2 * pb - ob) / tokens
         return Plan(
             micro_batch_size=micro,
             seq_len=self.seq_len,
             dtype=str(self.dtype).replace("torch.", ""),
             compiled=compiled,
-            params=params,
+            params=self.params,
             param_bytes=int(pb),
             grad_bytes=int(pb),
             optimizer_bytes=int(ob),
             activation_bytes=int(peak - 2 * pb - ob),
             peak_bytes=int(peak),
-            flops_per_token=_meta_model(self.cfg).flops_per_token(self.seq_len),
+            flops_per_token=self.flops_per_token,
+            activation_checkpoint=activation_checkpoint,
+            checkpointed_layers=len(ckpt),
+            # written once and read back in the backward (eager: one more round trip between unfused ops); a
+            # recomputed layer writes its activations once more
+            activation_traffic_per_token=(3 if compiled else 4) * act_plain + per_layer * len(ckpt),
         )
 
 
@@ -176,13 +262,39 @@ def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
         return LlamaForCausalLM(cfg)
 
 
-def memory_model(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> MemoryModel:
-    """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (four fake runs, two real one-layer traces)."""
+def memory_model(
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, cache_dir: str | Path | None = None
+) -> MemoryModel:
+    """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (fake runs of 2 and 3 layers at micro-batch
+    1 and 2, one eager and one compiled trace of a real layer).
+
+    With ``cache_dir`` the fit is kept in ``cache_dir/plan/<key>.json``, the key being the sha256 of the model
+    config, ``seq_len``, ``dtype``, torch's version and the source of ``train/plan.py`` and ``train/model.py``: a
+    repeated plan of the same model (``train.run`` on CUDA after ``python -m train.plan``) takes no fake run."""
+    path = None
+    if cache_dir is not None:
+        here = Path(__file__)
+        src = here.read_bytes() + here.with_name("model.py").read_bytes()
+        key = json.dumps([dataclasses.asdict(cfg), seq_len, str(dtype), torch.__version__,
+                          hashlib.sha256(src).hexdigest()], sort_keys=True)
+        path = Path(cache_dir) / "plan" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+            return MemoryModel(cfg, seq_len, dtype, tuple(d["coef"]), tuple(d["param_per_layer"]),
+                               tuple(d["opt_per_layer"]), d["layer_saved_eager"], d["layer_saved_compiled"],
+                               d["params"], d["flops_per_token"], d["head_chunk_per_token"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no entry or an unreadable one: fit again
+    # reduced precision computes the loss in chunks of CHUNK_TOKENS rows: past that the head's transient stops
+    # growing, which a fit at micro-batch 1 and 2 cannot see; one more step, over two chunks, measures it
+    chunked = dtype != torch.float32 and 2 * seq_len <= CHUNK_TOKENS
+    big = 2 * math.ceil(CHUNK_TOKENS / seq_len)
     runs = {}
     for n_layers in (2, 3):
         small = dataclasses.replace(cfg, num_hidden_layers=n_layers)
-        for micro in (1, 2):
-            runs[n_layers, micro] = _fake_peak(small, micro, seq_len, dtype)
+        micros = (1, 2, big) if chunked and n_layers == 2 else (1, 2)
+        for micro, run in zip(micros, _fake_peaks(small, micros, seq_len, dtype), strict=True):
+            runs[n_layers, micro] = run
     p = {k: v[0] for k, v in runs.items()}
     d = (p[3, 2] - p[3, 1]) - (p[2, 2] - p[2, 1])
     c = (p[2, 2] - p[2, 1]) - 2 * d
@@ -190,35 +302,62 @@ def memory_model(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> MemoryMo
     a = p[2, 1] - 2 * b - c - 2 * d
     par = (runs[2, 1][1] - 2 * (runs[3, 1][1] - runs[2, 1][1]), runs[3, 1][1] - runs[2, 1][1])
     opt = (runs[2, 1][2] - 2 * (runs[3, 1][2] - runs[2, 1][2]), runs[3, 1][2] - runs[2, 1][2])
-    saving = 0.0
-    if dtype != torch.float32:
-        saving = max(0.0, _saved_per_token(cfg, dtype, False) - _saved_per_token(cfg, dtype, True))
-    return MemoryModel(cfg, seq_len, dtype, (a, b, c, d), par, opt, saving)
+    head_chunk = 0.0
+    if chunked:  # the linear law's excess at `big` rows is the chunk share of the tokens past one chunk
+        linear = a + 2 * b + c * big + 2 * d * big
+        head_chunk = max(0.0, (linear - p[2, big]) / (big * seq_len - CHUNK_TOKENS))
+    eager = _layer_saved_per_token(cfg, dtype, False)
+    # float32 is not compiled on CPU and gains nothing from fusing here: the eager figure stands for both
+    compiled = eager if dtype == torch.float32 else _layer_saved_per_token(cfg, dtype, True)
+    meta = _meta_model(cfg)
+    n = sum(q.numel() for q in meta.parameters())
+    mm = MemoryModel(cfg, seq_len, dtype, (a, b, c, d), par, opt, eager, compiled, n, meta.flops_per_token(seq_len),
+                     head_chunk)
+    if path is not None:
+        fields = ("coef", "param_per_layer", "opt_per_layer", "layer_saved_eager", "layer_saved_compiled", "params",
+                  "flops_per_token", "head_chunk_per_token")
+        try:
+            atomic_write_json(path, {f: getattr(mm, f) for f in fields})
+        except OSError:
+            pass  # a read-only cache folder only costs the next run its fit
+    return mm
 
 
-def estimate(cfg: ModelConfig, micro: int, seq_len: int, dtype: torch.dtype, compiled: bool = True) -> Plan:
+def estimate(
+    cfg: ModelConfig, micro: int, seq_len: int, dtype: torch.dtype, compiled: bool = True,
+    activation_checkpoint: str = "none", checkpoint_every: int = 2,
+) -> Plan:
     """The :class:`Plan` of one micro-batch size (see :func:`memory_model`)."""
-    return memory_model(cfg, seq_len, dtype).plan(micro, compiled)
+    return memory_model(cfg, seq_len, dtype).plan(micro, compiled, activation_checkpoint, checkpoint_every)
 
 
 def largest_micro_batch(
-    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, compiled: bool, memory_bytes: int, headroom: float = HEADROOM
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, compiled: bool, memory_bytes: int, headroom: float = HEADROOM,
+    activation_checkpoint: str = "none", checkpoint_every: int = 2, mm: MemoryModel | None = None,
 ) -> int:
-    """The largest power-of-two micro-batch whose peak stays under ``headroom × memory_bytes`` (0 if none)."""
-    mm = memory_model(cfg, seq_len, dtype)
+    """The largest power-of-two micro-batch whose peak stays under ``headroom × memory_bytes`` (0 if none);
+    ``mm`` reuses a fitted :class:`MemoryModel` (it must be ``cfg``'s at ``seq_len`` and ``dtype``)."""
+    mm = mm or memory_model(cfg, seq_len, dtype)
     best, b = 0, 1
-    while b <= 1024 and mm.plan(b, compiled).peak_bytes <= headroom * memory_bytes:
+    while b <= 1024 and mm.plan(b, compiled, activation_checkpoint, checkpoint_every).peak_bytes <= headroom * memory_bytes:
         best, b = b, b * 2
     return best
 
 
 def step_time(plan: Plan, cfg: ModelConfig, gpu: GPU, tokens_per_step: int) -> tuple[float, float]:
-    """(seconds per optimizer step, MFU) on ``gpu`` for ``tokens_per_step`` tokens (see the module doc)."""
+    """(seconds per optimizer step, MFU) on ``gpu`` for ``tokens_per_step`` tokens (see the module doc).
+
+    A checkpointed layer's forward runs twice: its matmuls (2 FLOPs per weight and token) and its attention forward
+    (4·hidden·seq per token, half of it real work under the causal mask) are added to the time; MFU counts model
+    FLOPs only (PaLM), so recomputation lowers it."""
     attn = 12.0 * cfg.num_hidden_layers * cfg.hidden_size * plan.seq_len
     dense = plan.flops_per_token - attn + 2.0 * cfg.hidden_size * cfg.vocab_size  # + the loss chunks' recompute
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    layer_weights = h * (2 * h + 2 * kv) + 3 * h * cfg.intermediate_size  # q, o + k, v + gate, up, down
+    dense += plan.checkpointed_layers * 2.0 * layer_weights
+    attn += plan.checkpointed_layers * 4.0 * h * plan.seq_len
     compute = tokens_per_step * (dense / (gpu.bf16_flops * ETA_MATMUL) + attn / 2 / (gpu.bf16_flops * ETA_ATTENTION))
-    act_per_token = plan.activation_bytes / (plan.micro_batch_size * plan.seq_len)
-    traffic = (3 if plan.compiled else 4) * act_per_token * tokens_per_step + 4 * (plan.param_bytes * 4)
+    traffic = plan.activation_traffic_per_token * tokens_per_step + 4 * (plan.param_bytes * 4)
     seconds = compute + traffic / gpu.hbm_bytes_per_s
     return seconds, plan.flops_per_token * tokens_per_step / (seconds * gpu.bf16_flops)
 
@@ -232,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU to plan for")
     p.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's size (default tokenizer.vocab_size)")
     p.add_argument("--eager", action="store_true", help="plan for eager training (default: as train.compile says)")
+    p.add_argument("--no-cache", action="store_true", help="fit again instead of reading data.cache_dir/plan/")
     args = p.parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -244,13 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     compiled = cfg.train.compile is not False and not args.eager
     t = cfg.train
     global_tokens = t.micro_batch_size * t.grad_accum * t.seq_len
-    mm = memory_model(mcfg, t.seq_len, dtype)
-    n = sum(q.numel() for q in _meta_model(mcfg).parameters())
+    ac = (t.activation_checkpoint, t.activation_checkpoint_every)
+    mm = memory_model(mcfg, t.seq_len, dtype, cache_dir=None if args.no_cache else resolve_path(cfg.data.cache_dir))
+    ckpt = sorted(checkpointed_layers(*ac, mcfg.num_hidden_layers))
+    ac_text = {"none": "no activation checkpointing", "full": f"activation checkpointing of all {len(ckpt)} layers",
+               "selective": f"activation checkpointing of {len(ckpt)} of {mcfg.num_hidden_layers} layers "
+                            f"({', '.join(map(str, ckpt))})"}[t.activation_checkpoint]
     print(
-        f"{args.config}: {n:,} parameters, {mm.plan(1, compiled).flops_per_token / 1e9:.2f} GFLOPs per token "
+        f"{args.config}: {mm.params:,} parameters, {mm.flops_per_token / 1e9:.2f} GFLOPs per token "
         f"(6N + attention), {global_tokens:,} tokens a step; {gpu.name}: {gpu.memory_bytes / 2**30:.0f} GiB, "
         f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16; {'compiled' if compiled else 'eager'}, "
-        f"{str(dtype).replace('torch.', '')}"
+        f"{str(dtype).replace('torch.', '')}, {ac_text}"
     )
     print(
         f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'AdamW':>6} {'activ.':>7} {'peak GiB':>8} "
@@ -260,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     for micro in (1, 2, 4, 8, 16, 32, 64):
         if global_tokens % (micro * t.seq_len):
             continue
-        pl = mm.plan(micro, compiled)
+        pl = mm.plan(micro, compiled, *ac)
         secs, mfu = step_time(pl, mcfg, gpu, global_tokens)
         fits = pl.peak_bytes <= HEADROOM * gpu.memory_bytes
         mark = " ← config" if micro == t.micro_batch_size else ""
@@ -269,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{pl.optimizer_bytes / g:>6.2f} {pl.activation_bytes / g:>7.1f} {pl.peak_bytes / g:>8.1f} "
             f"{'yes' if fits else 'NO':>4} {secs:>7.2f} {mfu:>6.1%}{mark}"
         )
-    best = largest_micro_batch(mcfg, t.seq_len, dtype, compiled, gpu.memory_bytes)
+    best = largest_micro_batch(mcfg, t.seq_len, dtype, compiled, gpu.memory_bytes, HEADROOM, *ac, mm=mm)
     print(
         f"largest micro-batch within {HEADROOM:.0%} of memory: {best} (× grad_accum "
         f"{max(1, math.ceil(global_tokens / max(best * t.seq_len, 1)))} for the same global batch)"

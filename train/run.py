@@ -9,6 +9,8 @@ metrics keys and the checkpoint layout are docs/design.md's. The loop:
 * ``train.compile``: true (compile each decoder layer and the head + loss with static shapes, warmed up at the
   training micro-batch; a failure is an error), "auto" (the same, falling back to eager with a warning) or false;
   the log and ``summary.json`` say which path ran, why, and how many graphs were compiled after the warm-up;
+* ``train.activation_checkpoint``: "none", "selective" (every ``activation_checkpoint_every``-th decoder layer
+  recomputes its forward in the backward instead of keeping its activations) or "full" (every layer);
 * the loss is computed inside the training module (``train.model.CausalLMLoss``): in bf16 the float32 logits are
   never held whole;
 * AdamW (no decay on norms and embeddings), linear warmup then cosine decay to ``min_lr``, gradient clipping;
@@ -57,7 +59,15 @@ from train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, to_toml
+from train.config import (
+    Config,
+    ConfigError,
+    HelpFormatter,
+    add_config_args,
+    config_from_args,
+    resolve_path,
+    to_toml,
+)
 from train.corpus import DataError
 from train.data import Prepared, prepare
 from train.device import (
@@ -269,10 +279,12 @@ class Trainer:
         t = self.cfg.train
         total = torch.cuda.get_device_properties(self.device).total_memory
         compiled = t.compile is not False
-        self.plan = P.estimate(self.mcfg, self.micro, t.seq_len, self.dtype, compiled=compiled)
+        ac = (t.activation_checkpoint, t.activation_checkpoint_every)
+        mm = P.memory_model(self.mcfg, t.seq_len, self.dtype, cache_dir=resolve_path(self.cfg.data.cache_dir))
+        self.plan = mm.plan(self.micro, compiled, *ac)
         self.log(f"plan: {self.plan.summary()} against {total / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
         if self.plan.peak_bytes > P.HEADROOM * total:
-            fit = P.largest_micro_batch(self.mcfg, t.seq_len, self.dtype, compiled, total)
+            fit = P.largest_micro_batch(self.mcfg, t.seq_len, self.dtype, compiled, total, P.HEADROOM, *ac, mm=mm)
             hint = (f"--set train.micro_batch_size={fit} --set train.grad_accum="
                     f"{max(1, t.micro_batch_size * t.grad_accum // fit)}" if fit else "a smaller model")
             raise TrainError(f"the planner estimates a peak of {self.plan.peak_bytes / 2**30:.1f} GiB at micro-batch "
@@ -373,7 +385,7 @@ class Trainer:
         """The module a training step calls: :class:`CausalLMLoss` over the model, compiled as ``train.compile``
         says and warmed up at the training micro-batch, wrapped in DDP under torchrun."""
         mode = self.cfg.train.compile
-        step_model = CausalLMLoss(self.model)
+        step_model = self._loss_module()
         info = self.compile_info
         if mode is False:
             info.path, info.reason = "eager", "train.compile = false"
@@ -395,7 +407,7 @@ class Trainer:
                     raise TrainError(f"torch.compile failed ({why}). train.compile = true makes this an error; set "
                                      f"train.compile = \"auto\" to fall back to eager (about half the MFU) or false"
                                      ) from e
-                step_model = CausalLMLoss(self.model)
+                step_model = self._loss_module()
                 info.path, info.reason = "eager", f"torch.compile failed, train.compile = \"auto\" fell back: {why}"
                 self.log("WARNING: " + "!" * 60)
                 self.log(f"WARNING: training EAGERLY: {info.reason}")
@@ -403,6 +415,9 @@ class Trainer:
             info.warmup_s = time.time() - t0
             self._graphs_after_warmup = counters["unique_graphs"]
         self.log(f"training path: {info.path} ({info.reason})")
+        if step_model.checkpointed:
+            self.log(f"activation checkpointing ({self.cfg.train.activation_checkpoint}): decoder layers "
+                     f"{', '.join(map(str, sorted(step_model.checkpointed)))} recompute their forward in the backward")
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415 - only under torchrun
 
@@ -410,6 +425,11 @@ class Trainer:
                        bucket_cap_mb=DDP_BUCKET_MB, broadcast_buffers=False, gradient_as_bucket_view=True,
                        static_graph=self.accum == 1)  # with no_sync accumulation DDP's reducer asserts
         return step_model
+
+    def _loss_module(self) -> CausalLMLoss:
+        t = self.cfg.train
+        return CausalLMLoss(self.model, activation_checkpoint=t.activation_checkpoint,
+                            checkpoint_every=t.activation_checkpoint_every)
 
     def _step_ctx(self):
         stack = contextlib.ExitStack()
