@@ -13,9 +13,12 @@ other jobs hits every cell alike; tokens/s pools a cell's rounds (all tokens / a
     python benchmarks/serve_batching.py [--threads 2] [--prompt 32] [--new 64] [--concurrency 1 2 4 8 16 32]
         [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines "rust f32" "rust int8"]
 
-Not here: onnxruntime (serve's onnx backend is still one sequence per request, driven from Python) and
-llama.cpp's llama-server (no build at hand; building it from the llama-cpp-python sdist takes 40+ minutes on
-these 2 cores).
+``onnx f32``: serve's own engine (serve.engine.StepEngine, the Python scheduler the onnx backend serves through)
+over onnxruntime with OnnxBackend.decode_batch, on the `small` graph of benchmarks/onnx_batching.py (same shape,
+other random weights), with the same max_batch / token_budget / prefill_chunk.
+
+Not here: llama.cpp's llama-server (no build at hand; building it from the llama-cpp-python sdist takes 40+ minutes
+on these 2 cores).
 """
 
 from __future__ import annotations
@@ -31,12 +34,33 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def load_rust_decode():
-    """benchmarks/ is not a package: load rust_decode.py (the `small` shape and its bundle builder) by path."""
-    spec = importlib.util.spec_from_file_location("rust_decode", HERE / "rust_decode.py")
+def load_benchmark(name: str):
+    """benchmarks/ is not a package: load one of its scripts (e.g. rust_decode.py: the `small` shape and its bundle
+    builder) by path."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class StepEngineClient:
+    """serve.engine.StepEngine behind rust_runtime.Engine's ``submit(...)`` → event tuples and ``close()``."""
+
+    def __init__(self, backend, max_batch: int, token_budget: int, prefill_chunk: int):
+        from serve.engine import StepEngine
+
+        self.engine = StepEngine(backend, eot_id=0, max_batch=max_batch, token_budget=token_budget,
+                                 prefill_chunk=prefill_chunk)
+
+    def submit(self, prompt, new, temperature=0.0):
+        from serve.sampling import SamplingParams
+
+        sub = self.engine.submit([0, *prompt], new, SamplingParams(temperature=temperature))
+        return ((0, e.token, e.logprob, e.top, None if e.token is not None and e.finish is None else e.finish or "end")
+                for e in sub.events(0))
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def loadavg() -> list[str]:
@@ -111,14 +135,15 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="Engine prefill_chunk (default: the Engine's)")
     ap.add_argument("--rounds", type=int, default=1, help="runs per (engine, concurrency), pooled")
-    ap.add_argument("--engines", nargs="+", default=["rust f32", "rust int8"], choices=["rust f32", "rust int8"])
+    ap.add_argument("--engines", nargs="+", default=["rust f32", "rust int8", "onnx f32"],
+                    choices=["rust f32", "rust int8", "onnx f32"])
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_batching")
     args = ap.parse_args()
 
     import rust_runtime
 
     load_start = loadavg()
-    rd = load_rust_decode()
+    rd = load_benchmark("rust_decode")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / "bundle"
@@ -126,8 +151,15 @@ def main() -> None:
         quant = {"rust f32": None, "rust int8": "int8"}
         models = {
             name: rust_runtime.Model.load(str(bundle), threads=args.threads, quantize=quant[name])
-            for name in args.engines
+            for name in args.engines if name in quant
         }
+        if "onnx f32" in args.engines:
+            from serve.backends.onnx import OnnxBackend
+            from serve.engine import DEFAULT_PREFILL_CHUNK
+
+            onnx_dir = Path(tmp) / "onnx"
+            load_benchmark("onnx_batching").build_bundle(onnx_dir, int8=False)
+            models["onnx f32"] = OnnxBackend(onnx_dir, threads=args.threads)
         kw = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
         chunk = None
         # rounds outermost, then concurrency, then engine: load from other jobs spreads over every cell alike
@@ -135,8 +167,11 @@ def main() -> None:
         for rnd in range(args.rounds):
             for c in args.concurrency:
                 for name, model in models.items():
-                    eng = rust_runtime.Engine(model, max_batch=c, token_budget=args.token_budget, **kw)
-                    chunk = eng.prefill_chunk
+                    if name == "onnx f32":
+                        eng = StepEngineClient(model, c, args.token_budget, args.prefill_chunk or DEFAULT_PREFILL_CHUNK)
+                    else:
+                        eng = rust_runtime.Engine(model, max_batch=c, token_budget=args.token_budget, **kw)
+                        chunk = eng.prefill_chunk
                     run_concurrency(eng, 1, 4, 2)  # warm-up
                     r = run_concurrency(eng, c, args.prompt, args.new)
                     eng.close()
