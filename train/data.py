@@ -429,15 +429,23 @@ class ShardBuild:
 
     def write_train(self) -> None:
         """``train-NNNNN.bin`` in the resampled order; a shard closes once it holds ``shard_tokens`` tokens."""
-        raws = {lang: open_shard(self._raw("train", lang)) for lang in self.languages}
+        # plain array views (slicing a memmap costs a subclass object each) and each copy's place, looked up at once
+        raws = [np.asarray(open_shard(self._raw("train", lang))) for lang in self.languages]
+        langs, index = self.order
+        starts = np.zeros(len(langs), dtype=np.int64)
+        counts = np.zeros(len(langs), dtype=np.int64)
+        for li, lang in enumerate(self.languages):
+            mine = langs == li
+            starts[mine] = np.asarray(self.train[lang].start, dtype=np.int64)[index[mine]]
+            counts[mine] = np.asarray(self.train[lang].tokens, dtype=np.int64)[index[mine]]
+        self.resampled = {lang: int(counts[langs == li].sum()) for li, lang in enumerate(self.languages)}
         self.shards = []
-        self.resampled = {lang: 0 for lang in self.languages}
         writer = None
         pending: list[np.ndarray] = []
         pending_tokens = 0
-        langs, index = self.order
-        for li, j in tqdm(zip(langs.tolist(), index.tolist()), total=len(langs), desc="writing shards", unit="doc",
-                          dynamic_ncols=True, mininterval=0.5, disable=len(langs) < 2000):
+        for li, start, n in tqdm(zip(langs.tolist(), starts.tolist(), counts.tolist()), total=len(langs),
+                                 desc="writing shards", unit="doc", dynamic_ncols=True, mininterval=0.5,
+                                 disable=len(langs) < 2000):
             if writer is None or writer.tokens + pending_tokens >= self.shard_tokens:
                 if writer is not None:
                     if pending:
@@ -447,12 +455,8 @@ class ShardBuild:
                 name = f"train-{len(self.shards):05d}.bin"
                 self.shards.append(name)
                 writer = ShardWriter(self.out / name, self.vocab)
-            lang = self.languages[li]
-            docs = self.train[lang]
-            start, n = docs.start[j], docs.tokens[j]
-            pending.append(raws[lang][start:start + n])
+            pending.append(raws[li][start:start + n])
             pending_tokens += n
-            self.resampled[lang] += n
             if pending_tokens >= 1 << 20:
                 writer.write(np.concatenate(pending))
                 pending, pending_tokens = [], 0
