@@ -33,6 +33,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -103,22 +104,32 @@ def _batches(batch_bytes: int = 1 << 20) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def limit_run(n: int, kind: str = "limit") -> float:
-    """Seconds for NFC + encode_batch_fast over all _TEXTS on ``n`` forked processes taking ~1 MB batches as
-    they come free (pool start excluded); ``kind="shipped"``: the tokenizer's own NFC instead of Python's."""
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def limit_run(n: int, kind: str = "limit") -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of NFC + encode_batch_fast over all _TEXTS on ``n`` forked processes taking
+    ~1 MB batches as they come free (wall: pool start excluded); ``kind="shipped"``: the tokenizer's own NFC
+    instead of Python's."""
+    cpu = _cpu_seconds()
     with serial_tokenizers(), multiprocessing.get_context("fork").Pool(n) as pool:
         pool.map(abs, range(n))  # the workers are up
         t0 = time.perf_counter()
         sum(pool.imap_unordered(_encode_range, [(kind, lo, hi) for lo, hi in _batches()], chunksize=1))
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+    return wall, _cpu_seconds() - cpu
 
 
-def prepare_run(cfg, files, inputs, tok_dir: Path, n: int) -> tuple[float, dict]:
+def prepare_run(cfg, files, inputs, tok_dir: Path, n: int) -> tuple[float, float, dict]:
+    """(wall seconds, CPU seconds of this process and its workers, index) of ``build_shards`` on ``n``."""
     out = Path(tempfile.mkdtemp(prefix="prep-", dir=tok_dir.parent))
     try:
-        t0 = time.perf_counter()
+        cpu, t0 = _cpu_seconds(), time.perf_counter()
         index = build_shards(cfg, files, inputs, tok_dir, out, log=lambda m: None, workers=n)
-        return time.perf_counter() - t0, index
+        return time.perf_counter() - t0, _cpu_seconds() - cpu, index
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -157,6 +168,7 @@ def main(argv=None) -> int:
         del nfc_texts
         print(f"corpus: {text_bytes / 1e6:.1f} MB of text, {len(_TEXTS):,} documents; scan {scan_s:.1f} s", flush=True)
         times: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "shipped": {}}
+        cpus: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "shipped": {}}
         tokens = None
         loads: list[dict] = []  # the 1-minute load average as each run starts
         for r in range(args.rounds):
@@ -169,11 +181,13 @@ def main(argv=None) -> int:
                 for name, fn in runs[shift:] + runs[:shift]:
                     loads.append({"round": r, "run": name, "processes": n, "load": os.getloadavg()[0]})
                     res = fn()
-                    sec = res[0] if name == "prepare" else res
+                    sec, cpu = res[0], res[1]
                     if name == "prepare":
-                        tokens = res[1]["languages"]["bn"]["tokens"] + res[1]["languages"]["en"]["tokens"]
+                        tokens = res[2]["languages"]["bn"]["tokens"] + res[2]["languages"]["en"]["tokens"]
                     times[name].setdefault(n, []).append(sec)
-                    print(f"round {r} {name:<8} N={n}: {sec:6.1f} s = {nfc_bytes / 1e6 / sec:.2f} MB/s", flush=True)
+                    cpus[name].setdefault(n, []).append(cpu)
+                    print(f"round {r} {name:<8} N={n}: {sec:6.1f} s = {nfc_bytes / 1e6 / sec:.2f} MB/s "
+                          f"(CPU {cpu:.1f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load_after = os.getloadavg()
@@ -182,6 +196,7 @@ def main(argv=None) -> int:
     n_max = max(ns)
     ratios = {n: [a / b for a, b in zip(times["limit"][n], times["prepare"][n])] for n in ns}  # side by side
     ratio = {n: statistics.median(v) for n, v in ratios.items()}
+    cpu_ratio = {n: statistics.median(a / b for a, b in zip(cpus["limit"][n], cpus["prepare"][n])) for n in ns}
     speedup = mbs["prepare"][n_max] / mbs["prepare"][min(ns)]
     tokens_per_mb = tokens / (nfc_bytes / 1e6)
     per_proc = mbs["prepare"][n_max] / n_max
@@ -190,6 +205,7 @@ def main(argv=None) -> int:
               "sample_s": sample_s, "cpu_count": os.cpu_count(), "load_average_before": load_before,
               "load_average_after": load_after, "seconds": times, "mb_per_s": mbs, "prepare_over_limit": ratio,
               "prepare_over_limit_by_round": ratios, "load_average_at_each_run": loads,
+              "cpu_seconds": cpus, "limit_cpu_over_prepare_cpu": cpu_ratio,
               "speedup": {f"{min(ns)}->{n_max}": speedup}, "tokens_per_mb": tokens_per_mb,
               "extrapolated_hours_2b_tokens_16_cores": hours_2b}
     out = Path(args.out)
@@ -205,16 +221,18 @@ def main(argv=None) -> int:
              + f" Load average as each run started: {min(x['load'] for x in loads):.2f} to "
              f"{max(x['load'] for x in loads):.2f}.",
              "", "| processes | limit: NFC + encode_batch_fast MB/s | prepare MB/s | prepare / limit "
-             "(median of rounds) | by round |", "|---:|---:|---:|---:|---|"]
+             "(median of rounds) | by round | CPU s: limit / prepare (median) |", "|---:|---:|---:|---:|---|---:|"]
     for n in ns:
         lines.append(f"| {n} | {mbs['limit'][n]:.2f} | {mbs['prepare'][n]:.2f} | {ratio[n]:.0%} | "
-                     + ", ".join(f"{x:.0%}" for x in ratios[n]) + " |")
+                     + ", ".join(f"{x:.0%}" for x in ratios[n]) + f" | {cpu_ratio[n]:.0%} |")
     n_min = min(ns)
     lines += ["", "The limit does the pipeline's normalising and tokenizing and nothing else: Python's NFC, then "
               "encode_batch_fast with the tokenizer's own NFC normalizer off, as prepare's workers run it (the text "
               "is NFC already; the ids are the same). The tokenizer as saved (its normalizer on) on the raw texts, "
               f"N={n_min}: {mbs['shipped'][n_min]:.2f} MB/s — prepare is "
               f"{mbs['prepare'][n_min] / mbs['shipped'][n_min]:.0%} of that.",
+              "", "CPU seconds (user + system, the workers included) need less luck than wall time on a shared "
+              "machine: their ratio is how much of prepare's work is the limit's, whatever else runs.",
               "", f"Speed-up of prepare from {min(ns)} to {n_max} processes: **{speedup:.2f}×** "
               f"(limit: {mbs['limit'][n_max] / mbs['limit'][min(ns)]:.2f}×).",
               f"Input scan (sha256 + UTF-8 check, cached by path, size and mtime): {scan_s:.1f} s, once; tokenizer "
