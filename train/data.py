@@ -17,8 +17,10 @@ in the tokenizer's key: a tokenizer serves any ``max_position_embeddings``.
 Scale: each input is hashed once (``train.inputs``, cached by path, size and mtime); the tokenizer's sample is
 chosen in one streaming pass (``train.tokenizer_sample``); the shards are built by :class:`ShardBuild` in named
 phases, its tokenizing pass spread over ``data.num_workers`` processes (``train.parallel``) with bounded memory:
-chunks of the inputs go out, token ids come back in reading order and stream into per-language raw files; the
-shards are bit for bit the same whatever the number of processes.
+chunks of the inputs go out, token ids (and the shuffle keys of each document's copies) come back in reading
+order and stream into per-language raw files; the workers tokenize the NFC text with the tokenizer's own NFC
+pass off (:func:`train.tokenizer.for_nfc_text`: same ids). Resampling is then one numpy sort in this process.
+The shards are bit for bit the same whatever the number of processes.
 
 The fertility trap guard prints the language mix as characters and as tokens beside the target, and warns
 loudly when Bangla characters per token fall below 0.75 × English's (the report's 1.4 vs 3.9).
