@@ -231,8 +231,9 @@ def main(argv=None) -> int:
               "is NFC already; the ids are the same). The tokenizer as saved (its normalizer on) on the raw texts, "
               f"N={n_min}: {mbs['shipped'][n_min]:.2f} MB/s — prepare is "
               f"{mbs['prepare'][n_min] / mbs['shipped'][n_min]:.0%} of that.",
-              "", "CPU seconds (user + system, the workers included) need less luck than wall time on a shared "
-              "machine: their ratio is how much of prepare's work is the limit's, whatever else runs.",
+              "", "CPU seconds (user + system, the workers included) are shown beside wall time: the share of "
+              "prepare's work that is the limit's. Under load they vary too (a core shared with other work runs "
+              "slower), so on a loaded machine neither is a clean figure.",
               "", f"Speed-up of prepare from {min(ns)} to {n_max} processes: **{speedup:.2f}×** "
               f"(limit: {mbs['limit'][n_max] / mbs['limit'][min(ns)]:.2f}×).",
               f"Input scan (sha256 + UTF-8 check, cached by path, size and mtime): {scan_s:.1f} s, once; tokenizer "
