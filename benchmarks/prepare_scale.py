@@ -2,20 +2,27 @@
 
 A corpus of at least ``--mb`` MB of UTF-8 text is generated from ``data/sample`` (its documents repeated and
 shuffled, with a copy number prefixed so no two documents are equal) into a temporary folder, as 8 ``.jsonl``
-files. A tokenizer is trained once (``small``'s settings, a 5 M-character sample). Then, for each process count
-N (1 and 2 by default), in each round and alternating which goes first:
+files. A tokenizer is trained once (``small``'s settings, a 5 M-character sample). Then, in each round, for each
+process count N (1 and 2 by default), the runs below one after the other, the order rotated from one N and
+round to the next (limit, prepare, …, then prepare, limit, …) so that the machine's load hits them alike:
 
-* **limit** — Hugging Face tokenizers' ``encode_batch_fast`` on the same NFC texts, already in memory, split into
-  N equal shares, one forked process per share (its own thread pool off): the physical limit of tokenizing
-  alone on N cores, with no reading, parsing, hashing or writing;
-* **prepare** — ``train.data.build_shards(..., workers=N)``: read, parse, NFC, language, split hash, tokenize
-  and write the shards (the input scan, done once and cached, is reported apart).
+* **limit** — the same work of normalising and tokenizing as the pipeline, and nothing else: the documents'
+  texts as the files hold them, already in memory, ``unicodedata`` NFC then Hugging Face tokenizers'
+  ``encode_batch_fast`` with the tokenizer's own NFC normalizer off (``train.tokenizer.for_nfc_text``: the text
+  is NFC already, so the ids are the same) — exactly what ``prepare``'s workers do — on N forked processes
+  (their thread pools off) that take ~1 MB batches as they come free (the pipeline's chunk size): the physical
+  limit of tokenizing on N cores, with no reading, parsing, language, hashing, IPC or writing;
+* **prepare** — ``train.data.build_shards(..., workers=N)``: read, parse, NFC, language, split and shuffle
+  hashes, tokenize, merge, resample and write the shards, pool start included (the input scan, done once and
+  cached, is reported apart);
+* **shipped** (N = 1 only) — ``encode_batch_fast`` of the tokenizer as saved (its NFC normalizer on) on the same
+  raw texts: what a plain tokenizer call costs, NFC included, for reference.
 
-Reports MB of text per second for both, prepare / limit, and the speed-up from 1 to N processes, then
-extrapolates 2B tokens on 16 cores from the per-process rate at the largest N. Writes
-benchmarks/results/prepare_scale.md, .json and .png.
+Reports MB of text per second (median over rounds), prepare / limit (median of the rounds' ratios of runs side
+by side), and the speed-up from 1 to N processes, then extrapolates 2B tokens on 16 cores from the per-process
+rate at the largest N. Writes benchmarks/results/prepare_scale.md, .json and .png.
 
-    python benchmarks/prepare_scale.py [--mb 100] [--workers 1 2] [--rounds 1]
+    python benchmarks/prepare_scale.py [--mb 100] [--workers 1 2] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -46,11 +54,12 @@ from train.corpus import iter_documents, list_input_files  # noqa: E402
 from train.data import build_shards  # noqa: E402
 from train.inputs import scan_inputs  # noqa: E402
 from train.parallel import serial_tokenizers  # noqa: E402
-from train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
+from train.textutil import nfc  # noqa: E402
+from train.tokenizer import for_nfc_text, load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
 from train.tokenizer_sample import choose_sample  # noqa: E402
 
-_TEXTS: list[str] = []  # the limit's texts, inherited by the forked processes
-_TOK = None
+_TEXTS: list[str] = []  # the limit's texts (as the files hold them), inherited by the forked processes
+_TOKS: dict = {}  # "limit": NFC normalizer off (as prepare's workers), "shipped": as saved
 
 
 def make_corpus(out: Path, mb: float, seed: int = 0) -> int:
@@ -75,40 +84,61 @@ def make_corpus(out: Path, mb: float, seed: int = 0) -> int:
     return total
 
 
-def _encode_share(args: tuple[int, int]) -> int:
-    lo, hi = args
-    n = 0
-    for i in range(lo, hi, 256):
-        n += sum(len(e.ids) for e in _TOK.encode_batch_fast(_TEXTS[i:min(i + 256, hi)], add_special_tokens=False))
-    return n
+def _encode_range(args: tuple[str, int, int]) -> int:
+    kind, lo, hi = args
+    tok = _TOKS[kind]
+    texts = [nfc(t) for t in _TEXTS[lo:hi]] if kind == "limit" else _TEXTS[lo:hi]
+    return sum(len(e.ids) for e in tok.encode_batch_fast(texts, add_special_tokens=False))
 
 
-def limit_run(n: int) -> float:
-    """Seconds for raw encode_batch_fast over all _TEXTS on ``n`` forked processes (pool start excluded)."""
-    cuts = [len(_TEXTS) * k // n for k in range(n + 1)]
+def _batches(batch_bytes: int = 1 << 20) -> list[tuple[int, int]]:
+    """``_TEXTS`` cut into consecutive ranges of about ``batch_bytes`` of UTF-8 each."""
+    cuts, acc = [0], 0
+    for i, t in enumerate(_TEXTS):
+        acc += len(t.encode("utf-8"))
+        if acc >= batch_bytes:
+            cuts.append(i + 1)
+            acc = 0
+    if cuts[-1] != len(_TEXTS):
+        cuts.append(len(_TEXTS))
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def limit_run(n: int, kind: str = "limit") -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of NFC + encode_batch_fast over all _TEXTS on ``n`` forked processes taking
+    ~1 MB batches as they come free (wall: pool start excluded); ``kind="shipped"``: the tokenizer's own NFC
+    instead of Python's."""
+    cpu = _cpu_seconds()
     with serial_tokenizers(), multiprocessing.get_context("fork").Pool(n) as pool:
         pool.map(abs, range(n))  # the workers are up
         t0 = time.perf_counter()
-        pool.map(_encode_share, list(zip(cuts[:-1], cuts[1:])), chunksize=1)
-        return time.perf_counter() - t0
+        sum(pool.imap_unordered(_encode_range, [(kind, lo, hi) for lo, hi in _batches()], chunksize=1))
+        wall = time.perf_counter() - t0
+    return wall, _cpu_seconds() - cpu
 
 
-def prepare_run(cfg, files, inputs, tok_dir: Path, n: int) -> tuple[float, dict]:
+def prepare_run(cfg, files, inputs, tok_dir: Path, n: int) -> tuple[float, float, dict]:
+    """(wall seconds, CPU seconds of this process and its workers, index) of ``build_shards`` on ``n``."""
     out = Path(tempfile.mkdtemp(prefix="prep-", dir=tok_dir.parent))
     try:
-        t0 = time.perf_counter()
+        cpu, t0 = _cpu_seconds(), time.perf_counter()
         index = build_shards(cfg, files, inputs, tok_dir, out, log=lambda m: None, workers=n)
-        return time.perf_counter() - t0, index
+        return time.perf_counter() - t0, _cpu_seconds() - cpu, index
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
 def main(argv=None) -> int:
-    global _TOK
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=100.0, help="MB of text to generate")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="process counts to measure")
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="prepare-scale-"))
@@ -126,30 +156,47 @@ def main(argv=None) -> int:
         sample_s = time.perf_counter() - t0
         tok_dir = work / "tok"
         save_tokenizer(train_tokenizer(texts, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency), tok_dir, None)
-        _TOK = load_tokenizer(tok_dir)
-        _TEXTS.extend(d.text for d in iter_documents(files) if d.lang in ("bn", "en"))
-        nfc_bytes = sum(len(t.encode("utf-8")) for t in _TEXTS)
+        _TOKS["shipped"] = load_tokenizer(tok_dir)
+        _TOKS["limit"] = load_tokenizer(tok_dir)
+        assert for_nfc_text(_TOKS["limit"])
+        for f in files:  # every generated document is bn or en and not blank: prepare keeps them all
+            with open(f, encoding="utf-8") as fh:
+                _TEXTS.extend(json.loads(line)["text"] for line in fh if line.strip())
+        nfc_texts = [d.text for d in iter_documents(files) if d.lang in ("bn", "en")]
+        assert len(nfc_texts) == len(_TEXTS)
+        nfc_bytes = sum(len(t.encode("utf-8")) for t in nfc_texts)
+        del nfc_texts
         print(f"corpus: {text_bytes / 1e6:.1f} MB of text, {len(_TEXTS):,} documents; scan {scan_s:.1f} s", flush=True)
-        times: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}}
+        times: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "shipped": {}}
+        cpus: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "shipped": {}}
         tokens = None
+        loads: list[dict] = []  # the 1-minute load average as each run starts
         for r in range(args.rounds):
             for k, n in enumerate(args.workers):
-                pair = [("limit", lambda n=n: limit_run(n)), ("prepare", lambda n=n: prepare_run(cfg, files, inputs,
-                                                                                             tok_dir, n))]
-                for name, fn in (pair if (r + k) % 2 == 0 else pair[::-1]):
+                runs = [("limit", lambda n=n: limit_run(n)),
+                        ("prepare", lambda n=n: prepare_run(cfg, files, inputs, tok_dir, n))]
+                if n == min(args.workers):
+                    runs.append(("shipped", lambda n=n: limit_run(n, "shipped")))
+                shift = (r + k) % len(runs)
+                for name, fn in runs[shift:] + runs[:shift]:
+                    loads.append({"round": r, "run": name, "processes": n, "load": os.getloadavg()[0]})
                     res = fn()
-                    sec = res if name == "limit" else res[0]
+                    sec, cpu = res[0], res[1]
                     if name == "prepare":
-                        tokens = res[1]["languages"]["bn"]["tokens"] + res[1]["languages"]["en"]["tokens"]
+                        tokens = res[2]["languages"]["bn"]["tokens"] + res[2]["languages"]["en"]["tokens"]
                     times[name].setdefault(n, []).append(sec)
-                    print(f"round {r} {name:<8} N={n}: {sec:6.1f} s = {nfc_bytes / 1e6 / sec:.2f} MB/s", flush=True)
+                    cpus[name].setdefault(n, []).append(cpu)
+                    print(f"round {r} {name:<8} N={n}: {sec:6.1f} s = {nfc_bytes / 1e6 / sec:.2f} MB/s "
+                          f"(CPU {cpu:.1f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load_after = os.getloadavg()
     mbs = {name: {n: nfc_bytes / 1e6 / statistics.median(v) for n, v in d.items()} for name, d in times.items()}
     ns = args.workers
     n_max = max(ns)
-    ratio = {n: mbs["prepare"][n] / mbs["limit"][n] for n in ns}
+    ratios = {n: [a / b for a, b in zip(times["limit"][n], times["prepare"][n])] for n in ns}  # side by side
+    ratio = {n: statistics.median(v) for n, v in ratios.items()}
+    cpu_ratio = {n: statistics.median(a / b for a, b in zip(cpus["limit"][n], cpus["prepare"][n])) for n in ns}
     speedup = mbs["prepare"][n_max] / mbs["prepare"][min(ns)]
     tokens_per_mb = tokens / (nfc_bytes / 1e6)
     per_proc = mbs["prepare"][n_max] / n_max
@@ -157,6 +204,8 @@ def main(argv=None) -> int:
     result = {"text_mb": nfc_bytes / 1e6, "documents": len(_TEXTS), "tokens": tokens, "scan_s": scan_s,
               "sample_s": sample_s, "cpu_count": os.cpu_count(), "load_average_before": load_before,
               "load_average_after": load_after, "seconds": times, "mb_per_s": mbs, "prepare_over_limit": ratio,
+              "prepare_over_limit_by_round": ratios, "load_average_at_each_run": loads,
+              "cpu_seconds": cpus, "limit_cpu_over_prepare_cpu": cpu_ratio,
               "speedup": {f"{min(ns)}->{n_max}": speedup}, "tokens_per_mb": tokens_per_mb,
               "extrapolated_hours_2b_tokens_16_cores": hours_2b}
     out = Path(args.out)
@@ -168,12 +217,24 @@ def main(argv=None) -> int:
              f"--rounds {args.rounds}`: {nfc_bytes / 1e6:.1f} MB of NFC text ({len(_TEXTS):,} documents, "
              f"{tokens:,} tokens, vocabulary {cfg.tokenizer.vocab_size:,}) generated from data/sample; "
              f"{os.cpu_count()} cores; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
-             + (" — **the machine was shared and loaded: the scaling figures are disturbed**." if disturbed else "."),
-             "", "| processes | raw encode_batch_fast (limit) MB/s | prepare MB/s | prepare / limit |",
-             "|---:|---:|---:|---:|"]
+             + (" — **the machine was shared and loaded: the scaling figures are disturbed**." if disturbed else ".")
+             + f" Load average as each run started: {min(x['load'] for x in loads):.2f} to "
+             f"{max(x['load'] for x in loads):.2f}.",
+             "", "| processes | limit: NFC + encode_batch_fast MB/s | prepare MB/s | prepare / limit "
+             "(median of rounds) | by round | CPU s: limit / prepare (median) |", "|---:|---:|---:|---:|---|---:|"]
     for n in ns:
-        lines.append(f"| {n} | {mbs['limit'][n]:.2f} | {mbs['prepare'][n]:.2f} | {ratio[n]:.0%} |")
-    lines += ["", f"Speed-up of prepare from {min(ns)} to {n_max} processes: **{speedup:.2f}×** "
+        lines.append(f"| {n} | {mbs['limit'][n]:.2f} | {mbs['prepare'][n]:.2f} | {ratio[n]:.0%} | "
+                     + ", ".join(f"{x:.0%}" for x in ratios[n]) + f" | {cpu_ratio[n]:.0%} |")
+    n_min = min(ns)
+    lines += ["", "The limit does the pipeline's normalising and tokenizing and nothing else: Python's NFC, then "
+              "encode_batch_fast with the tokenizer's own NFC normalizer off, as prepare's workers run it (the text "
+              "is NFC already; the ids are the same). The tokenizer as saved (its normalizer on) on the raw texts, "
+              f"N={n_min}: {mbs['shipped'][n_min]:.2f} MB/s — prepare is "
+              f"{mbs['prepare'][n_min] / mbs['shipped'][n_min]:.0%} of that.",
+              "", "CPU seconds (user + system, the workers included) are shown beside wall time: the share of "
+              "prepare's work that is the limit's. Under load they vary too (a core shared with other work runs "
+              "slower), so on a loaded machine neither is a clean figure.",
+              "", f"Speed-up of prepare from {min(ns)} to {n_max} processes: **{speedup:.2f}×** "
               f"(limit: {mbs['limit'][n_max] / mbs['limit'][min(ns)]:.2f}×).",
               f"Input scan (sha256 + UTF-8 check, cached by path, size and mtime): {scan_s:.1f} s, once; tokenizer "
               f"sample (one pass over data/sample): {sample_s:.1f} s.", "",
@@ -183,7 +244,7 @@ def main(argv=None) -> int:
     (out / "prepare_scale.md").write_text("\n".join(lines))
     print("\n".join(lines))
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(ns, [mbs["limit"][n] for n in ns], "o--", label="raw encode_batch_fast (limit)")
+    ax.plot(ns, [mbs["limit"][n] for n in ns], "o--", label="NFC + encode_batch_fast (limit)")
     ax.plot(ns, [mbs["prepare"][n] for n in ns], "o-", label="train.data prepare")
     ax.set_xlabel("processes")
     ax.set_ylabel("MB of text / s")

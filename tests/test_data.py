@@ -468,3 +468,69 @@ def test_two_preparations_sharing_a_cache_at_once(tmp_path):
     for name in index["splits"]["train"]["shards"] + index["splits"]["val"]["shards"]:
         assert read_header(shard_dir / name)["tokens"] > 0
     assert not [p.name for p in (cache / "shards").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_bengali_letter_share_counts_exactly_as_the_definition():
+    """The numpy table look-up gives the exact share of str.isalpha letters that are Bengali-block letters."""
+    from collections import Counter
+
+    from train.textutil import _BENGALI_LETTERS, bengali_letter_share
+
+    def by_definition(text: str) -> float:
+        counts = Counter(text)
+        letters = sum(n for ch, n in counts.items() if ch.isalpha())
+        bengali = sum(n for ch, n in counts.items() if ch in _BENGALI_LETTERS)
+        return bengali / letters if letters else 0.0
+
+    texts = ["", "123 ।", "abc", "বাংলা ভাষা abc", "কি\u09bc\u09cd\u200dষ", "x\ud800y", "😀𝔸𝔹ক", "১২৩ ৳ ৺ ক",
+             "\u09dc\u09dd\u09df", "Ωé"]
+    texts += [d.text for d in iter_documents(list_input_files([str(Path(__file__).parent / "data" / "mini")]))][:50]
+    assert bengali_letter_share("বাংলা ভাষা abc") == 4 / 7  # ব ল ভ ষ; vowel signs and anusvara are marks
+    assert [bengali_letter_share(t) for t in texts] == [by_definition(t) for t in texts]
+
+
+def _serial_resample_order(build) -> list[tuple[int, int]]:
+    """The resampling order as the document-by-document loop computes it (the reference for the vectorised one)."""
+    from train.data import _doc_hash_pair
+
+    items = []
+    rank = {lang: r for r, lang in enumerate(sorted(build.languages))}
+    for li, lang in enumerate(build.languages):
+        docs = build.train[lang]
+        f = build.factors[lang]
+        whole = int(f)
+        extra_tokens = (f - whole) * build.natural[lang]
+        chosen, taken = set(), 0
+        for j in sorted(range(len(docs.u)), key=docs.u.__getitem__):
+            if taken + docs.tokens[j] / 2 > extra_tokens:
+                break
+            chosen.add(j)
+            taken += docs.tokens[j]
+        for j, (key, u) in enumerate(zip(docs.key, docs.u)):
+            for c in range(whole + (1 if j in chosen else 0)):
+                items.append((_doc_hash_pair(f"{key!r}:{u!r}:{c}")[0], rank[lang], j, li))
+    return [(li, j) for _h, _r, j, li in sorted(items)]
+
+
+@pytest.mark.parametrize("factors", [None, {"bn": 6.5, "en": 1.3}, {"bn": 1.0, "en": 0.4}])
+def test_vectorised_resampling_is_the_serial_order(tmp_path, fixture_tok, mini_corpus, monkeypatch, factors):
+    """The copies' shuffle keys come from the workers and the order is computed in numpy: the same order as
+    hashing every copy in a loop — for the configured mix, for a factor past MAX_REPEAT (copies whose keys the
+    workers did not compute) and for subsampling."""
+    from train.data import ShardBuild
+    from train.inputs import scan_inputs
+
+    cfg = fast_config(tmp_path, tmp_path / "cache")
+    files = list_input_files(cfg.data.paths)
+    if factors is not None:
+        monkeypatch.setattr("train.data.repeat_factors", lambda natural, mix: dict(factors))
+    build = ShardBuild(cfg, files, scan_inputs(files), fixture_tok, tmp_path, log=lambda m: None, workers=1)
+    build.tokenize()
+    build.ensure_val()
+    build.resample()
+    langs, index = build.order
+    got = list(zip(langs.tolist(), index.tolist()))
+    assert len(got) > 50
+    assert got == _serial_resample_order(build)
+    if factors and factors["bn"] > 6:
+        assert max(np.bincount(index[langs == build.languages.index("bn")])) == 7

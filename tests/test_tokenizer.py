@@ -294,3 +294,41 @@ def test_long_runs_are_cut_into_bounded_pre_tokens(fixture_tok):
         assert max(len(p) for p, _ in pieces) <= MAX_PRETOKEN_CHARS
         assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == unicodedata.normalize("NFC", text)
     assert len(pre_tokens(tok, "অনুচ্ছেদগুলোতে antidisestablishmentarianism")) == 2  # real words stay whole
+
+
+# ----------------------------------------------------------------------------------------------- for_nfc_text
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=MIXED | st.text(max_size=40))
+def test_for_nfc_text_gives_the_ids_of_the_tokenizer_as_saved(fixture_tok, text):
+    """prepare's workers tokenize Python-NFC text with the tokenizer's NFC normalizer off: the same ids as the
+    tokenizer as saved on the raw text."""
+    from train.tokenizer import for_nfc_text
+
+    if "off" not in _CACHE:
+        _CACHE["off"] = load_tokenizer(fixture_tok)
+        assert for_nfc_text(_CACHE["off"]) and _CACHE["off"].normalizer is None
+    shipped = _cached(fixture_tok).encode(text, add_special_tokens=False).ids
+    assert _CACHE["off"].encode(unicodedata.normalize("NFC", text), add_special_tokens=False).ids == shipped
+
+
+def test_tokenizers_nfc_leaves_python_nfc_text_unchanged_over_the_code_space():
+    """What for_nfc_text relies on, for every code point alone and after a Latin, a Bengali and a Hangul base:
+    Python's NFC output is NFC for the tokenizers library too (their Unicode versions differ)."""
+    from tokenizers import normalizers
+
+    hf = normalizers.NFC()
+    points = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    for base in ("", "a", "\u0995", "\u1100"):
+        s = unicodedata.normalize("NFC", " ".join(base + p for p in points))
+        assert hf.normalize_str(s) == s, base
+
+
+def test_for_nfc_text_keeps_another_normalizer():
+    from tokenizers import normalizers
+
+    from train.tokenizer import for_nfc_text
+
+    tok = new_tokenizer()
+    tok.normalizer = normalizers.NFKC()
+    assert for_nfc_text(tok) is False and isinstance(tok.normalizer, normalizers.NFKC)

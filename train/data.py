@@ -17,8 +17,10 @@ in the tokenizer's key: a tokenizer serves any ``max_position_embeddings``.
 Scale: each input is hashed once (``train.inputs``, cached by path, size and mtime); the tokenizer's sample is
 chosen in one streaming pass (``train.tokenizer_sample``); the shards are built by :class:`ShardBuild` in named
 phases, its tokenizing pass spread over ``data.num_workers`` processes (``train.parallel``) with bounded memory:
-chunks of the inputs go out, token ids come back in reading order and stream into per-language raw files; the
-shards are bit for bit the same whatever the number of processes.
+chunks of the inputs go out, token ids (and the shuffle keys of each document's copies) come back in reading
+order and stream into per-language raw files; the workers tokenize the NFC text with the tokenizer's own NFC
+pass off (:func:`train.tokenizer.for_nfc_text`: same ids). Resampling is then one numpy sort in this process.
+The shards are bit for bit the same whatever the number of processes.
 
 The fertility trap guard prints the language mix as characters and as tokens beside the target, and warns
 loudly when Bangla characters per token fall below 0.75 × English's (the report's 1.4 vs 3.9).
@@ -54,13 +56,23 @@ from train.corpus import (
 from train.inputs import InputFile, scan_inputs
 from train.parallel import ordered_map, resolve_workers
 from train.shards import ShardWriter, dtype_for_vocab, open_shard
-from train.tokenizer import EOT, SPLIT_PATTERN, load_tokenizer, save_tokenizer, tokenizer_sha256, train_tokenizer
+from train.textutil import letter_kinds
+from train.tokenizer import (
+    EOT,
+    SPLIT_PATTERN,
+    for_nfc_text,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_sha256,
+    train_tokenizer,
+)
 from train.tokenizer_sample import choose_sample
 
 # 2: pre-tokens bounded to MAX_PRETOKEN_CHARS (the split pattern changed, so every tokenizer and shard key did)
 # and the context length out of the tokenizer's key
 FORMAT_VERSION = 2
 MAX_REPEAT = 4.0  # "Scaling Data-Constrained Language Models" (Muennighoff et al. 2023): ~4 epochs ≈ fresh data
+COPY_HASHES = int(MAX_REPEAT) + 1  # a factor ≤ MAX_REPEAT takes at most int(MAX_REPEAT) + 1 copies of a document
 SHARD_TOKENS = 1 << 28
 FERTILITY_TRAP_RATIO = 0.75
 
@@ -151,6 +163,12 @@ def _doc_hash_pair(text: str) -> tuple[float, float]:
     return int(h[:8], 16) / 2**32, int(h[8:16], 16) / 2**32
 
 
+def _copy_hash(key: float, u: float, c: int) -> int:
+    """The shuffle key of copy ``c`` of the document with hashes ``key``, ``u``: the first 32 bits of
+    sha256(``"key:u:c"``), as an integer (sorting by it sorts as by the hash / 2**32)."""
+    return int(hashlib.sha256(f"{key!r}:{u!r}:{c}".encode()).hexdigest()[:8], 16)
+
+
 # ------------------------------------------------------------------------------------- the tokenizing workers
 
 @dataclass
@@ -158,9 +176,11 @@ class EncodedChunk:
     """One chunk's documents of the configured languages, tokenized (what a worker sends back).
 
     Per document, in reading order: ``lang`` (index into the languages), ``key``/``u`` (the two hashes of
-    :func:`_doc_hash_pair`: split and resampling), ``tokens`` (with the leading ``<|endoftext|>``), ``chars``,
-    ``bengali_chars`` (Bengali letter share × chars); ``ids`` all their token ids back to back (uint32);
-    ``sources`` ``[((source, license), docs, chars)]`` in order of first appearance.
+    :func:`_doc_hash_pair`: split and resampling), ``copies`` (``[docs, COPY_HASHES]`` uint32: the shuffle keys
+    :func:`_copy_hash` of its first copies, computed here so that resampling needs no hashing),
+    ``tokens`` (with the leading ``<|endoftext|>``), ``chars``, ``bengali_chars`` (Bengali letter share × chars);
+    ``ids`` all their token ids back to back (the shards' dtype); ``sources`` ``[((source, license), docs,
+    chars)]`` in order of first appearance.
     """
 
     file_index: int
@@ -170,6 +190,7 @@ class EncodedChunk:
     lang: np.ndarray
     key: np.ndarray
     u: np.ndarray
+    copies: np.ndarray
     tokens: np.ndarray
     chars: np.ndarray
     bengali_chars: np.ndarray
@@ -182,7 +203,9 @@ _WORKER: dict = {}
 
 def _init_encoder(tok_dir: str, languages: list[str]) -> None:
     tok = load_tokenizer(tok_dir)
-    _WORKER.update(tok=tok, eot=tok.token_to_id(EOT), lang_index={lang: i for i, lang in enumerate(languages)})
+    for_nfc_text(tok)  # the documents are NFC already (train.corpus): the tokenizer's own NFC pass is redundant
+    _WORKER.update(tok=tok, eot=tok.token_to_id(EOT), lang_index={lang: i for i, lang in enumerate(languages)},
+                   dtype=dtype_for_vocab(tok.get_vocab_size()))
 
 
 def _encode_chunk(chunk: Chunk | Skip) -> EncodedChunk | Skip:
@@ -191,15 +214,17 @@ def _encode_chunk(chunk: Chunk | Skip) -> EncodedChunk | Skip:
     docs, warnings = parse_chunk(chunk)
     lang_index = _WORKER["lang_index"]
     keep = [d for d in docs if d.lang in lang_index]
-    encs = _WORKER["tok"].encode_batch_fast([d.text for d in keep], add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) + 1 for e in encs), dtype=np.int64, count=len(encs))
-    ids = np.empty(int(lengths.sum()), dtype=np.uint32)
+    doc_ids = [e.ids for e in _WORKER["tok"].encode_batch_fast([d.text for d in keep], add_special_tokens=False)]
+    lengths = np.fromiter((len(x) + 1 for x in doc_ids), dtype=np.int64, count=len(doc_ids))
+    ids = np.empty(int(lengths.sum()), dtype=_WORKER["dtype"])
     pos = 0
-    for e, n in zip(encs, lengths.tolist()):
+    for x, n in zip(doc_ids, lengths.tolist()):
         ids[pos] = _WORKER["eot"]
-        ids[pos + 1:pos + n] = e.ids
+        ids[pos + 1:pos + n] = x
         pos += n
     pairs = [_doc_hash_pair(d.text) for d in keep]
+    copies = np.array([[_copy_hash(key, u, c) for c in range(COPY_HASHES)] for key, u in pairs],
+                      dtype=np.uint32).reshape(len(pairs), COPY_HASHES)
     sources: dict[tuple, list] = {}
     for d in keep:
         s = sources.setdefault((d.source, d.license), [0, 0])
@@ -209,6 +234,7 @@ def _encode_chunk(chunk: Chunk | Skip) -> EncodedChunk | Skip:
         file_index=chunk.file_index, nbytes=chunk.nbytes, warnings=warnings, other_language_docs=len(docs) - len(keep),
         lang=np.fromiter((lang_index[d.lang] for d in keep), dtype=np.int8, count=len(keep)),
         key=np.array([p[0] for p in pairs], dtype=np.float64), u=np.array([p[1] for p in pairs], dtype=np.float64),
+        copies=copies,
         tokens=lengths, chars=np.fromiter((len(d.text) for d in keep), dtype=np.int64, count=len(keep)),
         bengali_chars=np.array([d.bengali_share * len(d.text) for d in keep], dtype=np.float64),
         ids=ids, sources=[(k, v[0], v[1]) for k, v in sources.items()])
@@ -218,16 +244,20 @@ def _encode_chunk(chunk: Chunk | Skip) -> EncodedChunk | Skip:
 
 @dataclass
 class _Docs:
-    """Documents of one language and split, in reading order: their hashes, their place in a raw token file
-    (``start``, ``tokens``) and their characters."""
+    """Documents of one language and split, in reading order: their hashes (``copies``: ``COPY_HASHES`` shuffle
+    keys per document, back to back), their place in a raw token file (``start``, ``tokens``) and their
+    characters."""
 
     key: array = field(default_factory=lambda: array("d"))
     u: array = field(default_factory=lambda: array("d"))
+    copies: array = field(default_factory=lambda: array("I"))
     start: array = field(default_factory=lambda: array("q"))
     tokens: array = field(default_factory=lambda: array("q"))
     chars: array = field(default_factory=lambda: array("q"))
 
     def pop(self, j: int) -> tuple[float, float, int, int, int]:
+        """Remove document ``j``; returns its ``(key, u, start, tokens, chars)``."""
+        del self.copies[j * COPY_HASHES:(j + 1) * COPY_HASHES]
         return tuple(col.pop(j) for col in (self.key, self.u, self.start, self.tokens, self.chars))
 
 
@@ -282,6 +312,7 @@ class ShardBuild:
         unreadable = {f.path: f.unreadable for f in self.inputs}
         bar = tqdm(total=sum(max(f.bytes, 1) for f in self.inputs), unit="B", unit_scale=True, desc="tokenizing",
                    dynamic_ncols=True, mininterval=0.5)
+        letter_kinds()  # built once here, before the workers fork: they inherit it
         with bar:
             results = ordered_map(_encode_chunk, iter_chunks(self.files, unreadable), self.workers, _init_encoder,
                                   (str(self.tok_dir), self.languages))
@@ -323,6 +354,7 @@ class ShardBuild:
                 docs.tokens.frombytes(n.astype(np.int64).tobytes())
                 docs.key.frombytes(part.key[sel].tobytes())
                 docs.u.frombytes(part.u[sel].tobytes())
+                docs.copies.frombytes(part.copies[sel].astype(np.uint32).tobytes())
                 docs.chars.frombytes(part.chars[sel].astype(np.int64).tobytes())
                 w.write(np.concatenate([part.ids[a:b] for a, b in zip(starts[sel].tolist(), ends[sel].tolist())]))
         for (source, lic), docs, chars in part.sources:
@@ -359,48 +391,63 @@ class ShardBuild:
             self._raw("val", lang).unlink()
 
     def resample(self) -> None:
-        """The train documents, each ``whole`` times plus a hash-chosen share once more, shuffled by hash."""
+        """The train documents, each ``whole`` times plus a hash-chosen share once more, shuffled by hash.
+
+        Vectorised: the copies' shuffle keys came from the workers (``_Docs.copies``); the order is the one of
+        sorting every copy by (key, language, document).
+        """
         self.natural = {lang: sum(self.train[lang].tokens) for lang in self.languages}
         self.mix = {lang: self.cfg.data.mix.get(lang, 0.0) for lang in self.languages}
         self.factors = repeat_factors(self.natural, self.mix)
         rank = {lang: r for r, lang in enumerate(sorted(self.languages))}
-        hashes: list[float] = []
-        langs: list[int] = []
-        index: list[int] = []
+        hashes, ranks, langs, index = [], [], [], []
         for li, lang in enumerate(self.languages):
             docs = self.train[lang]
             f = self.factors[lang]
             whole = int(f)
+            tokens = np.asarray(docs.tokens, dtype=np.int64)
+            n = len(tokens)
             # the fractional part: documents in hash order until their tokens reach it (exact to one document)
             extra_tokens = (f - whole) * self.natural[lang]
-            chosen: set[int] = set()
-            taken = 0
-            for j in sorted(range(len(docs.u)), key=docs.u.__getitem__):
-                if taken + docs.tokens[j] / 2 > extra_tokens:
-                    break
-                chosen.add(j)
-                taken += docs.tokens[j]
-            for j, (key, u) in enumerate(zip(docs.key, docs.u)):
-                for c in range(whole + (1 if j in chosen else 0)):
-                    hashes.append(_doc_hash_pair(f"{key!r}:{u!r}:{c}")[0])
-                    langs.append(li)
-                    index.append(j)
-        lang_rank = np.array([rank[self.languages[li]] for li in range(len(self.languages))], dtype=np.int64)
-        langs_a, index_a = np.array(langs, dtype=np.int64), np.array(index, dtype=np.int64)
-        order = np.lexsort((index_a, lang_rank[langs_a] if len(langs_a) else langs_a, np.array(hashes)))
-        self.order = (langs_a[order], index_a[order])
+            by_u = np.argsort(np.asarray(docs.u, dtype=np.float64), kind="stable")
+            t = tokens[by_u]
+            fits = (np.cumsum(t) - t) + t / 2 <= extra_tokens
+            first_miss = int(np.argmin(fits)) if n and not fits.all() else n
+            count = np.full(n, whole, dtype=np.int64)
+            count[by_u[:first_miss]] += 1
+            j = np.repeat(np.arange(n, dtype=np.int64), count)
+            c = np.arange(len(j), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            table = np.asarray(docs.copies, dtype=np.uint32).reshape(n, COPY_HASHES)
+            h = table[j, np.minimum(c, COPY_HASHES - 1)].astype(np.int64)
+            for q in np.flatnonzero(c >= COPY_HASHES).tolist():  # only for a factor above MAX_REPEAT
+                h[q] = _copy_hash(docs.key[j[q]], docs.u[j[q]], int(c[q]))
+            hashes.append(h)
+            ranks.append(np.full(len(j), rank[lang], dtype=np.int64))
+            langs.append(np.full(len(j), li, dtype=np.int64))
+            index.append(j)
+        index_a = np.concatenate(index)
+        order = np.lexsort((index_a, np.concatenate(ranks), np.concatenate(hashes)))
+        self.order = (np.concatenate(langs)[order], index_a[order])
 
     def write_train(self) -> None:
         """``train-NNNNN.bin`` in the resampled order; a shard closes once it holds ``shard_tokens`` tokens."""
-        raws = {lang: open_shard(self._raw("train", lang)) for lang in self.languages}
+        # plain array views (slicing a memmap costs a subclass object each) and each copy's place, looked up at once
+        raws = [np.asarray(open_shard(self._raw("train", lang))) for lang in self.languages]
+        langs, index = self.order
+        starts = np.zeros(len(langs), dtype=np.int64)
+        counts = np.zeros(len(langs), dtype=np.int64)
+        for li, lang in enumerate(self.languages):
+            mine = langs == li
+            starts[mine] = np.asarray(self.train[lang].start, dtype=np.int64)[index[mine]]
+            counts[mine] = np.asarray(self.train[lang].tokens, dtype=np.int64)[index[mine]]
+        self.resampled = {lang: int(counts[langs == li].sum()) for li, lang in enumerate(self.languages)}
         self.shards = []
-        self.resampled = {lang: 0 for lang in self.languages}
         writer = None
         pending: list[np.ndarray] = []
         pending_tokens = 0
-        langs, index = self.order
-        for li, j in tqdm(zip(langs.tolist(), index.tolist()), total=len(langs), desc="writing shards", unit="doc",
-                          dynamic_ncols=True, mininterval=0.5, disable=len(langs) < 2000):
+        for li, start, n in tqdm(zip(langs.tolist(), starts.tolist(), counts.tolist()), total=len(langs),
+                                 desc="writing shards", unit="doc", dynamic_ncols=True, mininterval=0.5,
+                                 disable=len(langs) < 2000):
             if writer is None or writer.tokens + pending_tokens >= self.shard_tokens:
                 if writer is not None:
                     if pending:
@@ -410,12 +457,8 @@ class ShardBuild:
                 name = f"train-{len(self.shards):05d}.bin"
                 self.shards.append(name)
                 writer = ShardWriter(self.out / name, self.vocab)
-            lang = self.languages[li]
-            docs = self.train[lang]
-            start, n = docs.start[j], docs.tokens[j]
-            pending.append(raws[lang][start:start + n])
+            pending.append(raws[li][start:start + n])
             pending_tokens += n
-            self.resampled[lang] += n
             if pending_tokens >= 1 << 20:
                 writer.write(np.concatenate(pending))
                 pending, pending_tokens = [], 0

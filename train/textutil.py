@@ -14,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections import Counter
+
+import numpy as np
 
 # Letters (Unicode category L*) of the Bengali block; vowel signs, virama and nukta are marks (M*), not letters.
 _BENGALI_LETTER = re.compile("[\u0985-\u098c\u098f\u0990\u0993-\u09a8\u09aa-\u09b0\u09b2\u09b6-\u09b9\u09bd"
                              "\u09ce\u09dc\u09dd\u09df-\u09e1\u09f0\u09f1\u09fc]")
 _BENGALI_LETTERS = frozenset(chr(c) for c in range(0x0980, 0x0A00) if _BENGALI_LETTER.fullmatch(chr(c)))
+_LETTER_KINDS: np.ndarray | None = None
 
 
 def nfc(text: str) -> str:
@@ -27,19 +29,27 @@ def nfc(text: str) -> str:
     return unicodedata.normalize("NFC", text)
 
 
+def letter_kinds() -> np.ndarray:
+    """uint8 per code point (all 0x110000): 0 not a letter, 1 a letter (str.isalpha), 2 a Bengali-block letter.
+    Built once per process on first use (~0.1 s); a forked worker inherits it."""
+    global _LETTER_KINDS
+    if _LETTER_KINDS is None:
+        kinds = np.fromiter(map(str.isalpha, map(chr, range(0x110000))), dtype=np.uint8, count=0x110000)
+        kinds[[ord(ch) for ch in _BENGALI_LETTERS]] = 2
+        _LETTER_KINDS = kinds
+    return _LETTER_KINDS
+
+
 def bengali_letter_share(text: str) -> float:
     """Share of ``text``'s letters (str.isalpha: Unicode L*) that are Bengali-block letters (0.0 without letters).
 
-    Counts distinct characters once (collections.Counter runs in C), then classifies them.
+    One table look-up per code point in numpy (the text as UTF-32; a lone surrogate counts as a non-letter):
+    exact counts, about ten times faster than counting the characters with collections.Counter.
     """
-    counts = Counter(text)
-    letters = bengali = 0
-    for ch, n in counts.items():
-        if ch.isalpha():
-            letters += n
-            if ch in _BENGALI_LETTERS:
-                bengali += n
-    return bengali / letters if letters else 0.0
+    cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    counts = np.bincount(letter_kinds()[cps], minlength=3)
+    letters = int(counts[1]) + int(counts[2])
+    return int(counts[2]) / letters if letters else 0.0
 
 
 def language_of_share(share: float) -> str:
