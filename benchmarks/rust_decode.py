@@ -27,6 +27,16 @@ import time
 from pathlib import Path
 
 SHAPES = {
+    # configs/base-400m.toml with vocab 32000 (≈0.39 B parameters, 1.6 GB in fp32)
+    "base-400m": dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=4096,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    ),
     "small": dict(
         hidden_size=512,
         num_hidden_layers=6,
@@ -98,8 +108,11 @@ def build_bundle(out: Path, shape: str) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def export_onnx(bundle: Path, out: Path) -> Path:
-    """A plain-op ONNX decoder with KV cache, from the bundle's weights (for the ORT reference)."""
+def export_onnx(bundle: Path, out: Path, last_logits: bool = False) -> Path:
+    """A plain-op ONNX decoder with KV cache, from the bundle's weights (for the ORT reference).
+
+    ``last_logits``: the graph's logits are [1, 1, vocab] for the last position only (as Rust's prefill
+    returns), instead of [1, s, vocab] for every position."""
     import torch
     import transformers
 
@@ -151,6 +164,8 @@ def export_onnx(bundle: Path, out: Path) -> Path:
                 m = layer.mlp
                 h = self.norm(x, layer.post_attention_layernorm.weight)
                 x = x + m.down_proj(torch.nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
+            if last_logits:
+                x = x[:, -1:]
             logits = self.norm(x, self.m.norm.weight) @ self.m.embed_tokens.weight.t()
             return (logits, *presents)
 
@@ -158,7 +173,7 @@ def export_onnx(bundle: Path, out: Path) -> Path:
     names = [f"past_key_values.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
     outs = ["logits"] + [f"present.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
     past = [torch.zeros(1, nkv, 3, hd) for _ in names]
-    dyn = {"input_ids": {1: "s"}, "position_ids": {1: "s"}, "logits": {1: "s"}}
+    dyn = {"input_ids": {1: "s"}, "position_ids": {1: "s"}, **({} if last_logits else {"logits": {1: "s"}})}
     dyn.update({n: {2: "p"} for n in names})
     dyn.update({n: {2: "t"} for n in outs[1:]})
     with torch.no_grad():
@@ -181,7 +196,7 @@ def export_onnx(bundle: Path, out: Path) -> Path:
     feed = {"input_ids": np.array([ids]), "position_ids": np.arange(len(ids))[None]}
     feed.update({n: np.zeros((1, nkv, 0, hd), np.float32) for n in names})
     got = sess.run(["logits"], feed)[0][0]
-    err = float(np.abs(got - ref).max())
+    err = float(np.abs(got - ref[-len(got) :]).max())
     assert err < 1e-3, f"exported ONNX graph differs from transformers by {err}"
     return out
 

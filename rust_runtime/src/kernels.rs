@@ -144,6 +144,23 @@ mod x86 {
             _mm256_storeu_ps(out[t].as_mut_ptr().add(8), a1[t]);
         }
     }
+
+    /// `panel_avx2` with the panel's 16 rows in one zmm register: the same lanes and the same
+    /// fma chain per lane (bit-identical results), half the instructions; on a CPU with full-width
+    /// 512-bit FMA units (Zen 5, Intel server cores) twice the float32 FLOPs a cycle.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn panel_avx512<const T: usize>(w: *const f32, x: *const f32, k: usize, out: &mut [[f32; 16]; 6]) {
+        let mut a = [_mm512_setzero_ps(); T];
+        for i in 0..k {
+            let wv = _mm512_loadu_ps(w.add(i * 16));
+            for t in 0..T {
+                a[t] = _mm512_fmadd_ps(wv, _mm512_set1_ps(*x.add(t * k + i)), a[t]);
+            }
+        }
+        for t in 0..T {
+            _mm512_storeu_ps(out[t].as_mut_ptr(), a[t]);
+        }
+    }
 }
 
 /// a · b over the common length.
@@ -333,8 +350,11 @@ fn panel_tile(w: &[f32], x: &[f32], k: usize, n: usize, out: &mut [[f32; PANEL];
     }
     match simd_level() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: avx2 + fma were detected at run time (Avx512 implies both); lengths checked above.
-        SimdLevel::Avx512 | SimdLevel::Avx2Fma => unsafe { dispatch!(x86_tile) },
+        // SAFETY: avx512f was detected at run time; lengths checked above.
+        SimdLevel::Avx512 => unsafe { dispatch!(x86_tile512) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: avx2 + fma were detected at run time; lengths checked above.
+        SimdLevel::Avx2Fma => unsafe { dispatch!(x86_tile) },
         _ => dispatch!(generic_tile),
     }
 }
@@ -342,6 +362,11 @@ fn panel_tile(w: &[f32], x: &[f32], k: usize, n: usize, out: &mut [[f32; PANEL];
 #[cfg(target_arch = "x86_64")]
 unsafe fn x86_tile<const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [[f32; PANEL]; TILE]) {
     x86::panel_avx2::<T>(w.as_ptr(), x.as_ptr(), k, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn x86_tile512<const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [[f32; PANEL]; TILE]) {
+    x86::panel_avx512::<T>(w.as_ptr(), x.as_ptr(), k, out)
 }
 
 /// The same per-lane fma chain as the AVX2 kernel, in portable code.
