@@ -45,6 +45,8 @@ from serve.sampling import SamplingParams, log_softmax, top_logprobs
 from serve.stops import StopMatcher
 
 DEFAULT_MAX_NEW_TOKENS = 64
+MAX_CHOICES = 1024  # n per prompt in one call: each choice is a Generation object, created up front
+MAX_TOP_LOGPROBS = 1000  # alternatives per token (rust_runtime.Engine's own limit)
 PREFILL_BLOCK = 256  # positions per prefill call when every position's logits are needed (memory bound)
 BACKENDS = ("onnx", "rust")
 Prompt = str | Sequence[int]
@@ -414,10 +416,10 @@ class LM:
         prompt is prefilled once for every ``max_batch`` of them; each choice draws from a random stream of its
         own derived from ``seed`` (choice 0 equals the ``n = 1`` generation).
 
-        prompt: text or token ids (``<|endoftext|>`` is prepended); n: an int >= 1; max_new_tokens:
+        prompt: text or token ids (``<|endoftext|>`` is prepended); n: an int in [1, :data:`MAX_CHOICES`]; max_new_tokens:
         int >= 0, or None for ``default_max_new_tokens`` capped by the context; sampling parameters: see
         :class:`serve.sampling.SamplingParams`; stop: a string or list of non-empty strings; top_logprobs:
-        N alternatives per token (None = none); echo: also score the prompt (``Generation.prompt``); ignore_eos:
+        N alternatives per token, an int in [0, :data:`MAX_TOP_LOGPROBS`] (None = none); echo: also score the prompt (``Generation.prompt``); ignore_eos:
         keep going past ``<|endoftext|>`` (its text then appears; for benchmarks that need fixed lengths).
 
         Raises RequestError (ContextLengthError when prompt + max_new_tokens exceed the context).
@@ -427,10 +429,11 @@ class LM:
                                 repetition_penalty=repetition_penalty, seed=seed)
         stops = normalize_stop(stop)
         if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
-                                         or top_logprobs < 0):
-            raise RequestError(f"logprobs must be an integer >= 0, got {top_logprobs!r}", param="logprobs")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise RequestError(f"n must be an integer >= 1, got {n!r}", param="n")
+                                         or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}",
+                               param="logprobs")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
         ids = self.encode_prompt(prompt)
         budget = self.new_token_budget(len(ids) + 1, max_new_tokens, default_max_new_tokens)
         gens = []
@@ -464,9 +467,14 @@ class LM:
         """Completions of several prompts (``n`` each, prompt-major), all submitted at once so that they share the
         engine's steps. Every prompt is validated before any runs (RequestError naming the first bad one)."""
         gens = [g for p in prompts for g in self.start_choices(p, n, max_new_tokens, **options)]
-        for g in gens:
-            g.submit()
-        return [self.collect(g) for g in gens]
+        try:
+            for g in gens:
+                g.submit()
+            return [self.collect(g) for g in gens]
+        except BaseException:  # one failed (or the caller was interrupted): the others must not run on unread
+            for g in gens:
+                g.cancel()
+            raise
 
     @staticmethod
     def collect(gen: Generation, chunks: Sequence[Chunk] | None = None) -> Completion:

@@ -1,0 +1,270 @@
+"""The engine under hostile use: absurd arguments refused up front, lists with one bad prompt failing before
+anything runs, streams closed early or cancelled from other threads, ``lm.close()`` while generations run,
+many threads at once (answers equal to each request alone), failing backends, and the HTTP server's
+disconnects, timeouts and queue limits — the engine always ends with no running sequence and keeps serving."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from serve.errors import RequestError
+from serve.lm import LM, MAX_CHOICES, MAX_TOP_LOGPROBS
+from serve.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
+
+
+def wait_until(pred, limit_s: float = 5.0) -> bool:
+    """Poll ``pred`` until it holds (True) or ``limit_s`` passes (False): for state another thread settles."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def running(lm: LM) -> int:
+    return lm.engine.stats()["running"]
+
+
+# ---------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 1.5, None, "2", MAX_CHOICES + 1, 10**12])
+def test_bad_n_is_refused_before_anything_is_built(n):
+    lm = scripted_lm(["ab"], context=64)
+    with pytest.raises(RequestError, match=r"n must be an integer in \[1, 1024\]") as e:
+        lm.start_choices("x", n, 2)  # 10**12 used to build 10**12 Generation objects (a hang, then MemoryError)
+    assert e.value.param == "n" and lm._engine is None
+
+
+@pytest.mark.parametrize("k", [-1, True, 1.5, "3", MAX_TOP_LOGPROBS + 1, 2**64])
+def test_bad_top_logprobs_is_refused_up_front(k):
+    lm = scripted_lm(["ab"], context=64)
+    with pytest.raises(RequestError, match=r"logprobs must be an integer in \[0, 1000\]"):
+        lm.start("x", 2, top_logprobs=k)  # 2**64 used to reach Rust and raise OverflowError while iterating
+
+
+@pytest.mark.parametrize("m", [-1, True, 1.5, "3", 10**12])
+def test_bad_max_new_tokens_is_refused(m):
+    lm = scripted_lm(["ab"], context=64)
+    with pytest.raises(RequestError, match="max_tokens"):
+        lm.generate("x", m)
+    assert lm._engine is None
+
+
+def test_a_list_with_one_bad_prompt_fails_before_anything_runs():
+    lm = scripted_lm(["ab"], context=64)
+    for bad in (["x", [5, 10**9]], ["x", [5, "y"]], [[5], []], [["x"]]):
+        with pytest.raises(RequestError):
+            lm.generate(bad, 3, temperature=0)
+    assert lm._engine is None  # nothing was submitted: the engine never even started
+    assert lm.generate(["x", [5, 6], ""], 2, temperature=0) == ["abab"] * 3  # text, ids and empty text mix
+
+
+def test_stop_and_echo_with_several_choices():
+    lm = scripted_lm(["ab", "cd"], context=64)
+    out = lm.complete_batch(["xy"], 6, n=3, stop="c", echo=True, temperature=0)
+    assert [(c.text, c.finish_reason, c.prompt.text) for c in out] == [("ab", "stop", "xy")] * 3
+    none = lm.complete_batch(["xy"], 0, n=2, echo=True)
+    assert [(c.text, c.finish_reason, c.prompt.token_ids) for c in none] == [("", "length", lm.tokenize("xy"))] * 2
+    assert lm.complete("x", 5, ignore_eos=True, temperature=0).completion_tokens == 5
+    assert running(lm) == 0
+
+
+# ---------------------------------------------------------------- streams, cancel, close
+
+
+def test_closing_streams_early_again_and_again_frees_the_engine():
+    lm = scripted_lm(["ab"], context=512, delay_s=0.001)
+    lm.configure_engine(2)
+    for _ in range(6):
+        s = lm.stream("x", 400, temperature=0)
+        next(s)
+        s.close()
+        gens = lm.start_choices("x", 2, 400, temperature=0)
+        it = iter(gens[1])
+        next(it)
+        it.close()
+        gens[0].cancel()
+    assert wait_until(lambda: running(lm) == 0)
+    assert lm.complete("y", 3, temperature=0).completion_tokens == 3
+
+
+def test_cancel_from_another_thread_mid_stream():
+    lm = scripted_lm(["ab"], context=2000, delay_s=0.002)
+    gen = lm.start("x", 1500, temperature=0)
+    chunks = []
+    for c in gen:
+        chunks.append(c)
+        if len(chunks) == 3:
+            threading.Thread(target=gen.cancel).start()
+    assert gen.finish_reason == "cancelled" and 3 <= len(chunks) < 1500
+    assert wait_until(lambda: running(lm) == 0)
+
+
+def test_close_while_generations_run_cancels_them_and_a_new_engine_starts():
+    lm = scripted_lm(["ab"], context=2000, delay_s=0.002)
+    gens = [g for p in ("x", "y", "z") for g in lm.start_choices(p, 2, 1500, temperature=0)]
+    out: list = [None] * len(gens)
+
+    def drain(i):
+        out[i] = LM.collect(gens[i])
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(gens))]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: all(g.tokens_generated > 0 for g in gens))
+    old = lm.engine
+    lm.close()
+    for t in threads:
+        t.join(timeout=10)
+    assert [c.finish_reason for c in out] == ["cancelled"] * len(gens)
+    assert all(0 < c.completion_tokens < 1500 for c in out)
+    assert lm.complete("x", 3, temperature=0).text == "ababab" and lm.engine is not old
+
+
+class ForkFails(ScriptedBackend):
+    def new_sequence(self):
+        seq = super().new_sequence()
+
+        def fork():
+            raise RuntimeError("fork exploded")
+
+        seq.fork = fork
+        return seq
+
+
+def test_a_failing_fork_ends_the_request_instead_of_hanging_it():
+    tok = scripted_tokenizer()
+    lm = LM(ForkFails(tok.get_vocab_size(with_added_tokens=True), 64, None), tok)
+    gens = lm.start_choices("x", 3, 4, temperature=0)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(pytest.raises(RuntimeError, LM.collect, gens[1])), daemon=True)
+    t.start()
+    t.join(timeout=5)  # the request was in neither list of the scheduler: its choices never ended
+    assert box and "fork exploded" in str(box[0].value)
+    assert running(lm) == 0 and lm.complete("y", 2, temperature=0).completion_tokens == 2
+
+
+class NanFor(ScriptedBackend):
+    """Random logits, but NaN for every sequence whose prompt starts with token ``bad``."""
+
+    def __init__(self, *a, bad: int, **kw):
+        super().__init__(*a, **kw)
+        self.bad = bad
+
+    def new_sequence(self):
+        seq = super().new_sequence()
+        prefill, advance = seq.prefill, seq._advance
+        state = {"bad": False}
+
+        def pre(ids, all_logits=False):
+            state["bad"] = state["bad"] or (len(ids) > 1 and ids[1] == self.bad)
+            return prefill(ids, all_logits)
+
+        def adv(t):
+            row = advance(t)
+            return np.full_like(row, np.nan) if state["bad"] and seq.steps > 2 else row
+
+        seq.prefill, seq._advance = pre, adv
+        return seq
+
+
+def test_a_failing_choice_in_a_batch_cancels_the_unread_rest():
+    tok = scripted_tokenizer()
+    lm = LM(NanFor(tok.get_vocab_size(with_added_tokens=True), 3000, None, delay_s=0.002, bad=10), tok)
+    with pytest.raises(Exception, match="(?i)nan|finite"):
+        lm.complete_batch([[10], [11], [12]], 2000, temperature=0)
+    assert wait_until(lambda: running(lm) == 0, 2.0)  # the two healthy ones no longer run on, unread
+
+
+def test_forty_threads_small_batch_answers_equal_each_alone():
+    lm = scripted_lm(None, context=128)
+    lm.configure_engine(4)
+    reqs = [([5 + i % 7], dict(temperature=0.8, seed=i) if i % 2 else dict(temperature=0)) for i in range(40)]
+    alone = [lm.complete(p, 5, top_logprobs=2, **o) for p, o in reqs]
+    together: list = [None] * len(reqs)
+
+    def work(i):
+        p, o = reqs[i]
+        together[i] = lm.complete(p, 5, top_logprobs=2, **o)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert [(c.token_ids, c.logprobs, c.top_logprobs) for c in together] == \
+           [(c.token_ids, c.logprobs, c.top_logprobs) for c in alone]
+    assert len({tuple(c.token_ids) for c in alone}) > 1 and running(lm) == 0
+
+
+# ---------------------------------------------------------------- the Rust engine
+
+rust_runtime = pytest.importorskip("rust_runtime", reason="rust_runtime is not built: pip install -e .")
+
+
+@pytest.fixture(scope="module")
+def rust_lm(tmp_path_factory):
+    from serve.lm import load
+    from tests.test_rust_runtime import build_bundle, corpus_lines, train_tokenizer
+
+    tok = train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", r" ?\p{L}+| ?\p{N}+|\s+|.",
+                          corpus_lines(200))
+    d = tmp_path_factory.mktemp("hostile_bundle")
+    build_bundle(d, tok, hidden=64, inter=128, heads=4, kv=2, max_pos=256, seed=5)
+    lm = load(d, backend="rust", threads=1, verify=False, max_batch=4, token_budget=16)
+    yield lm
+    lm.close()
+
+
+def test_rust_close_then_a_new_generation_starts_a_new_engine(rust_lm):
+    before = rust_lm.complete("ab", 4, temperature=0)
+    rust_lm.close()  # used to hand back the stopped engine: "the engine thread has stopped"
+    after = rust_lm.complete("ab", 4, temperature=0)
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+
+
+def test_rust_close_while_generations_run_cancels_them(rust_lm):
+    gens = [rust_lm.start("ab", 250, ignore_eos=True, temperature=0) for _ in range(12)]
+    for g in gens:
+        g.submit()
+    rust_lm.close()
+    reasons = [LM.collect(g).finish_reason for g in gens]
+    assert "cancelled" in reasons and set(reasons) <= {"cancelled", "length"}
+    assert rust_lm.generate("ab", 3, temperature=0)
+
+
+def test_rust_top_logprobs_limit_and_streams_closed_early(rust_lm):
+    c = rust_lm.complete("ab", 2, top_logprobs=MAX_TOP_LOGPROBS)
+    every = {rust_lm.table.display(i) for i in range(rust_lm.vocab_size)}  # a dict by display string
+    assert MAX_TOP_LOGPROBS > rust_lm.vocab_size and [len(d) for d in c.top_logprobs] == [len(every)] * 2
+    for _ in range(5):
+        s = rust_lm.stream("ab", 200, ignore_eos=True, temperature=0)
+        next(s)
+        s.close()
+    assert wait_until(lambda: running(rust_lm) == 0)
+    assert rust_lm.complete("ab", 3, ignore_eos=True).completion_tokens == 3
+
+
+def test_rust_forty_threads_bit_identical_to_alone(rust_lm):
+    reqs = [("ab cd"[: 1 + i % 5], dict(temperature=0) if i % 2 else dict(seed=i, temperature=0.9))
+            for i in range(40)]
+    alone = [rust_lm.complete(p, 6, **o) for p, o in reqs]
+    together: list = [None] * len(reqs)
+
+    def work(i):
+        p, o = reqs[i]
+        together[i] = rust_lm.complete(p, 6, **o)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [(c.token_ids, c.logprobs) for c in together] == [(c.token_ids, c.logprobs) for c in alone]
+    assert running(rust_lm) == 0
