@@ -10,10 +10,13 @@ import time
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
+from serve.app import create_app
 from serve.errors import RequestError
 from serve.lm import LM, MAX_CHOICES, MAX_TOP_LOGPROBS
 from serve.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
+from serve.settings import Settings
 
 
 def wait_until(pred, limit_s: float = 5.0) -> bool:
@@ -178,7 +181,7 @@ def test_a_failing_choice_in_a_batch_cancels_the_unread_rest():
     tok = scripted_tokenizer()
     lm = LM(NanFor(tok.get_vocab_size(with_added_tokens=True), 3000, None, delay_s=0.002, bad=10), tok)
     with pytest.raises(Exception, match="(?i)nan|finite"):
-        lm.complete_batch([[10], [11], [12]], 2000, temperature=0)
+        lm.complete_batch([[10], [11], [12]], 2000, temperature=0, ignore_eos=True)
     assert wait_until(lambda: running(lm) == 0, 2.0)  # the two healthy ones no longer run on, unread
 
 
@@ -268,3 +271,108 @@ def test_rust_forty_threads_bit_identical_to_alone(rust_lm):
         t.join(timeout=60)
     assert [(c.token_ids, c.logprobs) for c in together] == [(c.token_ids, c.logprobs) for c in alone]
     assert running(rust_lm) == 0
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def engine_running(c: TestClient) -> float:
+    """shalik_engine_running_sequences on /metrics."""
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("shalik_engine_running_sequences "):
+            return float(line.split()[1])
+    raise AssertionError("shalik_engine_running_sequences not in /metrics")
+
+
+def test_http_n_64_with_a_small_batch_all_choices_complete():
+    lm = scripted_lm(["ab", "cd"], context=64)
+    with TestClient(create_app(Settings(max_concurrency=2), lm)) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "n": 64, "temperature": 0})
+        assert r.status_code == 200
+        choices = r.json()["choices"]
+        assert [ch["index"] for ch in choices] == list(range(64)) and {ch["text"] for ch in choices} == {"abcdab"}
+        assert r.json()["usage"]["completion_tokens"] == 64 * 3 and lm.engine.max_batch == 2
+        assert engine_running(c) == 0
+
+
+def test_http_a_failing_choice_gives_an_error_and_frees_every_sequence():
+    tok = scripted_tokenizer()
+    lm = LM(NanFor(tok.get_vocab_size(with_added_tokens=True), 3000, [5], delay_s=0.002, bad=10), tok)
+    with TestClient(create_app(Settings(), lm)) as c:
+        r = c.post("/v1/completions", json={"prompt": [[10], [11], [12]], "max_tokens": 2000, "temperature": 0})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "model_output", r.text
+        assert wait_until(lambda: engine_running(c) == 0, 3.0)  # the two healthy prompts were cancelled
+        ok = c.post("/v1/completions", json={"prompt": [11], "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+class StepFails(ScriptedBackend):
+    """Fails every batched decode step once ``armed``."""
+
+    armed = True
+
+    def decode_batch(self, seqs, token_ids):
+        if self.armed:
+            raise RuntimeError("decode exploded")
+        return super().decode_batch(seqs, token_ids)
+
+
+def test_http_a_backend_failure_mid_step_is_an_error_event_and_the_server_keeps_serving():
+    tok = scripted_tokenizer()
+    backend = StepFails(tok.get_vocab_size(with_added_tokens=True), 64, None)
+    lm = LM(backend, tok)
+    with TestClient(create_app(Settings(), lm), raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "n": 2})
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError"
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 5, "n": 2, "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert s.status_code == 200 and "internal error: RuntimeError: decode exploded" in "".join(lines[-2:])
+        backend.armed = False
+        ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "n": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
+        assert engine_running(c) == 0
+
+
+def test_http_timeout_while_queued_in_the_engine_frees_it():
+    lm = scripted_lm(["ab"], context=4000, delay_s=0.002)
+    with TestClient(create_app(Settings(max_concurrency=1, request_timeout_s=0.3), lm)) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3000, "n": 3})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert wait_until(lambda: engine_running(c) == 0, 3.0)
+        ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_http_queue_full_is_429_while_the_engine_is_busy():
+    lm = scripted_lm(["ab"], context=4000, delay_s=0.002)
+    with TestClient(create_app(Settings(max_concurrency=1, max_queue=0), lm)) as c:
+        gen = threading.Thread(target=lambda: c.post("/v1/completions", json={"prompt": "x", "max_tokens": 300}))
+        gen.start()
+        assert wait_until(lambda: engine_running(c) == 1)
+        r = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["type"]
+        gen.join(timeout=10)
+        assert engine_running(c) == 0
+        assert c.post("/v1/completions", json={"prompt": "y", "max_tokens": 2}).status_code == 200
+
+
+def test_http_disconnect_mid_stream_with_several_choices_drops_them_all():
+    import httpx
+
+    from tests.test_http_live import live_server, metric
+
+    with live_server(["ab"], lm={"context": 20_000, "delay_s": 0.005}, max_concurrency=2) as srv:
+        client = httpx.Client(timeout=10)
+        body = {"prompt": "x", "max_tokens": 10_000, "n": 5, "stream": True}
+        with client.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()  # not closed until the response is: leaving a for loop over it would close it
+            while not next(lines).startswith("data: "):
+                pass
+            assert metric(srv, "shalik_engine_running_sequences") == 2  # 5 choices in groups of the batch (2)
+            assert metric(srv, "shalik_engine_waiting_sequences") == 3
+        client.close()
+        assert wait_until(lambda: metric(srv, "shalik_engine_running_sequences") == 0)
+        assert metric(srv, "shalik_engine_waiting_sequences") == 0
+        with httpx.Client(timeout=10) as c2:
+            r = c2.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3})
+        assert r.status_code == 200 and [ch["text"] for ch in r.json()["choices"]] == ["abab"] * 3
