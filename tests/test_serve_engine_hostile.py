@@ -376,3 +376,40 @@ def test_http_disconnect_mid_stream_with_several_choices_drops_them_all():
         with httpx.Client(timeout=10) as c2:
             r = c2.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3})
         assert r.status_code == 200 and [ch["text"] for ch in r.json()["choices"]] == ["abab"] * 3
+
+
+# ---------------------------------------------------------------- the onnx backend behind the Python engine
+
+
+def test_onnx_threads_early_closes_and_close_mid_run(bundle):
+    """Twelve threads over a batch of 4 get each request's greedy tokens alone (fp32 rows are independent, up to
+    float noise: token ids compared), streams closed early free their places, and ``close()`` mid-run cancels."""
+    from serve.lm import load
+
+    lm = load(bundle, backend="onnx", threads=1, verify=False, max_batch=4)
+    prompts = ["আমি বাংলায়", "The river", "নদী", "x"] * 3
+    alone = [lm.complete(p, 6, temperature=0).token_ids for p in prompts]
+    together: list = [None] * len(prompts)
+
+    def work(i):
+        together[i] = lm.complete(prompts[i], 6, temperature=0).token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert together == alone
+    for _ in range(3):
+        s = lm.stream("নদী", 60, temperature=0, ignore_eos=True)
+        next(s)
+        s.close()
+    assert wait_until(lambda: running(lm) == 0)
+    gens = lm.start_choices("নদী", 3, 110, ignore_eos=True)
+    for g in gens:
+        g.submit()
+    lm.close()
+    reasons = [LM.collect(g).finish_reason for g in gens]
+    assert set(reasons) <= {"cancelled", "length"} and "cancelled" in reasons
+    assert lm.complete("x", 2, temperature=0, ignore_eos=True).completion_tokens == 2
+    lm.close()
