@@ -403,7 +403,12 @@ class LM:
 
     def start(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> Generation:
         """Validate a request and return a :class:`Generation` (lazy: nothing runs until it is iterated or
-        :meth:`Generation.submit` is called). Options as :meth:`start_choices`."""
+        :meth:`Generation.submit` is called). Options as :meth:`start_choices`; ``n`` may only be 1 here
+        (RequestError otherwise: several choices come from :meth:`start_choices` / :meth:`complete_batch`)."""
+        n = options.pop("n", 1)
+        if n != 1 or isinstance(n, bool):
+            raise RequestError(f"n is {n!r}, but this call makes one generation; for n choices use "
+                               "start_choices(prompt, n, ...) or complete_batch([prompt], n=n)", param="n")
         return self.start_choices(prompt, 1, max_new_tokens, **options)[0]
 
     def start_choices(self, prompt: Prompt, n: int = 1, max_new_tokens: int | None = None, *,

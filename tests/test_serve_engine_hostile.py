@@ -59,6 +59,15 @@ def test_bad_max_new_tokens_is_refused(m):
     assert lm._engine is None
 
 
+def test_n_on_a_one_generation_call_is_a_clear_error():
+    lm = scripted_lm(["ab"], context=64)
+    for call in (lm.generate, lm.complete, lm.start, lambda *a, **k: list(lm.stream(*a, **k))):
+        with pytest.raises(RequestError, match=r"n is 2, but this call makes one generation") as e:
+            call("x", 2, n=2)  # used to be "TypeError: start_choices() got multiple values for argument 'n'"
+        assert e.value.param == "n"
+    assert lm.generate("x", 2, n=1) == "abab" and lm.generate(["x", "y"], 1, n=2) == ["ab"] * 4
+
+
 def test_a_list_with_one_bad_prompt_fails_before_anything_runs():
     lm = scripted_lm(["ab"], context=64)
     for bad in (["x", [5, 10**9]], ["x", [5, "y"]], [[5], []], [["x"]]):
