@@ -139,14 +139,24 @@ class ChoiceGroup:
         """The engine's :class:`serve.engine.Submission` (submitted now if it was not yet)."""
         with self._lock:
             if self._submission is None:
-                self._submission = self.lm.engine.submit(
-                    [self.lm.eot_id, *self.prompt_ids], self.max_new_tokens, self.params, n=self.n,
-                    top_logprobs=self.top_n or 0, ignore_eos=self.ignore_eos, first_index=self.first_index)
+                engine = self.lm.engine
+                try:
+                    self._submission = self._submit(engine)
+                except Exception:
+                    if self.lm._engine is engine:  # a refusal by the running engine
+                        raise
+                    # lm.close() ran between reading lm.engine and submitting: queue in the next engine
+                    self._submission = self._submit(self.lm.engine)
                 if len(self._cancelled) == self.n:
                     self._submission.cancel()
                 for i in self._cancelled if len(self._cancelled) < self.n else ():
                     self._submission.cancel_choice(i)
             return self._submission
+
+    def _submit(self, engine: Any) -> Submission:
+        return engine.submit([self.lm.eot_id, *self.prompt_ids], self.max_new_tokens, self.params, n=self.n,
+                             top_logprobs=self.top_n or 0, ignore_eos=self.ignore_eos,
+                             first_index=self.first_index)
 
     def cancel(self, index: int) -> None:
         """End choice ``index`` in the engine (the whole request once every choice is cancelled)."""

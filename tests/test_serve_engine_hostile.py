@@ -13,6 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve.app import create_app
+from serve.backends.base import BackendError
+from serve.engine import StepEngine
 from serve.errors import RequestError
 from serve.lm import LM, MAX_CHOICES, MAX_TOP_LOGPROBS
 from serve.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
@@ -137,6 +139,25 @@ def test_close_while_generations_run_cancels_them_and_a_new_engine_starts():
     assert [c.finish_reason for c in out] == ["cancelled"] * len(gens)
     assert all(0 < c.completion_tokens < 1500 for c in out)
     assert lm.complete("x", 3, temperature=0).text == "ababab" and lm.engine is not old
+
+
+def test_a_submission_racing_close_runs_in_the_next_engine():
+    lm = scripted_lm(["ab"], context=64)
+    old = lm.engine
+    real = old.submit
+
+    def racing(*a, **kw):  # lm.close() lands between the group reading lm.engine and its submit
+        lm.close()
+        return real(*a, **kw)
+
+    old.submit = racing
+    out = lm.complete("x", 3, temperature=0)  # used to raise BackendError("the engine is closed"): an HTTP 400
+    assert (out.text, out.finish_reason) == ("ababab", "length") and lm.engine is not old
+    stale = StepEngine(lm.backend, lm.eot_id)
+    stale.close()
+    lm._engine = stale  # a refusal by the LM's current engine is still raised
+    with pytest.raises(BackendError, match="closed"):
+        lm.complete("x", 1)
 
 
 class ForkFails(ScriptedBackend):
