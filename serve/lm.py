@@ -180,7 +180,8 @@ class Generation:
     Live attributes (readable from another thread): ``tokens_generated`` (model steps that produced a
     token, end-of-text included), ``completion_tokens`` (output tokens released in chunks so far),
     ``first_token_at`` / ``finished_at`` (``time.perf_counter()`` stamps, or None). ``cancel()``
-    (thread-safe) ends the generation in the engine before its next step, with finish_reason ``"cancelled"``.
+    (thread-safe) ends the generation in the engine before its next step, with finish_reason ``"cancelled"``
+    — as does closing the iterator before the end (``close()`` / leaving a ``for`` loop over it).
     """
 
     def __init__(self, group: ChoiceGroup, index: int, stop: Sequence[str], echo: bool):
@@ -205,6 +206,7 @@ class Generation:
         self.started_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        self._settled = False  # the engine's events have ended (finish_reason is final)
         self._iter = self._run()
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -248,6 +250,10 @@ class Generation:
                 return
             yield from self._decode_loop(self.group.submission().events(self.index))
             ended = True
+        except GeneratorExit:  # the consumer closed it before the engine ended it: it did not reach "length"
+            if not self._settled:
+                self.finish_reason = "cancelled"
+            raise
         finally:
             if not ended:  # closed early (the consumer stopped iterating) or failed: free its engine slot
                 self.group.cancel(self.index)
@@ -285,6 +291,7 @@ class Generation:
                 break
             if released:
                 yield self._chunk(released, pending, stops.released)
+        self._settled = True
         if stops.stop_at is None:
             tail = stops.push(detok.flush())
             tail += stops.finish()

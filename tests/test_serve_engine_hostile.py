@@ -108,6 +108,24 @@ def test_closing_streams_early_again_and_again_frees_the_engine():
     assert lm.complete("y", 3, temperature=0).completion_tokens == 3
 
 
+def test_a_generation_closed_early_is_cancelled_not_length():
+    lm = scripted_lm(["ab", "c"], context=128)
+    gens = lm.start_choices("x", 3, 60, temperature=0)
+    its = [iter(g) for g in gens]
+    for it in its:
+        next(it)
+    its[0].close()
+    its[2].close()
+    rest = LM.collect(gens[1], [next(its[1]), *its[1]])
+    assert [g.finish_reason for g in gens] == ["cancelled", "length", "cancelled"]  # were all "length"
+    assert rest.completion_tokens == 59 and rest.text == ("abc" * 30)[2:]
+    last = lm.start("x", 2, temperature=0)
+    chunks = list(iter(last))
+    iter(last).close()  # closing after the end changes nothing
+    assert last.finish_reason == "length" and "".join(c.text for c in chunks) == "abc"
+    assert wait_until(lambda: running(lm) == 0)
+
+
 def test_cancel_from_another_thread_mid_stream():
     lm = scripted_lm(["ab"], context=2000, delay_s=0.002)
     gen = lm.start("x", 1500, temperature=0)
