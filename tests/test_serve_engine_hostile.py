@@ -340,6 +340,8 @@ def test_http_n_64_with_a_small_batch_all_choices_complete():
         choices = r.json()["choices"]
         assert [ch["index"] for ch in choices] == list(range(64)) and {ch["text"] for ch in choices} == {"abcdab"}
         assert r.json()["usage"]["completion_tokens"] == 64 * 3 and lm.engine.max_batch == 2
+        r = c.post("/v1/completions", json={"prompt": ["x", "y"], "max_tokens": 2, "n": 64, "temperature": 0})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 128  # prompts × n at the limit
         assert engine_running(c) == 0
 
 
@@ -386,6 +388,11 @@ def test_http_timeout_while_queued_in_the_engine_frees_it():
     with TestClient(create_app(Settings(max_concurrency=1, request_timeout_s=0.3), lm)) as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3000, "n": 3})
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert wait_until(lambda: engine_running(c) == 0, 3.0)
+        body = {"prompt": "x", "max_tokens": 3000, "n": 3, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as s:
+            lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert s.status_code == 200 and lines[-1] == "[DONE]" and '"code":"timeout"' in lines[-2]
         assert wait_until(lambda: engine_running(c) == 0, 3.0)
         ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
