@@ -487,8 +487,18 @@ class LM:
     def complete_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | None = None, n: int = 1,
                        **options: Any) -> list[Completion]:
         """Completions of several prompts (``n`` each, prompt-major), all submitted at once so that they share the
-        engine's steps. Every prompt is validated before any runs (RequestError naming the first bad one)."""
-        gens = [g for p in prompts for g in self.start_choices(p, n, max_new_tokens, **options)]
+        engine's steps. Every prompt is validated before any runs (RequestError naming the first bad one:
+        ``"prompt 2: ..."``, its type, param and code kept)."""
+        gens: list[Generation] = []
+        for i, p in enumerate(prompts):
+            try:
+                gens += self.start_choices(p, n, max_new_tokens, **options)
+            except RequestError as e:
+                if len(prompts) < 2 or e.param not in ("prompt", "max_tokens"):  # about this prompt
+                    raise
+                e.message = f"prompt {i}: {e.message}"  # same type (ContextLengthError stays one), param and code
+                e.args = (e.message,)
+                raise
         try:
             for g in gens:
                 g.submit()

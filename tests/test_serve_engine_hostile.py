@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from serve.app import create_app
 from serve.backends.base import BackendError
 from serve.engine import StepEngine
-from serve.errors import RequestError
+from serve.errors import ContextLengthError, RequestError
 from serve.lm import LM, MAX_CHOICES, MAX_TOP_LOGPROBS
 from serve.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
 from serve.settings import Settings
@@ -72,9 +72,16 @@ def test_n_on_a_one_generation_call_is_a_clear_error():
 
 def test_a_list_with_one_bad_prompt_fails_before_anything_runs():
     lm = scripted_lm(["ab"], context=64)
-    for bad in (["x", [5, 10**9]], ["x", [5, "y"]], [[5], []], [["x"]]):
-        with pytest.raises(RequestError):
+    for bad, msg in ((["x", [5, 10**9]], "prompt 1: token id 1000000000 is out of range"),
+                     (["x", "y", [5, "y"]], "prompt 2: token ids must be integers, got 'y'"),
+                     ([[5], []], "prompt 1: expected at least one token id"),
+                     (["x", [5] * 64], "prompt 1: the prompt is 65 tokens"),
+                     ([["x"]], "token ids must be integers, got 'x'")):
+        with pytest.raises(RequestError, match=msg):  # naming the first bad prompt of a list
             lm.generate(bad, 3, temperature=0)
+    with pytest.raises(ContextLengthError, match="prompt 1: the prompt is 65 tokens") as e:
+        lm.complete_batch(["x", [5] * 64], 3)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     assert lm._engine is None  # nothing was submitted: the engine never even started
     assert lm.generate(["x", [5, 6], ""], 2, temperature=0) == ["abab"] * 3  # text, ids and empty text mix
 
