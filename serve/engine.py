@@ -290,9 +290,26 @@ class StepEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the engine takes no more requests (closed, or its thread stopped on an error)."""
+        return self._closed
+
     # ---- the scheduler thread
 
     def _loop(self) -> None:
+        try:
+            self._schedule()
+        except BaseException as e:  # not a backend Exception (those end their step): nothing may wait forever
+            with self._cond:
+                self._closed = True
+                reqs = {*self._waiting, *self._prefilling, *(c.req for c in self._running)}
+            err = BackendError(f"the engine stopped: {type(e).__name__}: {e}")
+            for r in reqs:
+                r.end("error", err)
+            raise
+
+    def _schedule(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._commands or self._waiting or self._prefilling or self._running):

@@ -345,7 +345,7 @@ class LM:
     def engine(self):
         """The engine every generation goes through (:func:`serve.engine.make_engine`; started on first use)."""
         with self._engine_lock:
-            if self._engine is None:
+            if self._engine is None or getattr(self._engine, "closed", False):  # none yet, or its thread died
                 self._engine = make_engine(self.backend, self.eot_id, self.max_batch, self.token_budget)
             return self._engine
 

@@ -14,7 +14,6 @@ from fastapi.testclient import TestClient
 
 from serve.app import create_app
 from serve.backends.base import BackendError
-from serve.engine import StepEngine
 from serve.errors import ContextLengthError, RequestError
 from serve.lm import LM, MAX_CHOICES, MAX_TOP_LOGPROBS
 from serve.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
@@ -178,11 +177,44 @@ def test_a_submission_racing_close_runs_in_the_next_engine():
     old.submit = racing
     out = lm.complete("x", 3, temperature=0)  # used to raise BackendError("the engine is closed"): an HTTP 400
     assert (out.text, out.finish_reason) == ("ababab", "length") and lm.engine is not old
-    stale = StepEngine(lm.backend, lm.eot_id)
-    stale.close()
-    lm._engine = stale  # a refusal by the LM's current engine is still raised
-    with pytest.raises(BackendError, match="closed"):
+
+    def refuse(*a, **kw):
+        raise BackendError("refused")
+
+    lm.engine.submit = refuse  # a refusal by the LM's current engine is still raised
+    with pytest.raises(BackendError, match="refused"):
         lm.complete("x", 1)
+
+
+class Fatal(BaseException):
+    """Not an Exception: escapes the engine's per-step error handling."""
+
+
+class FatalOnce(ScriptedBackend):
+    fired = False
+
+    def decode_batch(self, seqs, token_ids):
+        if not self.fired:
+            self.fired = True
+            raise Fatal("the backend pulled the plug")
+        return super().decode_batch(seqs, token_ids)
+
+
+def test_an_engine_thread_killed_by_its_backend_ends_every_request_and_is_replaced(monkeypatch):
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the dying thread's report
+    tok = scripted_tokenizer()
+    lm = LM(FatalOnce(tok.get_vocab_size(with_added_tokens=True), 64, None), tok, max_batch=2)
+    gens = [g for p in ("x", "y", "z") for g in lm.start_choices(p, 1, 5, temperature=0)]
+    for g in gens:
+        g.submit()
+    box: list = []
+    t = threading.Thread(target=lambda: box.extend(pytest.raises(BackendError, LM.collect, g) for g in gens),
+                         daemon=True)
+    t.start()
+    t.join(timeout=5)  # the running pair and the queued third used to wait forever
+    assert len(box) == 3 and all("the engine stopped: Fatal: the backend pulled the plug" in str(e.value)
+                                 for e in box)
+    assert lm.complete("y", 2, temperature=0).completion_tokens == 2  # a fresh engine serves
 
 
 class ForkFails(ScriptedBackend):
