@@ -132,10 +132,12 @@ class _RustSubmission(Submission):
 
 
 class RustEngine:
-    """:class:`Submission` s from a ``rust_runtime.Engine`` (the rust backend's own, ``backend.engine``)."""
+    """:class:`Submission` s from a ``rust_runtime.Engine`` (the rust backend's own, ``backend.engine``).
+    ``on_close(engine)``, when given, closes the engine instead of ``engine.close()`` (the backend forgets it)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, on_close: Any = None):
         self._engine = engine
+        self._on_close = on_close
         self.max_batch: int = engine.max_batch
         self.token_budget: int = engine.token_budget
 
@@ -161,7 +163,10 @@ class RustEngine:
 
     def close(self) -> None:
         """Stop the scheduler (running requests end with "cancelled")."""
-        self._engine.close()
+        if self._on_close is not None:
+            self._on_close(self._engine)
+        else:
+            self._engine.close()
 
 
 # ---------------------------------------------------------------- Python
@@ -285,9 +290,26 @@ class StepEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the engine takes no more requests (closed, or its thread stopped on an error)."""
+        return self._closed
+
     # ---- the scheduler thread
 
     def _loop(self) -> None:
+        try:
+            self._schedule()
+        except BaseException as e:  # not a backend Exception (those end their step): nothing may wait forever
+            with self._cond:
+                self._closed = True
+                reqs = {*self._waiting, *self._prefilling, *(c.req for c in self._running)}
+            err = BackendError(f"the engine stopped: {type(e).__name__}: {e}")
+            for r in reqs:
+                r.end("error", err)
+            raise
+
+    def _schedule(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._commands or self._waiting or self._prefilling or self._running):
@@ -365,8 +387,14 @@ class StepEngine:
             n_prefill += take
             r.prefilled += take
             if r.prefilled == len(r.ids):
+                try:
+                    forks = self._fork(r, row)
+                except Exception as e:  # the request is in neither list now: end it here, or its choices hang
+                    self._prefilling.remove(r)
+                    r.end("error", e)
+                    continue
                 self._prefilling.remove(r)
-                self._running += self._fork(r, row)
+                self._running += forks
         for c in [c for c in self._running if c.logits is not None]:
             self._sample(c)
         self._running = [c for c in self._running if c.index in c.req.open]
@@ -443,5 +471,5 @@ def make_engine(backend: Any, eot_id: int, max_batch: int = DEFAULT_MAX_BATCH,
     check_engine_limits(max_batch, token_budget)
     start = getattr(backend, "start_engine", None)
     if start is not None:
-        return RustEngine(start(max_batch, token_budget))
+        return RustEngine(start(max_batch, token_budget), getattr(backend, "close_engine", None))
     return StepEngine(backend, eot_id, max_batch, token_budget)

@@ -45,6 +45,8 @@ from serve.sampling import SamplingParams, log_softmax, top_logprobs
 from serve.stops import StopMatcher
 
 DEFAULT_MAX_NEW_TOKENS = 64
+MAX_CHOICES = 1024  # n per prompt in one call: each choice is a Generation object, created up front
+MAX_TOP_LOGPROBS = 1000  # alternatives per token (rust_runtime.Engine's own limit)
 PREFILL_BLOCK = 256  # positions per prefill call when every position's logits are needed (memory bound)
 BACKENDS = ("onnx", "rust")
 Prompt = str | Sequence[int]
@@ -137,14 +139,24 @@ class ChoiceGroup:
         """The engine's :class:`serve.engine.Submission` (submitted now if it was not yet)."""
         with self._lock:
             if self._submission is None:
-                self._submission = self.lm.engine.submit(
-                    [self.lm.eot_id, *self.prompt_ids], self.max_new_tokens, self.params, n=self.n,
-                    top_logprobs=self.top_n or 0, ignore_eos=self.ignore_eos, first_index=self.first_index)
+                engine = self.lm.engine
+                try:
+                    self._submission = self._submit(engine)
+                except Exception:
+                    if self.lm._engine is engine:  # a refusal by the running engine
+                        raise
+                    # lm.close() ran between reading lm.engine and submitting: queue in the next engine
+                    self._submission = self._submit(self.lm.engine)
                 if len(self._cancelled) == self.n:
                     self._submission.cancel()
                 for i in self._cancelled if len(self._cancelled) < self.n else ():
                     self._submission.cancel_choice(i)
             return self._submission
+
+    def _submit(self, engine: Any) -> Submission:
+        return engine.submit([self.lm.eot_id, *self.prompt_ids], self.max_new_tokens, self.params, n=self.n,
+                             top_logprobs=self.top_n or 0, ignore_eos=self.ignore_eos,
+                             first_index=self.first_index)
 
     def cancel(self, index: int) -> None:
         """End choice ``index`` in the engine (the whole request once every choice is cancelled)."""
@@ -168,7 +180,8 @@ class Generation:
     Live attributes (readable from another thread): ``tokens_generated`` (model steps that produced a
     token, end-of-text included), ``completion_tokens`` (output tokens released in chunks so far),
     ``first_token_at`` / ``finished_at`` (``time.perf_counter()`` stamps, or None). ``cancel()``
-    (thread-safe) ends the generation in the engine before its next step, with finish_reason ``"cancelled"``.
+    (thread-safe) ends the generation in the engine before its next step, with finish_reason ``"cancelled"``
+    — as does closing the iterator before the end (``close()`` / leaving a ``for`` loop over it).
     """
 
     def __init__(self, group: ChoiceGroup, index: int, stop: Sequence[str], echo: bool):
@@ -193,6 +206,7 @@ class Generation:
         self.started_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        self._settled = False  # the engine's events have ended (finish_reason is final)
         self._iter = self._run()
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -236,6 +250,10 @@ class Generation:
                 return
             yield from self._decode_loop(self.group.submission().events(self.index))
             ended = True
+        except GeneratorExit:  # the consumer closed it before the engine ended it: it did not reach "length"
+            if not self._settled:
+                self.finish_reason = "cancelled"
+            raise
         finally:
             if not ended:  # closed early (the consumer stopped iterating) or failed: free its engine slot
                 self.group.cancel(self.index)
@@ -273,6 +291,7 @@ class Generation:
                 break
             if released:
                 yield self._chunk(released, pending, stops.released)
+        self._settled = True
         if stops.stop_at is None:
             tail = stops.push(detok.flush())
             tail += stops.finish()
@@ -326,7 +345,7 @@ class LM:
     def engine(self):
         """The engine every generation goes through (:func:`serve.engine.make_engine`; started on first use)."""
         with self._engine_lock:
-            if self._engine is None:
+            if self._engine is None or getattr(self._engine, "closed", False):  # none yet, or its thread died
                 self._engine = make_engine(self.backend, self.eot_id, self.max_batch, self.token_budget)
             return self._engine
 
@@ -401,7 +420,12 @@ class LM:
 
     def start(self, prompt: Prompt, max_new_tokens: int | None = None, **options: Any) -> Generation:
         """Validate a request and return a :class:`Generation` (lazy: nothing runs until it is iterated or
-        :meth:`Generation.submit` is called). Options as :meth:`start_choices`."""
+        :meth:`Generation.submit` is called). Options as :meth:`start_choices`; ``n`` may only be 1 here
+        (RequestError otherwise: several choices come from :meth:`start_choices` / :meth:`complete_batch`)."""
+        n = options.pop("n", 1)
+        if n != 1 or isinstance(n, bool):
+            raise RequestError(f"n is {n!r}, but this call makes one generation; for n choices use "
+                               "start_choices(prompt, n, ...) or complete_batch([prompt], n=n)", param="n")
         return self.start_choices(prompt, 1, max_new_tokens, **options)[0]
 
     def start_choices(self, prompt: Prompt, n: int = 1, max_new_tokens: int | None = None, *,
@@ -414,10 +438,10 @@ class LM:
         prompt is prefilled once for every ``max_batch`` of them; each choice draws from a random stream of its
         own derived from ``seed`` (choice 0 equals the ``n = 1`` generation).
 
-        prompt: text or token ids (``<|endoftext|>`` is prepended); n: an int >= 1; max_new_tokens:
+        prompt: text or token ids (``<|endoftext|>`` is prepended); n: an int in [1, :data:`MAX_CHOICES`]; max_new_tokens:
         int >= 0, or None for ``default_max_new_tokens`` capped by the context; sampling parameters: see
         :class:`serve.sampling.SamplingParams`; stop: a string or list of non-empty strings; top_logprobs:
-        N alternatives per token (None = none); echo: also score the prompt (``Generation.prompt``); ignore_eos:
+        N alternatives per token, an int in [0, :data:`MAX_TOP_LOGPROBS`] (None = none); echo: also score the prompt (``Generation.prompt``); ignore_eos:
         keep going past ``<|endoftext|>`` (its text then appears; for benchmarks that need fixed lengths).
 
         Raises RequestError (ContextLengthError when prompt + max_new_tokens exceed the context).
@@ -427,10 +451,11 @@ class LM:
                                 repetition_penalty=repetition_penalty, seed=seed)
         stops = normalize_stop(stop)
         if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
-                                         or top_logprobs < 0):
-            raise RequestError(f"logprobs must be an integer >= 0, got {top_logprobs!r}", param="logprobs")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise RequestError(f"n must be an integer >= 1, got {n!r}", param="n")
+                                         or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}",
+                               param="logprobs")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
         ids = self.encode_prompt(prompt)
         budget = self.new_token_budget(len(ids) + 1, max_new_tokens, default_max_new_tokens)
         gens = []
@@ -462,11 +487,26 @@ class LM:
     def complete_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | None = None, n: int = 1,
                        **options: Any) -> list[Completion]:
         """Completions of several prompts (``n`` each, prompt-major), all submitted at once so that they share the
-        engine's steps. Every prompt is validated before any runs (RequestError naming the first bad one)."""
-        gens = [g for p in prompts for g in self.start_choices(p, n, max_new_tokens, **options)]
-        for g in gens:
-            g.submit()
-        return [self.collect(g) for g in gens]
+        engine's steps. Every prompt is validated before any runs (RequestError naming the first bad one:
+        ``"prompt 2: ..."``, its type, param and code kept)."""
+        gens: list[Generation] = []
+        for i, p in enumerate(prompts):
+            try:
+                gens += self.start_choices(p, n, max_new_tokens, **options)
+            except RequestError as e:
+                if len(prompts) < 2 or e.param not in ("prompt", "max_tokens"):  # about this prompt
+                    raise
+                e.message = f"prompt {i}: {e.message}"  # same type (ContextLengthError stays one), param and code
+                e.args = (e.message,)
+                raise
+        try:
+            for g in gens:
+                g.submit()
+            return [self.collect(g) for g in gens]
+        except BaseException:  # one failed (or the caller was interrupted): the others must not run on unread
+            for g in gens:
+                g.cancel()
+            raise
 
     @staticmethod
     def collect(gen: Generation, chunks: Sequence[Chunk] | None = None) -> Completion:

@@ -111,6 +111,14 @@ class RustBackend:
                 self._engine = _rr.Engine(self.model, max_batch=max_batch, token_budget=token_budget)
             return self._engine
 
+    def close_engine(self, engine) -> None:
+        """Close ``engine`` (its running requests end "cancelled") and forget it, so that the next
+        :meth:`start_engine` starts a fresh one instead of handing back a stopped engine."""
+        with self._engine_lock:
+            if self._engine is engine:
+                self._engine = None
+        engine.close()
+
     def new_sequence(self) -> RustSequence:
         return RustSequence(self.model.new_sequence(), self)
 
