@@ -786,7 +786,8 @@ def test_gil_is_released_while_generating(wide):
     def work():
         for seed in range(3):
             t0 = time.perf_counter()
-            m.generate(p, 300, temperature=1.0, seed=seed)
+            m.generate(p, 300, temperature=1.0, seed=seed)  # may end early at end-of-text
+            m.logits(prompt_ids(480, seed=seed))  # one long prefill: a call of fixed length
             durations.append(time.perf_counter() - t0)
         done.set()
 
