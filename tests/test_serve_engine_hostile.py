@@ -330,7 +330,7 @@ def test_rust_close_while_generations_run_cancels_them(rust_lm):
 
 
 def test_rust_top_logprobs_limit_and_streams_closed_early(rust_lm):
-    c = rust_lm.complete("ab", 2, top_logprobs=MAX_TOP_LOGPROBS)
+    c = rust_lm.complete("ab", 2, top_logprobs=MAX_TOP_LOGPROBS, ignore_eos=True, seed=0)  # exactly 2 tokens
     every = {rust_lm.table.display(i) for i in range(rust_lm.vocab_size)}  # a dict by display string
     assert MAX_TOP_LOGPROBS > rust_lm.vocab_size and [len(d) for d in c.top_logprobs] == [len(every)] * 2
     for _ in range(5):
