@@ -34,13 +34,12 @@ from typing import Any
 import numpy as np
 
 from serve.backends.base import BackendError
-from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
+from serve.sampling import SEED_MODULUS, Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
 
 DEFAULT_MAX_BATCH = 16  # sequences per step; benchmarks/serve_batching.py: 16 streams ≈ 5x one on `small`
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step (decode tokens + prefill chunks); llama.cpp's n_batch
 # prompt tokens in a step that also decodes (Sarathi-Serve's stall-free batching), as rust_runtime.Engine's default
 DEFAULT_PREFILL_CHUNK = 16
-SEED_MODULUS = 2**64
 TOP_K_OFF = 2**31  # a top_k at least the vocabulary keeps every token: clamped before it reaches Rust's i64
 
 

@@ -147,10 +147,8 @@ class ChoiceGroup:
                         raise
                     # lm.close() ran between reading lm.engine and submitting: queue in the next engine
                     self._submission = self._submit(self.lm.engine)
-                if len(self._cancelled) == self.n:
-                    self._submission.cancel()
-                for i in self._cancelled if len(self._cancelled) < self.n else ():
-                    self._submission.cancel_choice(i)
+                if self._cancelled:  # choices cancelled before the submission existed
+                    self._forward_cancels(self._submission, sorted(self._cancelled))
             return self._submission
 
     def _submit(self, engine: Any) -> Submission:
@@ -162,13 +160,16 @@ class ChoiceGroup:
         """End choice ``index`` in the engine (the whole request once every choice is cancelled)."""
         with self._lock:
             self._cancelled.add(index)
-            sub = self._submission
-            if sub is None:
-                return
-            if len(self._cancelled) == self.n:
-                sub.cancel()
-            else:
-                sub.cancel_choice(index)
+            if self._submission is not None:
+                self._forward_cancels(self._submission, [index])
+
+    def _forward_cancels(self, sub: Submission, indices: list[int]) -> None:
+        """Tell the engine: the whole request once every choice is cancelled, else each of ``indices``."""
+        if len(self._cancelled) == self.n:
+            sub.cancel()
+        else:
+            for i in indices:
+                sub.cancel_choice(i)
 
 
 class Generation:
