@@ -188,8 +188,9 @@ def test_configure_engine_after_start_is_refused():
 rust_runtime = pytest.importorskip("rust_runtime", reason="rust_runtime is not built: pip install -e .")
 
 
-@pytest.fixture(scope="module")
-def rust_lm(tmp_path_factory):
+def load_rust_lm(tmp_path_factory, max_batch: int) -> LM:
+    """A random-init Rust bundle (hidden 64, 4 heads / 2 KV heads, context 256, vocabulary 512) loaded for serving
+    with ``max_batch`` sequences a step and 16 tokens a step."""
     from serve.lm import load
     from tests.test_rust_runtime import build_bundle, corpus_lines, train_tokenizer
 
@@ -197,7 +198,12 @@ def rust_lm(tmp_path_factory):
                           corpus_lines(200))
     d = tmp_path_factory.mktemp("serve_engine_bundle")
     build_bundle(d, tok, hidden=64, inter=128, heads=4, kv=2, max_pos=256, seed=5)
-    lm = load(d, backend="rust", threads=1, verify=False, max_batch=8, token_budget=16)
+    return load(d, backend="rust", threads=1, verify=False, max_batch=max_batch, token_budget=16)
+
+
+@pytest.fixture(scope="module")
+def rust_lm(tmp_path_factory):
+    lm = load_rust_lm(tmp_path_factory, max_batch=8)
     yield lm
     lm.close()
 

@@ -300,14 +300,9 @@ rust_runtime = pytest.importorskip("rust_runtime", reason="rust_runtime is not b
 
 @pytest.fixture(scope="module")
 def rust_lm(tmp_path_factory):
-    from serve.lm import load
-    from tests.test_rust_runtime import build_bundle, corpus_lines, train_tokenizer
+    from tests.test_serve_engine import load_rust_lm
 
-    tok = train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", r" ?\p{L}+| ?\p{N}+|\s+|.",
-                          corpus_lines(200))
-    d = tmp_path_factory.mktemp("hostile_bundle")
-    build_bundle(d, tok, hidden=64, inter=128, heads=4, kv=2, max_pos=256, seed=5)
-    lm = load(d, backend="rust", threads=1, verify=False, max_batch=4, token_budget=16)
+    lm = load_rust_lm(tmp_path_factory, max_batch=4)
     yield lm
     lm.close()
 
