@@ -15,11 +15,11 @@ round to the next (limit, prepare, …, then prepare, limit, …) so that the ma
 * **prepare** — ``train.data.build_shards(..., workers=N)``: read, parse, NFC, language, split and shuffle
   hashes, tokenize, merge, resample and write the shards, pool start included (the input scan, done once and
   cached, is reported apart);
-* **shipped** (N = 1 only) — ``encode_batch_fast`` of the tokenizer as saved (its NFC normalizer on) on the same
+* **shipped** (N = 1, first round only) — ``encode_batch_fast`` of the tokenizer as saved (its NFC normalizer on) on the same
   raw texts: what a plain tokenizer call costs, NFC included, for reference.
 
 Reports MB of text per second (median over rounds), prepare / limit (median of the rounds' ratios of runs side
-by side), and the speed-up from 1 to N processes, then extrapolates 2B tokens on 16 cores from the per-process
+by side), and the speed-up from 1 to N processes (median of the rounds' ratios, the limit's beside it), then extrapolates 2B tokens on 16 cores from the per-process
 rate at the largest N. Writes benchmarks/results/prepare_scale.md, .json and .png.
 
     python benchmarks/prepare_scale.py [--mb 100] [--workers 1 2] [--rounds 2]
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
             for k, n in enumerate(args.workers):
                 runs = [("limit", lambda n=n: limit_run(n)),
                         ("prepare", lambda n=n: prepare_run(cfg, files, inputs, tok_dir, n))]
-                if n == min(args.workers):
+                if n == min(args.workers) and r == 0:  # a reference figure: once is enough
                     runs.append(("shipped", lambda n=n: limit_run(n, "shipped")))
                 shift = (r + k) % len(runs)
                 for name, fn in runs[shift:] + runs[:shift]:
@@ -197,7 +197,11 @@ def main(argv=None) -> int:
     ratios = {n: [a / b for a, b in zip(times["limit"][n], times["prepare"][n])] for n in ns}  # side by side
     ratio = {n: statistics.median(v) for n, v in ratios.items()}
     cpu_ratio = {n: statistics.median(a / b for a, b in zip(cpus["limit"][n], cpus["prepare"][n])) for n in ns}
-    speedup = mbs["prepare"][n_max] / mbs["prepare"][min(ns)]
+    # speed-up paired by round (the runs of one round are minutes apart; this VM's speed drifts by up to ±15 %
+    # over tens of minutes, which a ratio of medians over all rounds would mix in)
+    speedups = {name: [a / b for a, b in zip(times[name][min(ns)], times[name][n_max])] for name in ("limit", "prepare")}
+    speedup = statistics.median(speedups["prepare"])
+    limit_speedup = statistics.median(speedups["limit"])
     tokens_per_mb = tokens / (nfc_bytes / 1e6)
     per_proc = mbs["prepare"][n_max] / n_max
     hours_2b = 2e9 / tokens_per_mb / (per_proc * 16) / 3600
@@ -206,7 +210,8 @@ def main(argv=None) -> int:
               "load_average_after": load_after, "seconds": times, "mb_per_s": mbs, "prepare_over_limit": ratio,
               "prepare_over_limit_by_round": ratios, "load_average_at_each_run": loads,
               "cpu_seconds": cpus, "limit_cpu_over_prepare_cpu": cpu_ratio,
-              "speedup": {f"{min(ns)}->{n_max}": speedup}, "tokens_per_mb": tokens_per_mb,
+              "speedup": {f"{min(ns)}->{n_max}": speedup}, "speedup_by_round": speedups,
+              "limit_speedup": {f"{min(ns)}->{n_max}": limit_speedup}, "tokens_per_mb": tokens_per_mb,
               "extrapolated_hours_2b_tokens_16_cores": hours_2b}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,8 +239,10 @@ def main(argv=None) -> int:
               "", "CPU seconds (user + system, the workers included) are shown beside wall time: the share of "
               "prepare's work that is the limit's. Under load they vary too (a core shared with other work runs "
               "slower), so on a loaded machine neither is a clean figure.",
-              "", f"Speed-up of prepare from {min(ns)} to {n_max} processes: **{speedup:.2f}×** "
-              f"(limit: {mbs['limit'][n_max] / mbs['limit'][min(ns)]:.2f}×).",
+              "", f"Speed-up of prepare from {min(ns)} to {n_max} processes (median of the rounds' ratios, each "
+              f"round's runs side by side): **{speedup:.2f}×** (by round: "
+              + ", ".join(f"{x:.2f}×" for x in speedups["prepare"]) + f"); the limit's: {limit_speedup:.2f}× (by round: "
+              + ", ".join(f"{x:.2f}×" for x in speedups["limit"]) + ").",
               f"Input scan (sha256 + UTF-8 check, cached by path, size and mtime): {scan_s:.1f} s, once; tokenizer "
               f"sample (one pass over data/sample): {sample_s:.1f} s.", "",
               f"Extrapolation: {tokens_per_mb:,.0f} tokens per MB of text, {per_proc:.2f} MB/s per process at "

@@ -122,7 +122,7 @@ def list_input_files(paths: list[str]) -> list[str]:
 
 def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Document | None:
     t = nfc(text)
-    if not t.strip():
+    if not t or t.isspace():
         return None
     lic = meta.get("license")
     title = meta.get("title")
@@ -342,7 +342,8 @@ def parse_chunk(chunk: Chunk) -> tuple[list[Document], list[str]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             warnings.append(f"{where}: expected a JSON object with a string field \"text\"")
             continue
-        bad = _lone_surrogate(obj, chunk.origin, lineno)
+        # json.loads makes a lone surrogate only from a \u escape (the text itself was decoded as strict UTF-8)
+        bad = _lone_surrogate(obj, chunk.origin, lineno) if "\\u" in line else None
         if bad:
             warnings.append(bad)
             continue
