@@ -46,6 +46,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -286,7 +287,8 @@ def server_figures(timings: list[dict]) -> dict:
 
 
 def summarize(c: int, runs: list[dict], servers: list[dict]) -> dict:
-    """Pool the runs of one (engine, concurrency): aggregate tokens/s = all tokens / all wall time; ``servers``:
+    """Pool the runs of one (engine, concurrency): aggregate tokens/s = all tokens / all wall time (beside it each
+    round's and their median, with the 1-minute load average at each round's start); ``servers``:
     llama-server's own figures of those runs (server_figures), empty for in-process engines."""
     tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
     ttft = [x for r in runs for x in r["ttft"]]
@@ -297,6 +299,9 @@ def summarize(c: int, runs: list[dict], servers: list[dict]) -> dict:
         "merged": sum(r["merged"] for r in runs),
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
+        "rounds_tokens_per_s": [r["tokens"] / r["wall_s"] for r in runs],
+        "tokens_per_s_median": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+        "rounds_loadavg_1m": [r.get("loadavg_1m", float("nan")) for r in runs],
         "ttft_p50_ms": 1e3 * percentile(ttft, 50),
         "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "itl_n": len(itl),
@@ -333,14 +338,16 @@ def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], m
         "llama-server over HTTP on localhost (SSE chunk arrival times at the client).",
         "",
         "| engine | concurrency | tokens | tokens/s | tokens/s × C=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
-        "| ITL p99 ms | ITL p99 × C=1 | ITL max ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p99 ms | ITL p99 × C=1 | ITL max ms | tokens/s by round (load 1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['engine']} | {r['concurrency']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
             f"{r['tokens_per_s_x_c1']:.2f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | "
-            f"{r['itl_p99_ms']:.1f} | {r['itl_p99_x_c1']:.2f} | {r['itl_max_ms']:.1f} |"
+            f"{r['itl_p99_ms']:.1f} | {r['itl_p99_x_c1']:.2f} | {r['itl_max_ms']:.1f} | "
+            + ", ".join(f"{x:.0f} ({la:.1f})" for x, la in zip(r["rounds_tokens_per_s"], r["rounds_loadavg_1m"],
+                                                              strict=True)) + " |"
         )
     cell = {(r["engine"], r["concurrency"]): r for r in rows}
     pairs = [(a, b) for a, b in PEERS.items() if any(k[0] == a for k in cell) and any(k[0] == b for k in cell)]
@@ -349,22 +356,27 @@ def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], m
             "",
             "## Shalik / llama-server",
             "",
-            "Aggregate tokens/s of the Shalik lane over its llama-server lane's (client-side, as measured; in "
-            "brackets over llama-server's own server-side figure).",
+            "Aggregate tokens/s of the Shalik lane over its llama-server lane's: pooled over the rounds (client-side, "
+            "as measured), the ratio of the per-round medians, of the best rounds (each lane's least disturbed run), "
+            "and the pooled Shalik figure over llama-server's own server-side one. On a shared machine llama-server's "
+            "rounds differ the most: its threads meet at a barrier after every op, so one core taken by another "
+            "process stalls every step (compare the rounds and their load average in the table above).",
             "",
-            "| concurrency | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |",
-            "|---|" + "---|" * len(pairs),
+            "| concurrency | Shalik / llama-server | pooled | median of rounds | best round | over server-side |",
+            "|---|---|---|---|---|---|",
         ]
         for c in concurrency:
-            cols = []
             for a, b in pairs:
                 ra, rb = cell.get((a, c)), cell.get((b, c))
                 if ra is None or rb is None:
-                    cols.append("—")
                     continue
                 srv = rb.get("server", {}).get("tokens_per_s", float("nan"))
-                cols.append(f"{ra['tokens_per_s'] / rb['tokens_per_s']:.2f} ({fmt(ra['tokens_per_s'] / srv)})")
-            lines.append(f"| {c} | " + " | ".join(cols) + " |")
+                lines.append(
+                    f"| {c} | {a} / {b} | {ra['tokens_per_s'] / rb['tokens_per_s']:.2f} | "
+                    f"{ra['tokens_per_s_median'] / rb['tokens_per_s_median']:.2f} | "
+                    f"{max(ra['rounds_tokens_per_s']) / max(rb['rounds_tokens_per_s']):.2f} | "
+                    f"{fmt(ra['tokens_per_s'] / srv)} |"
+                )
     srv_rows = [r for r in rows if "server" in r]
     if srv_rows:
         lines += [
@@ -394,8 +406,8 @@ def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], m
 
 
 def plot(path: Path, rows: list[dict], threads: int) -> None:
-    """Aggregate tokens/s against concurrency, one line per engine (llama-server dashed); skipped without
-    matplotlib."""
+    """Aggregate tokens/s against concurrency, one line per engine (llama-server dashed), pooled over the rounds,
+    with each engine's best round dotted; skipped without matplotlib."""
     try:
         import matplotlib
 
@@ -405,13 +417,15 @@ def plot(path: Path, rows: list[dict], threads: int) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in [e for e in ENGINES if any(r["engine"] == e for r in rows)]:
-        pts = [(r["concurrency"], r["tokens_per_s"]) for r in rows if r["engine"] == name]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                linestyle="--" if name in LLAMA else "-")
+        mine = [r for r in rows if r["engine"] == name]
+        (line,) = ax.plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=name,
+                          linestyle="--" if name in LLAMA else "-")
+        ax.plot([r["concurrency"] for r in mine], [max(r["rounds_tokens_per_s"]) for r in mine], marker="x",
+                linestyle=":", color=line.get_color(), alpha=0.5)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate completion tokens/s")
-    ax.set_title(f"continuous batching, small, {threads} threads")
+    ax.set_title(f"continuous batching, small, {threads} threads (o pooled, x best round)")
     ax.legend()
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -431,7 +445,15 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None,
                     help="llama-server binary (default: benchmarks/build_llama_server.sh's build, else PATH)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_batching")
+    ap.add_argument("--replot", action="store_true", help="only rewrite OUT.md and OUT.png from OUT.json")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(args.out.with_suffix(".json").read_text())
+        rows = saved["rows"]
+        conc = sorted({r["concurrency"] for r in rows})
+        write_md(args.out.with_suffix(".md"), saved["meta"], rows, conc, saved.get("llama_server_missing"))
+        plot(args.out.with_suffix(".png"), rows, saved["meta"]["threads"])
+        return
 
     import rust_runtime
 
@@ -481,6 +503,7 @@ def main() -> None:
             for c in args.concurrency:
                 for name in engines:
                     client = open_client(name, c)
+                    load1 = (loadavg() or ["nan"])[0]
                     try:
                         chunk = getattr(client, "prefill_chunk", chunk)
                         run_concurrency(client, 1, 4, 2)  # warm-up
@@ -491,6 +514,7 @@ def main() -> None:
                             servers[(name, c)].append(server_figures(client.timings))
                     finally:
                         client.close()
+                    r["loadavg_1m"] = float(load1)
                     runs[(name, c)].append(r)
                     short = "" if r["tokens"] == c * args.new else f"  ({r['tokens']} tokens, expected {c * args.new})"
                     print(f"round {rnd} {name:17s} C={c:2d}: {r['tokens'] / r['wall_s']:7.1f} tok/s{short}", flush=True)
