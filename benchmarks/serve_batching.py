@@ -67,7 +67,8 @@ RUST = {"rust f32": None, "rust int8": "int8"}
 LLAMA = {"llama-server f32": "f32", "llama-server q8_0": "q8_0"}
 ENGINES = [*RUST, "onnx f32", *LLAMA]
 PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0"}  # Shalik lane → its llama-server lane
-BUILD_HINT = "bash benchmarks/build_llama_server.sh (15-25 min on 2 cores), then --llama-server PATH if elsewhere"
+BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
+              "`--llama-server PATH` for a binary elsewhere")
 
 
 def load_benchmark(name: str):
@@ -401,7 +402,7 @@ def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], m
                 f"{r['merged']} |"
             )
     if missing:
-        lines += ["", f"llama-server: not measured ({missing}). Build it with `{BUILD_HINT}`."]
+        lines += ["", f"llama-server: not measured ({missing}): {BUILD_HINT}."]
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
