@@ -1,37 +1,74 @@
-"""Continuous batching in rust_runtime.Engine: aggregate completion tokens/s, time to first token (TTFT) and
-inter-token latency (ITL p50/p99) at 1, 2, 4, 8, 16 and 32 concurrent streams, each as a ratio to one stream.
+"""Continuous batching: Shalik's engines against llama.cpp's own server (``llama-server --parallel N``) on the same
+model, at 1, 2, 4, 8, 16 and 32 concurrent streams: aggregate completion tokens/s, time to first token (TTFT) and
+inter-token latency (ITL p50/p99), each as a ratio to one stream, and Shalik / llama-server per concurrency.
 
 ITL is the gap between consecutive tokens of one stream, from its first token on (the wait for the first token
 is TTFT, not ITL), pooled over the streams of a run (and over --rounds runs).
 
-Builds the random-init `small` model of benchmarks/rust_decode.py in a temporary folder, then for each engine
-(rust f32, rust int8 = q8_0) and each concurrency C, submits C requests at once (same prompt length and
-max_tokens, greedy; a stream may end early at end-of-text, so the tokens actually produced are counted) to an Engine with max_batch = C, each stream read by a
-Python thread of its own. Runs are interleaved (each round: every concurrency, every engine) so that load from
-other jobs hits every cell alike; tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/results/serve_batching.{json,md,png}.
+Builds the random-init `small` model of benchmarks/rust_decode.py in a temporary folder. For each engine and each
+concurrency C, C requests go in at once, each read by a Python thread of its own; every request is the same token
+id list on every engine (``<|endoftext|>`` + ``--prompt`` ids), ``--new`` greedy tokens with end-of-text ignored,
+so that every lane produces exactly C × --new tokens (the tokens actually produced are counted and checked). Runs
+are interleaved (each round: every concurrency, every engine) so that load from other jobs hits every cell alike;
+tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/results/serve_batching.{json,md,png}.
 
     python benchmarks/serve_batching.py [--threads 2] [--prompt 32] [--new 64] [--concurrency 1 2 4 8 16 32]
-        [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines "rust f32" "rust int8"]
+        [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines ...] [--llama-server PATH]
 
-``onnx f32``: serve's own engine (serve.engine.StepEngine, the Python scheduler the onnx backend serves through)
-over onnxruntime with OnnxBackend.decode_batch, on the `small` graph of benchmarks/onnx_batching.py (same shape,
-other random weights), with the same max_batch / token_budget / prefill_chunk.
+Engines:
 
-Not here: llama.cpp's llama-server (no build at hand; building it from the llama-cpp-python sdist takes 40+ minutes
-on these 2 cores).
+* ``rust f32``, ``rust int8`` (q8_0-style): rust_runtime.Engine with max_batch = C, in-process.
+* ``onnx f32``: serve's own engine (serve.engine.StepEngine, the Python scheduler the onnx backend serves through)
+  over onnxruntime with OnnxBackend.decode_batch, on the `small` graph of benchmarks/onnx_batching.py (same shape,
+  other random weights), with the same max_batch / token_budget / prefill_chunk; in-process.
+* ``llama-server f32``, ``llama-server q8_0``: llama.cpp's server on the same model as GGUF (``python -m export.gguf
+  BUNDLE --type f32|q8_0 --approximate-pretokenizer``), started per cell (not timed) with ``--parallel C -t T -tb T
+  -c C × per-slot context`` and its defaults otherwise (continuous batching, f16 KV cache, flash attention auto,
+  CPU weight repacking), then warmed up once; each stream is a streaming ``POST /completion`` whose ``prompt`` is
+  the token id list, ``n_predict`` = --new, ``temperature 0, top_k 1``, no penalties, ``cache_prompt false``,
+  ``ignore_eos true``. The binary is built by benchmarks/build_llama_server.sh (the vendored llama.cpp of the
+  llama-cpp-python sdist, AMX off); without one these lanes are left out and the md says so.
+
+llama-server is measured over HTTP (localhost, server-sent events): TTFT and ITL are client-side arrival times of
+the SSE chunks, Shalik's engines are timed in-process. The md also gives llama-server's own figures from the
+``timings`` of each stream's final chunk (server-side tokens/s = the cell's tokens / the longest stream's
+prompt_ms + predicted_ms; TTFT = prompt_ms; per-token ms = predicted_ms / predicted_n), so the HTTP/client
+overhead is the gap between the two. llama.cpp holds back a token whose text ends in an incomplete UTF-8
+character and sends it with the next chunk; such tokens are stamped at that chunk's arrival (``merged`` counts them).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib.util
 import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from train.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+
+EOT = 0  # <|endoftext|> of the `small` bundle's tokenizer
+RUST = {"rust f32": None, "rust int8": "int8"}
+LLAMA = {"llama-server f32": "f32", "llama-server q8_0": "q8_0"}
+ENGINES = [*RUST, "onnx f32", *LLAMA]
+PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0"}  # Shalik lane → its llama-server lane
+BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
+              "`--llama-server PATH` for a binary elsewhere")
 
 
 def load_benchmark(name: str):
@@ -43,24 +80,143 @@ def load_benchmark(name: str):
     return mod
 
 
+class RustClient:
+    """rust_runtime.Engine (max_batch = C): ``stream(ids, new)`` yields 1 per token event, greedy, eos ignored."""
+
+    def __init__(self, model, max_batch: int, token_budget: int, prefill_chunk: int | None):
+        import rust_runtime
+
+        kw = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        self.engine = rust_runtime.Engine(model, max_batch=max_batch, token_budget=token_budget, **kw)
+        self.prefill_chunk = self.engine.prefill_chunk
+
+    def stream(self, ids: list[int], new: int) -> Iterator[int]:
+        for _index, _tok, _lp, _top, finish in self.engine.submit(ids, new, temperature=0.0, ignore_eos=True):
+            if finish is None:
+                yield 1
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 class StepEngineClient:
-    """serve.engine.StepEngine behind rust_runtime.Engine's ``submit(...)`` → event tuples and ``close()``."""
+    """serve.engine.StepEngine (the Python scheduler): ``stream(ids, new)`` as RustClient's."""
 
     def __init__(self, backend, max_batch: int, token_budget: int, prefill_chunk: int):
         from serve.engine import StepEngine
 
-        self.engine = StepEngine(backend, eot_id=0, max_batch=max_batch, token_budget=token_budget,
+        self.engine = StepEngine(backend, eot_id=EOT, max_batch=max_batch, token_budget=token_budget,
                                  prefill_chunk=prefill_chunk)
 
-    def submit(self, prompt, new, temperature=0.0):
+    def stream(self, ids: list[int], new: int) -> Iterator[int]:
         from serve.sampling import SamplingParams
 
-        sub = self.engine.submit([0, *prompt], new, SamplingParams(temperature=temperature))
-        return ((0, e.token, e.logprob, e.top, None if e.token is not None and e.finish is None else e.finish or "end")
-                for e in sub.events(0))
+        for e in self.engine.submit(ids, new, SamplingParams(temperature=0.0), ignore_eos=True).events(0):
+            if e.token is not None and e.finish is None:
+                yield 1
 
     def close(self) -> None:
         self.engine.close()
+
+
+def default_llama_server() -> str | None:
+    """The llama-server binary: the newest build of benchmarks/build_llama_server.sh in its cache folder
+    (``$SHALIK_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/shalik``), else ``llama-server`` on PATH, else None."""
+    cache = Path(os.environ.get("SHALIK_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                 / "shalik")
+    built = sorted(cache.glob("llama-server-build-*/bin/llama-server"), key=lambda p: p.stat().st_mtime)
+    return str(built[-1]) if built else shutil.which("llama-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One ``llama-server`` process on a GGUF (``--parallel slots``, ``threads`` for decode and batch, ``ctx`` total
+    context = slots × per-slot context), on a free localhost port; its log goes to ``log``. ``stream(ids, new)``
+    yields the number of tokens each SSE chunk of a streaming ``/completion`` brings, and appends that stream's
+    final ``timings`` to ``self.timings``. Raises RuntimeError when the server exits or is not healthy in
+    ``timeout`` seconds (naming its log)."""
+
+    def __init__(self, binary: str, gguf: Path, slots: int, threads: int, ctx: int, log: Path, timeout: float = 120):
+        self.port, self.log, self.timings = free_port(), log, []
+        self._lock = threading.Lock()
+        cmd = [binary, "-m", str(gguf), "--parallel", str(slots), "-t", str(threads), "-tb", str(threads),
+               "-c", str(ctx), "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode} before it was healthy; see {log}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return
+                conn.close()
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"llama-server not healthy after {timeout:.0f} s; see {log}")
+            time.sleep(0.1)
+
+    def stream(self, ids: list[int], new: int) -> Iterator[int]:
+        body = json.dumps({"prompt": ids, "n_predict": new, "stream": True, "temperature": 0.0, "top_k": 1,
+                           "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+                           "frequency_penalty": 0.0, "cache_prompt": False, "ignore_eos": True})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"llama-server /completion: HTTP {resp.status}: {resp.read()[:300]!r}")
+            seen = 0
+            for line in resp:
+                if not line.startswith(b"data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                n = int(chunk.get("tokens_predicted", seen))
+                if n > seen:
+                    yield n - seen
+                    seen = n
+                if chunk.get("stop"):
+                    with self._lock:
+                        self.timings.append(chunk.get("timings", {}))
+                    return
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def sign_bundle(bundle: Path) -> None:
+    """Give the benchmark's hand-made bundle the manifest.json that export/ writes (format, sha256 of every file),
+    which the GGUF exporter requires and the Rust loader checks."""
+    from export.bundle import FORMAT_VERSION, file_table
+    from export.target import FORMAT, MANIFEST
+
+    atomic_write_json(bundle / MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION,
+                                          "files": file_table(bundle)})
+
+
+def export_gguf(bundle: Path, kind: str, out: Path) -> Path:
+    """``python -m export.gguf BUNDLE --type kind --out out --approximate-pretokenizer`` (the project's exporter)."""
+    subprocess.run([sys.executable, "-m", "export.gguf", str(bundle), "--type", kind, "--out", str(out),
+                    "--approximate-pretokenizer"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return out
 
 
 def loadavg() -> list[str]:
@@ -76,24 +232,34 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def run_concurrency(engine, c: int, prompt_len: int, new: int) -> dict:
+def request_ids(j: int, prompt_len: int) -> list[int]:
+    """Stream j's token ids: ``<|endoftext|>`` + ``prompt_len`` ids spread over the tokenizer's 400 ids."""
+    return [EOT, *(2 + (j * 37 + i * 11) % 390 for i in range(prompt_len))]
+
+
+def run_concurrency(client, c: int, prompt_len: int, new: int) -> dict:
     """C requests at once; each stream read by its own thread. Returns the figures of one run: tokens, wall_s,
-    and the raw latencies in seconds, `ttft` (one per stream) and `itl` (consecutive-token gaps within a stream,
-    after its first token)."""
+    merged (tokens that came in a chunk with the one after them), and the raw latencies in seconds, `ttft` (one
+    per stream) and `itl` (consecutive-token gaps within a stream, after its first token). A token that comes in
+    the same chunk as the next is stamped at that chunk's arrival. Raises the first error of a stream."""
     results: list[dict] = [{} for _ in range(c)]
+    errors: list[BaseException] = []
     barrier = threading.Barrier(c + 1)
 
-    def client(j: int) -> None:
-        prompt = [2 + (j * 37 + i * 11) % 390 for i in range(prompt_len)]
+    def reader(j: int) -> None:
+        ids = request_ids(j, prompt_len)
         barrier.wait()
         t0 = time.perf_counter()
-        stamps = []
-        for _index, _tok, _lp, _top, finish in engine.submit(prompt, new, temperature=0.0):
-            if finish is None:
-                stamps.append(time.perf_counter())
-        results[j] = {"t0": t0, "stamps": stamps}
+        stamps, merged = [], 0
+        try:
+            for k in client.stream(ids, new):
+                stamps.extend([time.perf_counter()] * k)
+                merged += k - 1
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+        results[j] = {"t0": t0, "stamps": stamps, "merged": merged}
 
-    threads = [threading.Thread(target=client, args=(j,)) for j in range(c)]
+    threads = [threading.Thread(target=reader, args=(j,)) for j in range(c)]
     for t in threads:
         t.start()
     barrier.wait()
@@ -101,22 +267,42 @@ def run_concurrency(engine, c: int, prompt_len: int, new: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
     tokens = sum(len(r["stamps"]) for r in results)
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
-    return {"tokens": tokens, "wall_s": wall, "ttft": ttft, "itl": itl}
+    return {"tokens": tokens, "wall_s": wall, "merged": sum(r["merged"] for r in results), "ttft": ttft,
+            "itl": itl}
 
 
-def summarize(c: int, runs: list[dict]) -> dict:
-    """Pool the runs of one (engine, concurrency): aggregate tokens/s = all tokens / all wall time."""
+def server_figures(timings: list[dict]) -> dict:
+    """llama-server's own figures of one run from its streams' final ``timings``: tokens (predicted_n), wall_s
+    (the longest prompt_ms + predicted_ms), TTFT (prompt_ms, s) and per-token seconds (predicted_ms / predicted_n)."""
+    return {
+        "tokens": sum(int(t.get("predicted_n", 0)) for t in timings),
+        "wall_s": max((t.get("prompt_ms", 0.0) + t.get("predicted_ms", 0.0) for t in timings), default=0.0) / 1e3,
+        "ttft": [t.get("prompt_ms", float("nan")) / 1e3 for t in timings],
+        "per_token": [t["predicted_ms"] / t["predicted_n"] / 1e3 for t in timings if t.get("predicted_n")],
+    }
+
+
+def summarize(c: int, runs: list[dict], servers: list[dict]) -> dict:
+    """Pool the runs of one (engine, concurrency): aggregate tokens/s = all tokens / all wall time (beside it each
+    round's and their median, with the 1-minute load average at each round's start); ``servers``:
+    llama-server's own figures of those runs (server_figures), empty for in-process engines."""
     tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
     ttft = [x for r in runs for x in r["ttft"]]
     itl = [x for r in runs for x in r["itl"]]
-    return {
+    row = {
         "concurrency": c,
         "tokens": tokens,
+        "merged": sum(r["merged"] for r in runs),
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
+        "rounds_tokens_per_s": [r["tokens"] / r["wall_s"] for r in runs],
+        "tokens_per_s_median": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+        "rounds_loadavg_1m": [r.get("loadavg_1m", float("nan")) for r in runs],
         "ttft_p50_ms": 1e3 * percentile(ttft, 50),
         "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "itl_n": len(itl),
@@ -124,66 +310,222 @@ def summarize(c: int, runs: list[dict]) -> dict:
         "itl_p99_ms": 1e3 * percentile(itl, 99),
         "itl_max_ms": 1e3 * max(itl, default=float("nan")),
     }
+    if servers:
+        s_tokens, s_wall = sum(s["tokens"] for s in servers), sum(s["wall_s"] for s in servers)
+        row["server"] = {
+            "tokens": s_tokens,
+            "wall_s": s_wall,
+            "tokens_per_s": s_tokens / s_wall if s_wall else float("nan"),
+            "ttft_p50_ms": 1e3 * percentile([x for s in servers for x in s["ttft"]], 50),
+            "per_token_p50_ms": 1e3 * percentile([x for s in servers for x in s["per_token"]], 50),
+        }
+    return row
+
+
+def fmt(x: float, spec: str = ".2f") -> str:
+    return "—" if x != x else format(x, spec)  # NaN → dash
+
+
+def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], missing: str | None) -> None:
+    """The md: the per-cell table, Shalik / llama-server per concurrency, llama-server client vs server side."""
+    c0 = concurrency[0]
+    lines = [
+        f"# serve_batching ({meta})",
+        "",
+        f"`python benchmarks/serve_batching.py --rounds {meta['rounds']}`. Every lane: the same {meta['prompt'] + 1} "
+        f"token ids a stream (`<|endoftext|>` + {meta['prompt']}), {meta['new']} greedy tokens, end-of-text ignored; "
+        f"× C={c0}: the figure over the same engine's at concurrency {c0}. ITL: gaps between consecutive tokens of "
+        "one stream after its first token, pooled over streams. Shalik's engines are timed in-process, "
+        "llama-server over HTTP on localhost (SSE chunk arrival times at the client).",
+        "",
+        "| engine | concurrency | tokens | tokens/s | tokens/s × C=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
+        "| ITL p99 ms | ITL p99 × C=1 | ITL max ms | tokens/s by round (load 1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['engine']} | {r['concurrency']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
+            f"{r['tokens_per_s_x_c1']:.2f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | "
+            f"{r['itl_p99_ms']:.1f} | {r['itl_p99_x_c1']:.2f} | {r['itl_max_ms']:.1f} | "
+            + ", ".join(f"{x:.0f} ({la:.1f})" for x, la in zip(r["rounds_tokens_per_s"], r["rounds_loadavg_1m"],
+                                                              strict=True)) + " |"
+        )
+    cell = {(r["engine"], r["concurrency"]): r for r in rows}
+    pairs = [(a, b) for a, b in PEERS.items() if any(k[0] == a for k in cell) and any(k[0] == b for k in cell)]
+    if pairs:
+        lines += [
+            "",
+            "## Shalik / llama-server",
+            "",
+            "Aggregate tokens/s of the Shalik lane over its llama-server lane's: pooled over the rounds (client-side, "
+            "as measured), the ratio of the per-round medians, of the best rounds (each lane's least disturbed run), "
+            "and the pooled Shalik figure over llama-server's own server-side one. On a shared machine llama-server's "
+            "rounds differ the most: its threads meet at a barrier after every op, so one core taken by another "
+            "process stalls every step (compare the rounds and their load average in the table above).",
+            "",
+            "| concurrency | Shalik / llama-server | pooled | median of rounds | best round | over server-side |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in concurrency:
+            for a, b in pairs:
+                ra, rb = cell.get((a, c)), cell.get((b, c))
+                if ra is None or rb is None:
+                    continue
+                srv = rb.get("server", {}).get("tokens_per_s", float("nan"))
+                lines.append(
+                    f"| {c} | {a} / {b} | {ra['tokens_per_s'] / rb['tokens_per_s']:.2f} | "
+                    f"{ra['tokens_per_s_median'] / rb['tokens_per_s_median']:.2f} | "
+                    f"{max(ra['rounds_tokens_per_s']) / max(rb['rounds_tokens_per_s']):.2f} | "
+                    f"{fmt(ra['tokens_per_s'] / srv)} |"
+                )
+    srv_rows = [r for r in rows if "server" in r]
+    if srv_rows:
+        lines += [
+            "",
+            "## llama-server: client side vs its own timings",
+            "",
+            "Server side from each stream's final `timings`: tokens/s = the cell's tokens / (longest stream's "
+            "prompt_ms + predicted_ms), TTFT = prompt_ms, per token = predicted_ms / predicted_n. The gap to the "
+            "client side is HTTP, SSE parsing in Python threads and queueing before a slot starts. merged: tokens "
+            "llama.cpp held back (incomplete UTF-8) and sent with the next chunk.",
+            "",
+            "| engine | concurrency | tokens/s client | tokens/s server | client / server | TTFT p50 ms client "
+            "| TTFT p50 ms server | ITL p50 ms client | per-token p50 ms server | merged |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in srv_rows:
+            s = r["server"]
+            lines.append(
+                f"| {r['engine']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {fmt(s['tokens_per_s'], '.1f')} | "
+                f"{fmt(r['tokens_per_s'] / s['tokens_per_s'])} | {r['ttft_p50_ms']:.1f} | "
+                f"{fmt(s['ttft_p50_ms'], '.1f')} | {r['itl_p50_ms']:.1f} | {fmt(s['per_token_p50_ms'], '.1f')} | "
+                f"{r['merged']} |"
+            )
+    if missing:
+        lines += ["", f"llama-server: not measured ({missing}): {BUILD_HINT}."]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def plot(path: Path, rows: list[dict], threads: int) -> None:
+    """Aggregate tokens/s against concurrency, one line per engine (llama-server dashed), pooled over the rounds,
+    with each engine's best round dotted; skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in [e for e in ENGINES if any(r["engine"] == e for r in rows)]:
+        mine = [r for r in rows if r["engine"] == name]
+        (line,) = ax.plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=name,
+                          linestyle="--" if name in LLAMA else "-")
+        ax.plot([r["concurrency"] for r in mine], [max(r["rounds_tokens_per_s"]) for r in mine], marker="x",
+                linestyle=":", color=line.get_color(), alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate completion tokens/s")
+    ax.set_title(f"continuous batching, small, {threads} threads (o pooled, x best round)")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=32, help="prompt ids after <|endoftext|>")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--token-budget", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="Engine prefill_chunk (default: the Engine's)")
     ap.add_argument("--rounds", type=int, default=1, help="runs per (engine, concurrency), pooled")
-    ap.add_argument("--engines", nargs="+", default=["rust f32", "rust int8", "onnx f32"],
-                    choices=["rust f32", "rust int8", "onnx f32"])
+    ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    ap.add_argument("--llama-server", default=None,
+                    help="llama-server binary (default: benchmarks/build_llama_server.sh's build, else PATH)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_batching")
+    ap.add_argument("--replot", action="store_true", help="only rewrite OUT.md and OUT.png from OUT.json")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(args.out.with_suffix(".json").read_text())
+        rows = saved["rows"]
+        conc = sorted({r["concurrency"] for r in rows})
+        write_md(args.out.with_suffix(".md"), saved["meta"], rows, conc, saved.get("llama_server_missing"))
+        plot(args.out.with_suffix(".png"), rows, saved["meta"]["threads"])
+        return
 
     import rust_runtime
 
+    binary = args.llama_server or default_llama_server()
+    missing = None
+    if any(e in LLAMA for e in args.engines):
+        if binary is None:
+            missing = "no llama-server binary found"
+        elif not os.access(binary, os.X_OK):
+            missing = f"{binary} is not an executable file"
+    engines = [e for e in args.engines if not (missing and e in LLAMA)]
     load_start = loadavg()
     rd = load_benchmark("rust_decode")
     rows = []
+    chunk = None
+    per_slot = -(-(1 + args.prompt + args.new) // 64) * 64  # the context one stream needs, rounded up to 64
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / "bundle"
         rd.build_bundle(bundle, "small")
-        quant = {"rust f32": None, "rust int8": "int8"}
-        models = {
-            name: rust_runtime.Model.load(str(bundle), threads=args.threads, quantize=quant[name])
-            for name in args.engines if name in quant
-        }
-        if "onnx f32" in args.engines:
+        sign_bundle(bundle)
+        models = {name: rust_runtime.Model.load(str(bundle), threads=args.threads, quantize=RUST[name])
+                  for name in engines if name in RUST}
+        if "onnx f32" in engines:
             from serve.backends.onnx import OnnxBackend
-            from serve.engine import DEFAULT_PREFILL_CHUNK
 
             onnx_dir = Path(tmp) / "onnx"
             load_benchmark("onnx_batching").build_bundle(onnx_dir, int8=False)
             models["onnx f32"] = OnnxBackend(onnx_dir, threads=args.threads)
-        kw = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
-        chunk = None
+        for name in engines:
+            if name in LLAMA:
+                models[name] = export_gguf(bundle, LLAMA[name], Path(tmp) / f"model-{LLAMA[name]}.gguf")
+
+        def open_client(name: str, c: int):
+            if name in RUST:
+                return RustClient(models[name], c, args.token_budget, args.prefill_chunk)
+            if name in LLAMA:
+                log = Path(tmp) / f"llama-server-{LLAMA[name]}-{c}.log"
+                return LlamaServer(binary, models[name], c, args.threads, c * per_slot, log)
+            from serve.engine import DEFAULT_PREFILL_CHUNK
+
+            return StepEngineClient(models[name], c, args.token_budget, args.prefill_chunk or DEFAULT_PREFILL_CHUNK)
+
         # rounds outermost, then concurrency, then engine: load from other jobs spreads over every cell alike
-        runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for c in args.concurrency for name in models}
+        runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for c in args.concurrency for name in engines}
+        servers: dict[tuple[str, int], list[dict]] = {(name, c): [] for c in args.concurrency for name in engines}
         for rnd in range(args.rounds):
             for c in args.concurrency:
-                for name, model in models.items():
-                    if name == "onnx f32":
-                        eng = StepEngineClient(model, c, args.token_budget, args.prefill_chunk or DEFAULT_PREFILL_CHUNK)
-                    else:
-                        eng = rust_runtime.Engine(model, max_batch=c, token_budget=args.token_budget, **kw)
-                        chunk = eng.prefill_chunk
-                    run_concurrency(eng, 1, 4, 2)  # warm-up
-                    r = run_concurrency(eng, c, args.prompt, args.new)
-                    eng.close()
+                for name in engines:
+                    client = open_client(name, c)
+                    load1 = (loadavg() or ["nan"])[0]
+                    try:
+                        chunk = getattr(client, "prefill_chunk", chunk)
+                        run_concurrency(client, 1, 4, 2)  # warm-up
+                        if name in LLAMA:
+                            client.timings.clear()
+                        r = run_concurrency(client, c, args.prompt, args.new)
+                        if name in LLAMA:
+                            servers[(name, c)].append(server_figures(client.timings))
+                    finally:
+                        client.close()
+                    r["loadavg_1m"] = float(load1)
                     runs[(name, c)].append(r)
-                    print(f"round {rnd} {name:10s} C={c:2d}: {r['tokens'] / r['wall_s']:7.1f} tok/s", flush=True)
+                    short = "" if r["tokens"] == c * args.new else f"  ({r['tokens']} tokens, expected {c * args.new})"
+                    print(f"round {rnd} {name:17s} C={c:2d}: {r['tokens'] / r['wall_s']:7.1f} tok/s{short}", flush=True)
         for c in args.concurrency:
-            for name in models:
-                r = summarize(c, runs[(name, c)])
+            for name in engines:
+                r = summarize(c, runs[(name, c)], servers[(name, c)])
                 r["engine"] = name
                 rows.append(r)
                 print(
-                    f"{name:10s} C={c:2d}: {r['tokens_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                    f"{name:17s} C={c:2d}: {r['tokens_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
                     f"ITL p50 {r['itl_p50_ms']:6.1f} ms p99 {r['itl_p99_ms']:6.1f} ms",
                     flush=True,
                 )
@@ -195,6 +537,7 @@ def main() -> None:
         "token_budget": args.token_budget,
         "prefill_chunk": chunk,
         "rounds": args.rounds,
+        "llama_server_ctx_per_slot": per_slot,
         "loadavg_start": load_start,
         "loadavg_end": loadavg(),
     }
@@ -202,43 +545,9 @@ def main() -> None:
         base = next(x for x in rows if x["engine"] == r["engine"] and x["concurrency"] == args.concurrency[0])
         r["tokens_per_s_x_c1"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["itl_p99_x_c1"] = r["itl_p99_ms"] / base["itl_p99_ms"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [
-        f"# serve_batching ({meta})",
-        "",
-        f"× C={args.concurrency[0]}: the figure over the same engine's at concurrency {args.concurrency[0]}. "
-        "ITL: gaps between consecutive tokens of one stream after its first token, pooled over streams.",
-        "",
-        "| engine | concurrency | tokens/s | tokens/s × C=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| ITL p99 × C=1 | ITL max ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['engine']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_x_c1']:.2f} | "
-            f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
-            f"{r['itl_p99_x_c1']:.2f} | {r['itl_max_ms']:.1f} |"
-        )
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted({r["engine"] for r in rows}):
-        pts = [(r["concurrency"], r["tokens_per_s"]) for r in rows if r["engine"] == name]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent streams")
-    ax.set_ylabel("aggregate completion tokens/s")
-    ax.set_title(f"rust_runtime.Engine, small, {args.threads} threads")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    atomic_write_json(args.out.with_suffix(".json"), {"meta": meta, "rows": rows, "llama_server_missing": missing})
+    write_md(args.out.with_suffix(".md"), meta, rows, args.concurrency, missing)
+    plot(args.out.with_suffix(".png"), rows, args.threads)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` (continuous batching, `--parallel N`) for benchmarks/serve_batching.py.
+# Benchmark-only: never run in CI. Takes 15-25 minutes on 2 cores.
+#
+# Source: the llama-cpp-python sdist from the package index, which vendors llama.cpp (vendor/llama.cpp, tools/server).
+# The sdist URL comes from the JSON project page (PEP 691) of the index pip is configured with (no `pip download`:
+# that runs a metadata build of the sdist), and its sha256 is checked against the index's. The sdist is downloaded
+# and extracted into a cache folder outside the repository, configured with cmake (Release, no curl/openssl, no
+# tests/examples, the server on) and only the `llama-server` target is built. The last line printed is the binary's
+# path.
+#
+# CPU flags: GGML_NATIVE=OFF with AVX2/FMA/F16C/AVX-512/AVX-512 VNNI/AVX-VNNI on and AMX off. On CPUs that advertise
+# AMX, ggml's AMX backend was seen to crash (SIGILL in `tilezero`) as soon as a q8_0 model ran; the CPU repack buffer
+# (llama.cpp's default) stays on.
+#
+#   bash benchmarks/build_llama_server.sh            # prints .../llama-server
+#
+# Environment: LLAMA_CPP_PYTHON_VERSION (0.3.36), SHALIK_CACHE (${XDG_CACHE_HOME:-$HOME/.cache}/shalik),
+# LLAMA_SDIST_DIR (an already-extracted sdist to use instead of downloading), JOBS (2), PYTHON (python3).
+# Errors: exits non-zero naming the step (no sdist for the version, download failure, cmake/ninja install, build).
+set -euo pipefail
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+CACHE=${SHALIK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/shalik}
+JOBS=${JOBS:-2}
+PY=${PYTHON:-python3}
+mkdir -p "$CACHE"
+
+if [[ -n "${LLAMA_SDIST_DIR:-}" ]]; then
+  SRC="$LLAMA_SDIST_DIR"
+else
+  SRC="$CACHE/llama_cpp_python-$VERSION"
+fi
+
+if [[ ! -f "$SRC/vendor/llama.cpp/CMakeLists.txt" ]]; then
+  TARBALL="$CACHE/llama_cpp_python-$VERSION.tar.gz"
+  if [[ ! -s "$TARBALL" ]]; then
+    echo "fetching the llama-cpp-python $VERSION sdist from the package index" >&2
+    "$PY" - "$VERSION" "$TARBALL" <<'EOF'
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+
+version, out = sys.argv[1], sys.argv[2]
+# the index pip is configured with (PIP_INDEX_URL, pip config, else pip's default), read through its JSON API
+index = os.environ.get("PIP_INDEX_URL")
+if not index:
+    got = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                         capture_output=True, text=True)
+    index = got.stdout.strip() if got.returncode == 0 else ""
+if not index:
+    from pip._internal.models.index import PyPI
+
+    index = PyPI.simple_url
+page = urllib.parse.urljoin(index.rstrip("/") + "/", "llama-cpp-python/")
+req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    if "json" not in r.headers.get("Content-Type", ""):
+        sys.exit(f"build_llama_server: {page} has no JSON project page (got {r.headers.get('Content-Type')})")
+    meta = json.load(r)
+name = f"llama_cpp_python-{version}.tar.gz"
+files = [f for f in meta.get("files", []) if f.get("filename") == name]
+if not files:
+    sys.exit(f"build_llama_server: no sdist {name} on {page}")
+url = urllib.parse.urljoin(page, files[0]["url"])  # the index may give a relative url
+want = files[0].get("hashes", {}).get("sha256")
+tmp, h = out + ".tmp", hashlib.sha256()
+with urllib.request.urlopen(url, timeout=600) as r, open(tmp, "wb") as f:
+    while chunk := r.read(1 << 20):
+        f.write(chunk)
+        h.update(chunk)
+    f.flush()
+    os.fsync(f.fileno())
+if want and h.hexdigest() != want:
+    os.unlink(tmp)
+    sys.exit(f"build_llama_server: {url}: sha256 {h.hexdigest()}, the index says {want}")
+os.replace(tmp, out)
+print(f"downloaded {url} -> {out}", file=sys.stderr)
+EOF
+  fi
+  echo "extracting $TARBALL" >&2
+  TMPX=$(mktemp -d "$CACHE/extract.XXXXXX")
+  tar -xzf "$TARBALL" -C "$TMPX"
+  rm -rf "$SRC"
+  mv "$TMPX/llama_cpp_python-$VERSION" "$SRC"
+  rmdir "$TMPX"
+fi
+LLAMA="$SRC/vendor/llama.cpp"
+[[ -f "$LLAMA/tools/server/server.cpp" ]] || { echo "build_llama_server: no tools/server in $LLAMA" >&2; exit 1; }
+
+# cmake and ninja: from pip when missing (user site), then found via the scripts folder
+if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
+  echo "installing cmake and ninja from the package index" >&2
+  "$PY" -m pip install --user --quiet cmake ninja
+  PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts", "posix_user"))'):$PATH"
+  export PATH
+fi
+command -v cmake >/dev/null && command -v ninja >/dev/null || { echo "build_llama_server: cmake/ninja not on PATH" >&2; exit 1; }
+
+BUILD="$CACHE/llama-server-build-$VERSION"
+# a build folder configured from another copy of the source is reconfigured (cmake refuses a changed source dir)
+if [[ -f "$BUILD/CMakeCache.txt" ]] && ! grep -qxF "CMAKE_HOME_DIRECTORY:INTERNAL=$LLAMA" "$BUILD/CMakeCache.txt"; then
+  rm -rf "$BUILD/CMakeCache.txt" "$BUILD/CMakeFiles"
+fi
+cmake -S "$LLAMA" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+  -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+  -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF >&2
+cmake --build "$BUILD" --target llama-server -j "$JOBS" >&2
+BIN="$BUILD/bin/llama-server"
+[[ -x "$BIN" ]] || { echo "build_llama_server: $BIN was not built" >&2; exit 1; }
+echo "$BIN"
