@@ -2,6 +2,7 @@
 //! time, so a portable build is as fast as a `target-cpu=native` one), dot products, RMSNorm,
 //! SiLU, RoPE, softmax, and `Par`, the per-model rayon pool that splits work by ranges.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -204,6 +205,91 @@ mod x86 {
             }
         }
     }
+
+    /// Lane sums of 16 vectors: lane j of the result = Σ lanes of v[j] (a transpose-and-add tree,
+    /// 3 operations a vector instead of a full horizontal reduction each).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn sum_lanes16(v: &[__m512; 16]) -> __m512 {
+        // pairs: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3]
+        let mut w = [_mm512_setzero_ps(); 8];
+        for j in 0..8 {
+            let (a, b) = (v[2 * j], v[2 * j + 1]);
+            w[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // quads: per 128-bit lane the partial sums of 4 vectors, in order
+        let mut x = [_mm512_setzero_ps(); 4];
+        for j in 0..4 {
+            let (a, b) = (w[2 * j], w[2 * j + 1]);
+            x[j] = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(a, b), _mm512_shuffle_ps::<0b11_10_11_10>(a, b));
+        }
+        // add the 128-bit lanes: lane group g of the result holds vectors 4g..4g+3
+        let y0 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x[0], x[1]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x[0], x[1]),
+        );
+        let y1 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x[2], x[3]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x[2], x[3]),
+        );
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(y0, y1), _mm512_shuffle_f32x4::<0b11_01_11_01>(y0, y1))
+    }
+
+    /// out[t] = scale · q·k_t for t < n, k_t = the hd floats at `k + t·stride`; hd % 16 == 0.
+    /// 16 keys at a time, each one fma chain over hd in 16 lanes, lane-summed together.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_avx512(q: *const f32, hd: usize, k: *const f32, stride: usize, n: usize, scale: f32, out: *mut f32) {
+        let sc = _mm512_set1_ps(scale);
+        let mut t0 = 0;
+        while t0 < n {
+            let nb = (n - t0).min(16);
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for (j, a) in acc[..nb].iter_mut().enumerate() {
+                let kp = k.add((t0 + j) * stride);
+                let mut s = _mm512_setzero_ps();
+                for c in (0..hd).step_by(16) {
+                    s = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(c)), _mm512_loadu_ps(kp.add(c)), s);
+                }
+                *a = s;
+            }
+            let mask = ((1u32 << nb) - 1) as __mmask16;
+            _mm512_mask_storeu_ps(out.add(t0), mask, _mm512_mul_ps(sum_lanes16(&acc), sc));
+            t0 += 16;
+        }
+    }
+
+    /// out (hd floats) = Σ_t w[t] · v_t for t < n, v_t = the hd floats at `v + t·stride`;
+    /// hd % 16 == 0. Accumulated in registers, even and odd t apart (two chains, then added).
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)]
+    pub unsafe fn weighted_sum_avx512(w: *const f32, n: usize, v: *const f32, stride: usize, hd: usize, out: *mut f32) {
+        let mut c = 0;
+        while c < hd {
+            let width = if hd - c >= 64 { 4 } else { 1 };
+            let mut a = [_mm512_setzero_ps(); 8];
+            let mut t = 0;
+            while t + 2 <= n {
+                let (w0, w1) = (_mm512_set1_ps(*w.add(t)), _mm512_set1_ps(*w.add(t + 1)));
+                let (p0, p1) = (v.add(t * stride + c), v.add((t + 1) * stride + c));
+                for j in 0..width {
+                    a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(p0.add(16 * j)), a[j]);
+                    a[4 + j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(p1.add(16 * j)), a[4 + j]);
+                }
+                t += 2;
+            }
+            if t < n {
+                let w0 = _mm512_set1_ps(*w.add(t));
+                let p0 = v.add(t * stride + c);
+                for j in 0..width {
+                    a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(p0.add(16 * j)), a[j]);
+                }
+            }
+            for j in 0..width {
+                _mm512_storeu_ps(out.add(c + 16 * j), _mm512_add_ps(a[j], a[4 + j]));
+            }
+            c += 16 * width;
+        }
+    }
 }
 
 /// a · b over the common length.
@@ -370,6 +456,31 @@ impl PackedF32 {
         if m == 0 || out == 0 {
             return;
         }
+        let split = par.threads > 1 && out.div_ceil(PANEL) * k * m >= 1 << 15;
+        if m == 1 {
+            return self.tiles(level, par, &x[..k], 1, y, split); // one token: the packed tile is x itself
+        }
+        thread_local! {
+            /// This thread's packed-x scratch, kept between matmuls: a fresh one page-faults
+            /// megabytes in every prefill matmul.
+            static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
+        SCRATCH.with(|cell| {
+            // busy only if a rayon job stolen while this matmul waits runs another one here
+            let mut fresh = Vec::new();
+            let mut kept = cell.try_borrow_mut();
+            let buf = match kept.as_deref_mut() {
+                Ok(b) => b,
+                Err(_) => &mut fresh,
+            };
+            pack_tokens(par, &x[..m * k], m, k, split, buf);
+            self.tiles(level, par, buf, m, y, split);
+        })
+    }
+
+    /// The blocked loops of `matmul_at` over packed x (`xt`, see `pack_tokens`).
+    fn tiles(&self, level: SimdLevel, par: &Par, xt: &[f32], m: usize, y: &mut [f32], split: bool) {
+        let (out, k) = (self.out, self.inp);
         let sp = if level == SimdLevel::Avx512 { PANELS_512 } else { 1 };
         let panels = out.div_ceil(PANEL);
         let slivers = panels.div_ceil(sp);
@@ -377,14 +488,6 @@ impl PackedF32 {
         let kc = if tiles == 1 { k.max(1) } else { KC };
         let k_blocks = k.div_ceil(kc).max(1); // inp = 0: one empty block writes the zeros
         let block_slivers = (BLOCK_FLOATS / (sp * PANEL * kc)).max(1);
-        let split = par.threads > 1 && panels * k * m >= 1 << 15;
-        let packed;
-        let xt: &[f32] = if m == 1 {
-            &x[..k] // one token: the packed tile is x itself
-        } else {
-            packed = pack_tokens(par, &x[..m * k], m, k, split);
-            &packed
-        };
         let yp = SyncPtr(y.as_mut_ptr());
         let body = |range: Range<usize>| {
             let yp = yp;
@@ -422,8 +525,9 @@ impl PackedF32 {
 
 /// x (m × k, row-major) repacked into tiles of TILE tokens: the tile of tokens t0..t0+n (n ≤
 /// TILE) starts at t0·k and holds (i, t) at i·n + t, so one k step's n values are adjacent.
-fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, split: bool) -> Vec<f32> {
-    let mut packed = vec![0f32; m * k];
+/// `packed` is resized to m·k and every element overwritten.
+fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, split: bool, packed: &mut Vec<f32>) {
+    packed.resize(m * k, 0.0);
     let pp = SyncPtr(packed.as_mut_ptr());
     let body = |range: Range<usize>| {
         let pp = pp;
@@ -444,7 +548,6 @@ fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, split: bool) -> Vec<f32
     } else {
         body(0..m.div_ceil(TILE));
     }
-    packed
 }
 
 /// One register tile: n ≤ TILE tokens (`x`, packed, n floats a k step, kc steps) × np panels
@@ -570,6 +673,34 @@ unsafe fn tile_generic<const T: usize>(
     }
 }
 
+/// One query head's causal attention over `n` cached positions: out (hd = q.len() floats) =
+/// Σ_t softmax_t(scale · q·k_t) · v_t, with k_t = `k[t·stride..][..hd]` and v_t likewise in `v`
+/// (token-major caches, the head's offset already applied). `scores` is scratch (left holding the
+/// weights). Depends on this query and these n positions only, never on other rows of a batch.
+pub fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, n: usize, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let hd = q.len();
+    assert!(n >= 1 && out.len() >= hd && k.len() >= (n - 1) * stride + hd && v.len() >= (n - 1) * stride + hd);
+    scores.clear();
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 && hd % 16 == 0 {
+        scores.resize(n, 0.0);
+        // SAFETY: avx512f detected; every read lies in k/v by the assert above, scores has n floats.
+        unsafe { x86::scores_avx512(q.as_ptr(), hd, k.as_ptr(), stride, n, scale, scores.as_mut_ptr()) };
+        softmax_inplace(scores);
+        unsafe { x86::weighted_sum_avx512(scores.as_ptr(), n, v.as_ptr(), stride, hd, out.as_mut_ptr()) };
+        return;
+    }
+    scores.extend((0..n).map(|t| dot(q, &k[t * stride..t * stride + hd]) * scale));
+    softmax_inplace(scores);
+    let o = &mut out[..hd];
+    o.fill(0.0);
+    for (t, &w) in scores.iter().enumerate() {
+        for (ov, &vv) in o.iter_mut().zip(&v[t * stride..t * stride + hd]) {
+            *ov += w * vv;
+        }
+    }
+}
+
 /// HF LlamaRMSNorm in f32: x * rsqrt(mean(x²) + eps) * weight. The mean is accumulated in f64.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = x.len();
@@ -671,14 +802,20 @@ pub fn sum_exp_shifted(x: &[f32], m: f32) -> f64 {
     s
 }
 
-/// In-place softmax over `x` (max-subtracted).
+/// In-place softmax over `x` (max-subtracted; the exps in one vectorized pass, summed in 16 lanes).
 pub fn softmax_inplace(x: &mut [f32]) {
     let (m, _) = max_and_bad(x);
-    let mut s = 0f32;
     for v in x.iter_mut() {
         *v = exp_approx(*v - m);
-        s += *v;
     }
+    let mut acc = [0f32; 16];
+    let mut c = x.chunks_exact(16);
+    for ch in &mut c {
+        for j in 0..16 {
+            acc[j] += ch[j];
+        }
+    }
+    let s = acc.iter().sum::<f32>() + c.remainder().iter().sum::<f32>();
     let inv = 1.0 / s;
     for v in x.iter_mut() {
         *v *= inv;
@@ -786,6 +923,33 @@ mod tests {
                     None => first_level = Some(alone),
                     Some(f) => assert!(*f == alone, "{level:?} {rows}x{k}: other bits than {:?}", levels()[0]),
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn attend_matches_a_naive_softmax_attention() {
+        for &(hd, n) in &[(64usize, 1usize), (64, 15), (64, 16), (64, 37), (80, 5), (16, 33), (6, 9)] {
+            let stride = 3 * hd + 5;
+            let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+            let k: Vec<f32> = (0..n * stride).map(|i| ((i * 7919 % 997) as f32 / 500.0) - 1.0).collect();
+            let v: Vec<f32> = (0..n * stride).map(|i| ((i * 104729 % 991) as f32 / 400.0) - 1.2).collect();
+            let scale = 0.125;
+            let s: Vec<f64> = (0..n)
+                .map(|t| (0..hd).map(|i| q[i] as f64 * k[t * stride + i] as f64).sum::<f64>() * scale as f64)
+                .collect();
+            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+            let want: Vec<f64> =
+                (0..hd).map(|i| (0..n).map(|t| (s[t] - mx).exp() / z * v[t * stride + i] as f64).sum()).collect();
+            let mut out = vec![f32::NAN; hd];
+            let mut scores = Vec::new();
+            attend(&q, &k, &v, stride, n, scale, &mut scores, &mut out);
+            for (a, b) in out.iter().zip(&want) {
+                assert!((*a as f64 - b).abs() < 1e-5, "hd {hd} n {n}: {a} vs {b}");
+            }
+            for (t, w) in scores.iter().enumerate() {
+                assert!((*w as f64 - (s[t] - mx).exp() / z).abs() < 1e-6, "hd {hd} n {n}: weight {t}");
             }
         }
     }
