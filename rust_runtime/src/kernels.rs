@@ -2,6 +2,7 @@
 //! time, so a portable build is as fast as a `target-cpu=native` one), dot products, RMSNorm,
 //! SiLU, RoPE, softmax, and `Par`, the per-model rayon pool that splits work by ranges.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -124,41 +125,169 @@ mod x86 {
         s
     }
 
-    /// T tokens × one packed panel of 16 rows: 2·T accumulators, one broadcast per token and
-    /// k step; each output lane is the chain acc = fma(w, x, acc) over k in order.
+    /// One register tile of the packed matmul on AVX2: T tokens × one 16-row panel in 2·T ymm
+    /// accumulators (+ 2 weight registers + 1 broadcast ≤ 16), over `kc` k steps. `w`: the panel
+    /// at the block's first k step (16 floats a step); `x`: the packed token tile at that step (T
+    /// floats a step); `y`: the tile's outputs, row t at `y + t·ys`, 16 floats. `resume`: start
+    /// from the partial sums in `y` (else from 0). Each output lane is the chain
+    /// acc = fma(w, x, acc) over the k steps in order.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn panel_avx2<const T: usize>(w: *const f32, x: *const f32, k: usize, out: &mut [[f32; 16]; 6]) {
+    #[allow(clippy::needless_range_loop)]
+    pub unsafe fn tile_avx2<const T: usize>(
+        w: *const f32,
+        x: *const f32,
+        kc: usize,
+        y: *mut f32,
+        ys: usize,
+        resume: bool,
+    ) {
         let mut a0 = [_mm256_setzero_ps(); T];
         let mut a1 = [_mm256_setzero_ps(); T];
-        for i in 0..k {
+        if resume {
+            for t in 0..T {
+                a0[t] = _mm256_loadu_ps(y.add(t * ys));
+                a1[t] = _mm256_loadu_ps(y.add(t * ys + 8));
+            }
+        }
+        for i in 0..kc {
             let w0 = _mm256_loadu_ps(w.add(i * 16));
             let w1 = _mm256_loadu_ps(w.add(i * 16 + 8));
             for t in 0..T {
-                let xb = _mm256_broadcast_ss(&*x.add(t * k + i));
+                let xb = _mm256_broadcast_ss(&*x.add(i * T + t));
                 a0[t] = _mm256_fmadd_ps(w0, xb, a0[t]);
                 a1[t] = _mm256_fmadd_ps(w1, xb, a1[t]);
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), a0[t]);
-            _mm256_storeu_ps(out[t].as_mut_ptr().add(8), a1[t]);
+            _mm256_storeu_ps(y.add(t * ys), a0[t]);
+            _mm256_storeu_ps(y.add(t * ys + 8), a1[t]);
         }
     }
 
-    /// `panel_avx2` with the panel's 16 rows in one zmm register: the same lanes and the same
-    /// fma chain per lane (bit-identical results), half the instructions; on a CPU with full-width
-    /// 512-bit FMA units (Zen 5, Intel server cores) twice the float32 FLOPs a cycle.
+    /// One register tile on AVX-512: T tokens × P panels (16·P rows, one zmm each) in P·T zmm
+    /// accumulators (4 × 6 = 24, + 4 weight registers + 1 broadcast ≤ 32): per k step P weight
+    /// loads and T broadcasts feed P·T FMAs. Panel p starts at `w + p·ws`; otherwise as
+    /// `tile_avx2` (the same chain per output lane, so the same bits as any other tile shape).
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn panel_avx512<const T: usize>(w: *const f32, x: *const f32, k: usize, out: &mut [[f32; 16]; 6]) {
-        let mut a = [_mm512_setzero_ps(); T];
-        for i in 0..k {
-            let wv = _mm512_loadu_ps(w.add(i * 16));
+    #[allow(clippy::needless_range_loop)] // register tiles: a[t][p] reads clearer than zipped iterators
+    pub unsafe fn tile_avx512<const P: usize, const T: usize>(
+        w: *const f32,
+        ws: usize,
+        x: *const f32,
+        kc: usize,
+        y: *mut f32,
+        ys: usize,
+        resume: bool,
+    ) {
+        let mut a = [[_mm512_setzero_ps(); P]; T];
+        if resume {
             for t in 0..T {
-                a[t] = _mm512_fmadd_ps(wv, _mm512_set1_ps(*x.add(t * k + i)), a[t]);
+                for p in 0..P {
+                    a[t][p] = _mm512_loadu_ps(y.add(t * ys + p * 16));
+                }
+            }
+        }
+        for i in 0..kc {
+            let mut wv = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                wv[p] = _mm512_loadu_ps(w.add(p * ws + i * 16));
+            }
+            for t in 0..T {
+                let xb = _mm512_set1_ps(*x.add(i * T + t));
+                for p in 0..P {
+                    a[t][p] = _mm512_fmadd_ps(wv[p], xb, a[t][p]);
+                }
             }
         }
         for t in 0..T {
-            _mm512_storeu_ps(out[t].as_mut_ptr(), a[t]);
+            for p in 0..P {
+                _mm512_storeu_ps(y.add(t * ys + p * 16), a[t][p]);
+            }
+        }
+    }
+
+    /// Lane sums of 16 vectors: lane j of the result = Σ lanes of v[j] (a transpose-and-add tree,
+    /// 3 operations a vector instead of a full horizontal reduction each).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn sum_lanes16(v: &[__m512; 16]) -> __m512 {
+        // pairs: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3]
+        let mut w = [_mm512_setzero_ps(); 8];
+        for j in 0..8 {
+            let (a, b) = (v[2 * j], v[2 * j + 1]);
+            w[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // quads: per 128-bit lane the partial sums of 4 vectors, in order
+        let mut x = [_mm512_setzero_ps(); 4];
+        for j in 0..4 {
+            let (a, b) = (w[2 * j], w[2 * j + 1]);
+            x[j] = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(a, b), _mm512_shuffle_ps::<0b11_10_11_10>(a, b));
+        }
+        // add the 128-bit lanes: lane group g of the result holds vectors 4g..4g+3
+        let y0 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x[0], x[1]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x[0], x[1]),
+        );
+        let y1 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x[2], x[3]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x[2], x[3]),
+        );
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(y0, y1), _mm512_shuffle_f32x4::<0b11_01_11_01>(y0, y1))
+    }
+
+    /// out[t] = scale · q·k_t for t < n, k_t = the hd floats at `k + t·stride`; hd % 16 == 0.
+    /// 16 keys at a time, each one fma chain over hd in 16 lanes, lane-summed together.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_avx512(q: *const f32, hd: usize, k: *const f32, stride: usize, n: usize, scale: f32, out: *mut f32) {
+        let sc = _mm512_set1_ps(scale);
+        let mut t0 = 0;
+        while t0 < n {
+            let nb = (n - t0).min(16);
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for (j, a) in acc[..nb].iter_mut().enumerate() {
+                let kp = k.add((t0 + j) * stride);
+                let mut s = _mm512_setzero_ps();
+                for c in (0..hd).step_by(16) {
+                    s = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(c)), _mm512_loadu_ps(kp.add(c)), s);
+                }
+                *a = s;
+            }
+            let mask = ((1u32 << nb) - 1) as __mmask16;
+            _mm512_mask_storeu_ps(out.add(t0), mask, _mm512_mul_ps(sum_lanes16(&acc), sc));
+            t0 += 16;
+        }
+    }
+
+    /// out (hd floats) = Σ_t w[t] · v_t for t < n, v_t = the hd floats at `v + t·stride`;
+    /// hd % 16 == 0. Accumulated in registers, even and odd t apart (two chains, then added).
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)]
+    pub unsafe fn weighted_sum_avx512(w: *const f32, n: usize, v: *const f32, stride: usize, hd: usize, out: *mut f32) {
+        let mut c = 0;
+        while c < hd {
+            let width = if hd - c >= 64 { 4 } else { 1 };
+            let mut a = [_mm512_setzero_ps(); 8];
+            let mut t = 0;
+            while t + 2 <= n {
+                let (w0, w1) = (_mm512_set1_ps(*w.add(t)), _mm512_set1_ps(*w.add(t + 1)));
+                let (p0, p1) = (v.add(t * stride + c), v.add((t + 1) * stride + c));
+                for j in 0..width {
+                    a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(p0.add(16 * j)), a[j]);
+                    a[4 + j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(p1.add(16 * j)), a[4 + j]);
+                }
+                t += 2;
+            }
+            if t < n {
+                let w0 = _mm512_set1_ps(*w.add(t));
+                let p0 = v.add(t * stride + c);
+                for j in 0..width {
+                    a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(p0.add(16 * j)), a[j]);
+                }
+            }
+            for j in 0..width {
+                _mm512_storeu_ps(out.add(c + 16 * j), _mm512_add_ps(a[j], a[4 + j]));
+            }
+            c += 16 * width;
         }
     }
 }
@@ -254,10 +383,19 @@ unsafe impl Sync for SyncPtr {}
 
 // ---------------------------------------------------------------- packed f32 matmul
 
-/// Output rows per panel of a packed weight matrix (two AVX2 registers).
+/// Output rows per panel of a packed weight matrix (one zmm, two ymm registers).
 pub const PANEL: usize = 16;
-/// Tokens per micro-kernel call (6 × 2 accumulators + 2 weight registers + 1 broadcast ≤ 16 ymm).
+/// Tokens per register tile.
 const TILE: usize = 6;
+/// Panels per register tile on AVX-512 (4 zmm = 64 rows; see `x86::tile_avx512`).
+const PANELS_512: usize = 4;
+/// k steps per block when several token tiles share the weights: the tile's x (KC × TILE, 6 KB)
+/// stays in L1 while the weights of a row block pass under it; a block's partial sums are stored
+/// in y and resumed from there, which leaves each output's fma chain unchanged (f32 stores are exact).
+const KC: usize = 256;
+/// Weight floats of a row block × one k block (1 MB): they stay in L2 while every token tile
+/// runs over them, so prefill streams each weight from memory once.
+const BLOCK_FLOATS: usize = 1 << 18;
 
 /// A weight matrix W (`out` × `inp`, the nn.Linear layout) packed once at load into panels of
 /// PANEL rows: element (r, i) lives at `(r / PANEL)·inp·PANEL + i·PANEL + r % PANEL`, the last
@@ -297,91 +435,270 @@ impl PackedF32 {
     ///
     /// **Batch invariance by construction**: output element (t, r) is always the same chain
     /// `acc = fma(W[r, i], x[t, i], acc)` for i = 0, 1, …, inp−1 from acc = 0, in one SIMD lane,
-    /// whatever m, whichever other tokens share the micro-kernel call and however the panels are
+    /// whatever m, whichever other tokens share the register tile and however the panels are
     /// split over threads. A token's logits are therefore bit-identical alone or in a batch, and
     /// whether its prompt is prefilled whole or in chunks.
+    ///
+    /// Blocking (none of it changes a chain): x is packed into tiles of TILE tokens (k-major, so a
+    /// k step's broadcasts are adjacent); the output columns are split over threads in slivers
+    /// (PANELS_512 panels on AVX-512, one panel otherwise); each thread walks its slivers in row
+    /// blocks of about BLOCK_FLOATS weights per KC k steps, and inside a block every token tile
+    /// meets every sliver, partial sums parked in y between k blocks. With one token tile there
+    /// is no reuse to block for and k runs whole.
     pub fn matmul(&self, par: &Par, x: &[f32], m: usize, y: &mut [f32]) {
+        self.matmul_at(simd_level(), par, x, m, y)
+    }
+
+    /// `matmul` with the kernels of `level`, which the CPU must support (the tests run each one).
+    fn matmul_at(&self, level: SimdLevel, par: &Par, x: &[f32], m: usize, y: &mut [f32]) {
         let (out, k) = (self.out, self.inp);
         assert!(x.len() >= m * k && y.len() >= m * out, "matmul: shape mismatch");
+        if m == 0 || out == 0 {
+            return;
+        }
+        let split = par.threads > 1 && out.div_ceil(PANEL) * k * m >= 1 << 15;
+        if m == 1 {
+            return self.tiles(level, par, &x[..k], 1, y, split); // one token: the packed tile is x itself
+        }
+        thread_local! {
+            /// This thread's packed-x scratch, kept between matmuls: a fresh one page-faults
+            /// megabytes in every prefill matmul.
+            static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
+        SCRATCH.with(|cell| {
+            // busy only if a rayon job stolen while this matmul waits runs another one here
+            let mut fresh = Vec::new();
+            let mut kept = cell.try_borrow_mut();
+            let buf = match kept.as_deref_mut() {
+                Ok(b) => b,
+                Err(_) => &mut fresh,
+            };
+            pack_tokens(par, &x[..m * k], m, k, split, buf);
+            self.tiles(level, par, buf, m, y, split);
+        })
+    }
+
+    /// The blocked loops of `matmul_at` over packed x (`xt`, see `pack_tokens`).
+    fn tiles(&self, level: SimdLevel, par: &Par, xt: &[f32], m: usize, y: &mut [f32], split: bool) {
+        let (out, k) = (self.out, self.inp);
+        let sp = if level == SimdLevel::Avx512 { PANELS_512 } else { 1 };
         let panels = out.div_ceil(PANEL);
+        let slivers = panels.div_ceil(sp);
+        let tiles = m.div_ceil(TILE);
+        let kc = if tiles == 1 { k.max(1) } else { KC };
+        let k_blocks = k.div_ceil(kc).max(1); // inp = 0: one empty block writes the zeros
+        let block_slivers = (BLOCK_FLOATS / (sp * PANEL * kc)).max(1);
         let yp = SyncPtr(y.as_mut_ptr());
         let body = |range: Range<usize>| {
             let yp = yp;
-            let mut tile = [[0f32; PANEL]; TILE];
-            for p in range {
-                let w = &self.data[p * k * PANEL..(p + 1) * k * PANEL];
-                let rows = PANEL.min(out - p * PANEL);
-                let mut t0 = 0;
-                while t0 < m {
-                    let n = TILE.min(m - t0);
-                    panel_tile(w, &x[t0 * k..], k, n, &mut tile);
-                    for (j, row) in tile[..n].iter().enumerate() {
-                        // SAFETY: panel p owns columns [p·PANEL, p·PANEL + rows) of every output row.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(yp.0.add((t0 + j) * out + p * PANEL), rows) };
-                        dst.copy_from_slice(&row[..rows]);
+            let mut s0 = range.start;
+            while s0 < range.end {
+                let s1 = (s0 + block_slivers).min(range.end);
+                for kb in 0..k_blocks {
+                    let (i0, i1) = (kb * kc, ((kb + 1) * kc).min(k));
+                    for j in 0..tiles {
+                        let t0 = j * TILE;
+                        let n = TILE.min(m - t0);
+                        let xs = &xt[t0 * k + i0 * n..t0 * k + i1 * n];
+                        for s in s0..s1 {
+                            let p0 = s * sp;
+                            let np = sp.min(panels - p0);
+                            let (r0, rows) = (p0 * PANEL, (np * PANEL).min(out - p0 * PANEL));
+                            let w = &self.data[p0 * k * PANEL + i0 * PANEL..];
+                            // SAFETY: sliver s owns columns [r0, r0 + rows) of every output row,
+                            // and this call touches rows t0..t0+n of them only.
+                            let dst = unsafe { yp.0.add(t0 * out + r0) };
+                            unsafe { tile(level, w, k * PANEL, np, xs, n, i1 - i0, dst, out, rows, kb > 0) };
+                        }
                     }
-                    t0 += n;
+                }
+                s0 = s1;
+            }
+        };
+        if split {
+            par.run(slivers, body);
+        } else {
+            body(0..slivers);
+        }
+    }
+}
+
+/// x (m × k, row-major) repacked into tiles of TILE tokens: the tile of tokens t0..t0+n (n ≤
+/// TILE) starts at t0·k and holds (i, t) at i·n + t, so one k step's n values are adjacent.
+/// `packed` is resized to m·k and every element overwritten.
+fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, split: bool, packed: &mut Vec<f32>) {
+    packed.resize(m * k, 0.0);
+    let pp = SyncPtr(packed.as_mut_ptr());
+    let body = |range: Range<usize>| {
+        let pp = pp;
+        for j in range {
+            let t0 = j * TILE;
+            let n = TILE.min(m - t0);
+            // SAFETY: tile j owns packed[t0·k, (t0 + n)·k).
+            let dst = unsafe { std::slice::from_raw_parts_mut(pp.0.add(t0 * k), n * k) };
+            for t in 0..n {
+                for (i, &v) in x[(t0 + t) * k..(t0 + t + 1) * k].iter().enumerate() {
+                    dst[i * n + t] = v;
                 }
             }
-        };
-        // one panel is 16·inp multiply-adds per token: split only when there is enough work
-        if par.threads > 1 && panels * k * m >= 1 << 15 {
-            par.run(panels, body);
-        } else {
-            body(0..panels);
         }
+    };
+    if split {
+        par.run(m.div_ceil(TILE), body);
+    } else {
+        body(0..m.div_ceil(TILE));
     }
 }
 
-/// n ≤ TILE tokens (rows of x with stride k) against one panel (k × PANEL): out[t][l].
-fn panel_tile(w: &[f32], x: &[f32], k: usize, n: usize, out: &mut [[f32; PANEL]; TILE]) {
-    assert!(w.len() >= k * PANEL && x.len() >= (n - 1) * k + k && n <= TILE);
-    macro_rules! dispatch {
-        ($f:ident) => {
+/// One register tile: n ≤ TILE tokens (`x`, packed, n floats a k step, kc steps) × np panels
+/// (`w`: panel 0 at this block's first k step, panel p at `w[p·ws..]`), into `rows` ≤ np·PANEL
+/// output columns at `y` (token t's at `y + t·ys`), resumed from the sums there if `resume`. A
+/// sliver whose last panel is partial goes through a full-width scratch tile, so that a kernel
+/// never writes past `rows`.
+///
+/// Safety: `y + t·ys + c` must be writable for t < n, c < rows, and owned by this call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    level: SimdLevel,
+    w: &[f32],
+    ws: usize,
+    np: usize,
+    x: &[f32],
+    n: usize,
+    kc: usize,
+    y: *mut f32,
+    ys: usize,
+    rows: usize,
+    resume: bool,
+) {
+    assert!((1..=TILE).contains(&n) && (1..=PANELS_512).contains(&np) && x.len() >= kc * n && rows <= np * PANEL);
+    assert!(w.len() >= (np - 1) * ws + kc * PANEL);
+    let width = np * PANEL;
+    if rows < width {
+        let mut scratch = [[0f32; PANELS_512 * PANEL]; TILE];
+        if resume {
+            for (t, row) in scratch[..n].iter_mut().enumerate() {
+                std::ptr::copy_nonoverlapping(y.add(t * ys), row.as_mut_ptr(), rows);
+            }
+        }
+        tile(level, w, ws, np, x, n, kc, scratch.as_mut_ptr().cast(), PANELS_512 * PANEL, width, resume);
+        for (t, row) in scratch[..n].iter().enumerate() {
+            std::ptr::copy_nonoverlapping(row.as_ptr(), y.add(t * ys), rows);
+        }
+        return;
+    }
+    let (w, x) = (w.as_ptr(), x.as_ptr());
+    macro_rules! by_tokens {
+        ($f:ident $(, $p:literal)?) => {
             match n {
-                1 => $f::<1>(w, x, k, out),
-                2 => $f::<2>(w, x, k, out),
-                3 => $f::<3>(w, x, k, out),
-                4 => $f::<4>(w, x, k, out),
-                5 => $f::<5>(w, x, k, out),
-                _ => $f::<6>(w, x, k, out),
+                1 => $f::<$($p,)? 1>(w, ws, x, kc, y, ys, resume),
+                2 => $f::<$($p,)? 2>(w, ws, x, kc, y, ys, resume),
+                3 => $f::<$($p,)? 3>(w, ws, x, kc, y, ys, resume),
+                4 => $f::<$($p,)? 4>(w, ws, x, kc, y, ys, resume),
+                5 => $f::<$($p,)? 5>(w, ws, x, kc, y, ys, resume),
+                _ => $f::<$($p,)? 6>(w, ws, x, kc, y, ys, resume),
             }
         };
     }
-    match simd_level() {
+    match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx512f was detected at run time; lengths checked above.
-        SimdLevel::Avx512 => unsafe { dispatch!(x86_tile512) },
+        SimdLevel::Avx512 => match np {
+            1 => by_tokens!(tile512, 1),
+            2 => by_tokens!(tile512, 2),
+            3 => by_tokens!(tile512, 3),
+            _ => by_tokens!(tile512, 4),
+        },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: avx2 + fma were detected at run time; lengths checked above.
-        SimdLevel::Avx2Fma => unsafe { dispatch!(x86_tile) },
-        _ => dispatch!(generic_tile),
+        // SAFETY: avx2 + fma were detected at run time; lengths checked above (np = 1).
+        SimdLevel::Avx2Fma => by_tokens!(tile256),
+        _ => by_tokens!(tile_generic),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-unsafe fn x86_tile<const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [[f32; PANEL]; TILE]) {
-    x86::panel_avx2::<T>(w.as_ptr(), x.as_ptr(), k, out)
+unsafe fn tile512<const P: usize, const T: usize>(
+    w: *const f32,
+    ws: usize,
+    x: *const f32,
+    kc: usize,
+    y: *mut f32,
+    ys: usize,
+    resume: bool,
+) {
+    x86::tile_avx512::<P, T>(w, ws, x, kc, y, ys, resume)
 }
 
 #[cfg(target_arch = "x86_64")]
-unsafe fn x86_tile512<const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [[f32; PANEL]; TILE]) {
-    x86::panel_avx512::<T>(w.as_ptr(), x.as_ptr(), k, out)
+unsafe fn tile256<const T: usize>(
+    w: *const f32,
+    _ws: usize,
+    x: *const f32,
+    kc: usize,
+    y: *mut f32,
+    ys: usize,
+    resume: bool,
+) {
+    x86::tile_avx2::<T>(w, x, kc, y, ys, resume)
 }
 
-/// The same per-lane fma chain as the AVX2 kernel, in portable code.
-fn generic_tile<const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [[f32; PANEL]; TILE]) {
+/// The same per-lane fma chain as the SIMD kernels, in portable code (one panel).
+unsafe fn tile_generic<const T: usize>(
+    w: *const f32,
+    _ws: usize,
+    x: *const f32,
+    kc: usize,
+    y: *mut f32,
+    ys: usize,
+    resume: bool,
+) {
     let mut acc = [[0f32; PANEL]; T];
-    for i in 0..k {
+    if resume {
+        for (t, a) in acc.iter_mut().enumerate() {
+            std::ptr::copy_nonoverlapping(y.add(t * ys), a.as_mut_ptr(), PANEL);
+        }
+    }
+    let (w, x) = (std::slice::from_raw_parts(w, kc * PANEL), std::slice::from_raw_parts(x, kc * T));
+    for i in 0..kc {
         let wv = &w[i * PANEL..(i + 1) * PANEL];
-        for t in 0..T {
-            let xv = x[t * k + i];
+        for (t, a) in acc.iter_mut().enumerate() {
+            let xv = x[i * T + t];
             for l in 0..PANEL {
-                acc[t][l] = wv[l].mul_add(xv, acc[t][l]);
+                a[l] = wv[l].mul_add(xv, a[l]);
             }
         }
     }
-    out[..T].copy_from_slice(&acc);
+    for (t, a) in acc.iter().enumerate() {
+        std::ptr::copy_nonoverlapping(a.as_ptr(), y.add(t * ys), PANEL);
+    }
+}
+
+/// One query head's causal attention over `n` cached positions: out (hd = q.len() floats) =
+/// Σ_t softmax_t(scale · q·k_t) · v_t, with k_t = `k[t·stride..][..hd]` and v_t likewise in `v`
+/// (token-major caches, the head's offset already applied). `scores` is scratch (left holding the
+/// weights). Depends on this query and these n positions only, never on other rows of a batch.
+pub fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, n: usize, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let hd = q.len();
+    assert!(n >= 1 && out.len() >= hd && k.len() >= (n - 1) * stride + hd && v.len() >= (n - 1) * stride + hd);
+    scores.clear();
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 && hd % 16 == 0 {
+        scores.resize(n, 0.0);
+        // SAFETY: avx512f detected; every read lies in k/v by the assert above, scores has n floats.
+        unsafe { x86::scores_avx512(q.as_ptr(), hd, k.as_ptr(), stride, n, scale, scores.as_mut_ptr()) };
+        softmax_inplace(scores);
+        unsafe { x86::weighted_sum_avx512(scores.as_ptr(), n, v.as_ptr(), stride, hd, out.as_mut_ptr()) };
+        return;
+    }
+    scores.extend((0..n).map(|t| dot(q, &k[t * stride..t * stride + hd]) * scale));
+    softmax_inplace(scores);
+    let o = &mut out[..hd];
+    o.fill(0.0);
+    for (t, &w) in scores.iter().enumerate() {
+        for (ov, &vv) in o.iter_mut().zip(&v[t * stride..t * stride + hd]) {
+            *ov += w * vv;
+        }
+    }
 }
 
 /// HF LlamaRMSNorm in f32: x * rsqrt(mean(x²) + eps) * weight. The mean is accumulated in f64.
@@ -485,14 +802,20 @@ pub fn sum_exp_shifted(x: &[f32], m: f32) -> f64 {
     s
 }
 
-/// In-place softmax over `x` (max-subtracted).
+/// In-place softmax over `x` (max-subtracted; the exps in one vectorized pass, summed in 16 lanes).
 pub fn softmax_inplace(x: &mut [f32]) {
     let (m, _) = max_and_bad(x);
-    let mut s = 0f32;
     for v in x.iter_mut() {
         *v = exp_approx(*v - m);
-        s += *v;
     }
+    let mut acc = [0f32; 16];
+    let mut c = x.chunks_exact(16);
+    for ch in &mut c {
+        for j in 0..16 {
+            acc[j] += ch[j];
+        }
+    }
+    let s = acc.iter().sum::<f32>() + c.remainder().iter().sum::<f32>();
     let inv = 1.0 / s;
     for v in x.iter_mut() {
         *v *= inv;
@@ -540,6 +863,94 @@ mod tests {
             let want = naive(&w, &x[..k], 1, k)[0];
             assert!((dot(&w[..k], &x[..k]) - want).abs() <= 1e-4 * (1.0 + want.abs()));
             assert!((dot_generic(&w[..k], &x[..k]) - want).abs() <= 1e-4 * (1.0 + want.abs()));
+        }
+    }
+
+    /// The SIMD levels this CPU can run.
+    fn levels() -> Vec<SimdLevel> {
+        let mut v = vec![SimdLevel::Generic];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                v.push(SimdLevel::Avx2Fma);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(SimdLevel::Avx512);
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn every_tile_shape_is_batch_invariant_at_every_simd_level() {
+        // out: partial last panel, partial last 4-panel sliver, exact; inp: odd, across k blocks
+        // (KC = 256: 1000 = 3 full blocks + 232), below one block, and exactly two
+        for &(rows, k) in &[(200, 1000), (77, 257), (64, 512), (16, 3), (1, 300)] {
+            let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919 % 2003) as f32 / 1001.0) - 1.0).collect();
+            let mmax = 40;
+            let x: Vec<f32> = (0..mmax * k).map(|i| ((i * 104729 % 1999) as f32 / 999.0) - 1.0).collect();
+            let p = PackedF32::pack(&w, rows, k);
+            let serial = Par::new(1).unwrap();
+            let par = Par::new(2).unwrap();
+            let mut first_level: Option<Vec<f32>> = None;
+            for level in levels() {
+                // every token alone (m = 1): the reference bits of this level
+                let mut alone = vec![0f32; mmax * rows];
+                for t in 0..mmax {
+                    p.matmul_at(level, &serial, &x[t * k..(t + 1) * k], 1, &mut alone[t * rows..(t + 1) * rows]);
+                    let xt = &x[t * k..(t + 1) * k];
+                    let want = naive(&w, xt, rows, k);
+                    for (r, (a, b)) in alone[t * rows..(t + 1) * rows].iter().zip(&want).enumerate() {
+                        // f32 rounding of a k-term chain, far below the bound k·2⁻²⁴·Σ|w·x|
+                        let mag: f32 = (0..k).map(|i| (w[r * k + i] * xt[i]).abs()).sum();
+                        assert!((a - b).abs() <= 1e-6 * mag + 1e-7, "{level:?} {rows}x{k}: {a} vs {b}");
+                    }
+                }
+                for m in 1..=mmax {
+                    // a batch of m tokens starting at token (m·7) % (mmax − m + 1), so that each
+                    // token meets other neighbours and tile positions
+                    let s = (m * 7) % (mmax - m + 1);
+                    let want = &alone[s * rows..(s + m) * rows];
+                    let mut got = vec![f32::NAN; m * rows];
+                    p.matmul_at(level, &serial, &x[s * k..(s + m) * k], m, &mut got);
+                    assert!(got == want, "{level:?} {rows}x{k}: m = {m} differs from the tokens alone");
+                    let mut threaded = vec![f32::NAN; m * rows];
+                    par.install(|| p.matmul_at(level, &par, &x[s * k..(s + m) * k], m, &mut threaded));
+                    assert!(threaded == want, "{level:?} {rows}x{k}: m = {m} on 2 threads differs");
+                }
+                // every level runs the same chains: the same bits
+                match &first_level {
+                    None => first_level = Some(alone),
+                    Some(f) => assert!(*f == alone, "{level:?} {rows}x{k}: other bits than {:?}", levels()[0]),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attend_matches_a_naive_softmax_attention() {
+        for &(hd, n) in &[(64usize, 1usize), (64, 15), (64, 16), (64, 37), (80, 5), (16, 33), (6, 9)] {
+            let stride = 3 * hd + 5;
+            let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+            let k: Vec<f32> = (0..n * stride).map(|i| ((i * 7919 % 997) as f32 / 500.0) - 1.0).collect();
+            let v: Vec<f32> = (0..n * stride).map(|i| ((i * 104729 % 991) as f32 / 400.0) - 1.2).collect();
+            let scale = 0.125;
+            let s: Vec<f64> = (0..n)
+                .map(|t| (0..hd).map(|i| q[i] as f64 * k[t * stride + i] as f64).sum::<f64>() * scale as f64)
+                .collect();
+            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+            let want: Vec<f64> =
+                (0..hd).map(|i| (0..n).map(|t| (s[t] - mx).exp() / z * v[t * stride + i] as f64).sum()).collect();
+            let mut out = vec![f32::NAN; hd];
+            let mut scores = Vec::new();
+            attend(&q, &k, &v, stride, n, scale, &mut scores, &mut out);
+            for (a, b) in out.iter().zip(&want) {
+                assert!((*a as f64 - b).abs() < 1e-5, "hd {hd} n {n}: {a} vs {b}");
+            }
+            for (t, w) in scores.iter().enumerate() {
+                assert!((*w as f64 - (s[t] - mx).exp() / z).abs() < 1e-6, "hd {hd} n {n}: weight {t}");
+            }
         }
     }
 

@@ -341,22 +341,10 @@ impl Model {
             let (kc, vc) = kv[b];
             let kvh = head / group; // GQA: q head h reads kv head h / group
             let q = &qkv[i * qkv_dim + head * hd..i * qkv_dim + (head + 1) * hd];
-            scores.clear();
-            for t in 0..=p {
-                let k = &kc[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
-                scores.push(kernels::dot(q, k) * scale);
-            }
-            kernels::softmax_inplace(scores);
             let op = op;
             // SAFETY: each (row, head) unit writes its own hd-long slice of `out`.
             let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(i * q_dim + head * hd), hd) };
-            o.fill(0.0);
-            for (t, &w) in scores.iter().enumerate() {
-                let v = &vc[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
-                for (ov, &vv) in o.iter_mut().zip(v) {
-                    *ov += w * vv;
-                }
-            }
+            kernels::attend(q, &kc[kvh * hd..], &vc[kvh * hd..], kv_dim, p + 1, scale, scores, o);
         };
         let n_units = rows.len() * nh;
         let work: usize = rows.iter().map(|&(_, p)| p + 1).sum::<usize>() * nh * hd;
