@@ -36,7 +36,9 @@ import numpy as np
 from serve.backends.base import BackendError
 from serve.sampling import SEED_MODULUS, Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
 
-DEFAULT_MAX_BATCH = 16  # sequences per step; benchmarks/serve_batching.py: 16 streams ≈ 5x one on `small`
+# sequences per step; benchmarks/serve_batching.py, f32 on `small`: 16 streams give 4.9x one stream's tokens/s, and 32
+# add 11 % more at 1.6x the p99 inter-token latency
+DEFAULT_MAX_BATCH = 16
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step (decode tokens + prefill chunks); llama.cpp's n_batch
 # prompt tokens in a step that also decodes (Sarathi-Serve's stall-free batching), as rust_runtime.Engine's default
 DEFAULT_PREFILL_CHUNK = 16
