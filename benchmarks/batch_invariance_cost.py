@@ -28,7 +28,6 @@ the load average before and after is recorded. Writes ``--out``/batch_invariance
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import statistics
@@ -40,18 +39,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import load_by_path  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 KERNELS = ("packed", "gemm", "numpy")
 PEERS = ("gemm", "numpy")
-
-
-def load_by_path(name: str):
-    """benchmarks/ is not a package: load a sibling script by path."""
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def linears(shape: dict) -> list[tuple[str, int, int]]:

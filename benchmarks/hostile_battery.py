@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks.common import free_port  # noqa: E402
+
 MINI = ROOT / "tests" / "data" / "mini"
 OUT_MD = ROOT / "benchmarks" / "results" / os.environ.get("BATTERY_OUT", "hostile_battery.md")
 HANG_S = 30
@@ -94,14 +98,6 @@ def http_case(port: int, path: str, body: bytes | str, label: str, headers: dict
     if expect is not None and st != expect and st < 500:
         fail("unclear errors", repro, f"{st} (expected {expect}) {b[:200].decode(errors='replace')}")
     return r
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def start_server(bundle: Path, env: dict, log: Path, ready: bool = True):

@@ -29,7 +29,6 @@ average before/after is recorded).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -43,15 +42,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import load_by_path  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
-
-
-def load_by_path(name: str):
-    """benchmarks/ is not a package: load a sibling script (its builders and helpers) by path."""
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def prompt_ids(n: int) -> list[int]:

@@ -41,11 +41,9 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import importlib.util
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +58,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import free_port, load_by_path  # noqa: E402
 from train.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 EOT = 0  # <|endoftext|> of the `small` bundle's tokenizer
@@ -69,15 +68,6 @@ ENGINES = [*RUST, "onnx f32", *LLAMA]
 PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0"}  # Shalik lane → its llama-server lane
 BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
               "`--llama-server PATH` for a binary elsewhere")
-
-
-def load_benchmark(name: str):
-    """benchmarks/ is not a package: load one of its scripts (e.g. rust_decode.py: the `small` shape and its bundle
-    builder) by path."""
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class RustClient:
@@ -126,12 +116,6 @@ def default_llama_server() -> str | None:
                  / "shalik")
     built = sorted(cache.glob("llama-server-build-*/bin/llama-server"), key=lambda p: p.stat().st_mtime)
     return str(built[-1]) if built else shutil.which("llama-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer:
@@ -467,7 +451,7 @@ def main() -> None:
             missing = f"{binary} is not an executable file"
     engines = [e for e in args.engines if not (missing and e in LLAMA)]
     load_start = loadavg()
-    rd = load_benchmark("rust_decode")
+    rd = load_by_path("rust_decode")
     rows = []
     chunk = None
     per_slot = -(-(1 + args.prompt + args.new) // 64) * 64  # the context one stream needs, rounded up to 64
@@ -481,7 +465,7 @@ def main() -> None:
             from serve.backends.onnx import OnnxBackend
 
             onnx_dir = Path(tmp) / "onnx"
-            load_benchmark("onnx_batching").build_bundle(onnx_dir, int8=False)
+            load_by_path("onnx_batching").build_bundle(onnx_dir, int8=False)
             models["onnx f32"] = OnnxBackend(onnx_dir, threads=args.threads)
         for name in engines:
             if name in LLAMA:

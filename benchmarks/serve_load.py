@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -36,14 +35,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.common import free_port  # noqa: E402
 
 PROMPTS = ["বাংলা ভাষা", "আমি বাংলায় গান গাই", "The river", "Once upon a time", "কলকাতা শহরের", "In the morning"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
