@@ -17,7 +17,8 @@ The peers choose kernels, blocking and threading by shape, so a row's result may
 max |Δ| between row 0 of the m-row product and the 1-row product of the same x row (packed: 0 by construction).
 
 Timing: for each (shape, m) the three kernels run in turn, the order rotated every round (interleaved), each a
-warm-up call (dropped) then ``repeats`` calls sized to about 40 ms; reported are medians over rounds of the mean
+warm-up call (two for the Rust kernels, whose hook starts a fresh pool each time: dropped) then ``repeats`` calls
+sized to about 40 ms; reported are medians over rounds of the mean
 time a call, medians over rounds of the ratios packed / peer and packed / the faster peer of that round (> 1: the
 invariant kernel is slower, the cost of invariance) and GFLOP/s
 beside the physical limit: cores × 64 FLOP/cycle (two 512-bit FMA pipes) × the clock /proc/cpuinfo states, and
@@ -55,6 +56,9 @@ def linears(shape: dict) -> list[tuple[str, int, int]]:
             ("intermediate→hidden", h, inter), ("hidden→vocab", vocab, h)]
 
 
+WARMUP = 2  # untimed calls before a Rust kernel's timed ones (see time_kernel)
+
+
 def time_kernel(kernel: str, w, x, threads: int, repeats: int):
     """(y float32 [m, out], seconds a call): one warm-up call, then the mean of ``repeats`` calls."""
     import numpy as np
@@ -69,8 +73,10 @@ def time_kernel(kernel: str, w, x, threads: int, repeats: int):
         for _ in range(repeats):
             np.matmul(x, wt, out=y)
         return y, (time.perf_counter() - t) / repeats
-    y, secs = rust_runtime._bench_matmul(w, x, threads=threads, repeats=repeats + 1, kernel=kernel)
-    return y, sum(secs[1:]) / repeats
+    # each call starts a fresh pool: its first two calls fault in the threads' scratch (one per pool thread), so
+    # both are dropped, as numpy's warm-up call above is
+    y, secs = rust_runtime._bench_matmul(w, x, threads=threads, repeats=repeats + WARMUP, kernel=kernel)
+    return y, sum(secs[WARMUP:]) / repeats
 
 
 def measure(a: argparse.Namespace) -> dict:

@@ -1,7 +1,7 @@
 """Batch-1 prefill of the base-400m shape: Rust f32 against onnxruntime fp32, beside the compute roofline.
 
     python benchmarks/prefill.py [--shape base-400m] [--tokens 64 512] [--threads 2] [--rounds 4]
-                                 [--out benchmarks/results]
+                                 [--out benchmarks/results] [--cache FOLDER] [--int8]
 
 Builds the random-init model of benchmarks/rust_decode.py's ``--shape`` (transformers save_pretrained) and its
 plain-op ONNX decoder with KV cache (TorchScript exporter, checked against transformers), exported with logits
@@ -21,6 +21,9 @@ lm_head, last position only) + 4 · L · heads · head_dim · T(T+1)/2 (causal Q
 the same run: numpy (OpenBLAS) float32 ``matmul`` of 2048 × 2048 matrices with ``--threads`` BLAS threads, best
 of several, in a fresh process, before and after the rounds (on a loaded machine it lands far below the
 hardware), and stated: cores × FLOP a cycle × clock. Share = achieved GFLOP/s ÷ the highest of these.
+
+``--int8`` times Rust q8_0 (``quantize="int8"``) against onnxruntime int8 (the decoder quantized with
+export.quantize's recipe: dynamic, per-channel QInt8 MatMuls) instead, into prefill_int8.json / .md.
 
 Writes ``--out``/prefill.json and prefill.md. Times are wall-clock on a machine shared with other jobs (load
 average before/after is recorded).
@@ -71,7 +74,7 @@ def worker(a: argparse.Namespace) -> int:
     if a.worker == "rust":
         import rust_runtime
 
-        model = rust_runtime.Model.load(str(a.bundle), threads=a.threads)
+        model = rust_runtime.Model.load(str(a.bundle), threads=a.threads, quantize="int8" if a.int8 else None)
 
         def prefill(ids: list[int]) -> None:
             model.new_sequence().prefill(ids)
@@ -111,7 +114,7 @@ class Worker:
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), OPENBLAS_NUM_THREADS="1",
                    TOKENIZERS_PARALLELISM="false")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--bundle", str(bundle),
-               "--onnx", str(onnx), "--threads", str(a.threads)]
+               "--onnx", str(onnx), "--threads", str(a.threads)] + (["--int8"] if a.int8 else [])
         self.kind, self.log = kind, log
         self._err = open(log, "w")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
@@ -192,8 +195,10 @@ def bare_numpy_rss_mb() -> float:
 
 def write_md(res: dict, path: Path) -> None:
     r = res
+    pair = ("Rust q8_0 vs onnxruntime int8 (dynamic, per channel)" if r.get("int8")
+            else "Rust f32 vs onnxruntime fp32")
     lines = [
-        f"# Prefill, {r['shape']} (batch 1, {r['threads']} threads): Rust f32 vs onnxruntime fp32",
+        f"# Prefill, {r['shape']} (batch 1, {r['threads']} threads): {pair}",
         "",
         f"`{r['command']}` — {r['rounds']} rounds (A B A B, order swapped each round), medians. "
         f"Load average before {r['loadavg_before']}, after {r['loadavg_after']} (2 cores, shared). "
@@ -206,6 +211,9 @@ def write_md(res: dict, path: Path) -> None:
         "| ORT GFLOP/s (% of peak) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    if r.get("int8"):
+        lines[2] += (" GFLOP/s counts the same FLOPs as f32, and % of peak is of the f32 peak: int8 dot products "
+                     "(VNNI) can exceed it.")
     for row in r["results"]:
         lines.append(
             f"| {row['tokens']} | {row['gflop']:.1f} | {row['rust_ms']:.0f} | {row['ort_ms']:.0f} "
@@ -228,6 +236,33 @@ def write_md(res: dict, path: Path) -> None:
     atomic_write_text(path, "\n".join(lines))
 
 
+def build_inputs(rd, shape: str, folder: Path, int8: bool = False) -> tuple[Path, Path]:
+    """The random-init bundle of ``shape`` and its ONNX decoder (logits of the last position) in ``folder``: built
+    there unless a previous build finished (``<shape>.done`` is written last, so an interrupted build is redone).
+    With ``int8`` the decoder returned is its int8 twin (export.quantize.quantize_int8), made once likewise."""
+    bundle, onnx, done = folder / f"bundle-{shape}", folder / f"decoder-{shape}.onnx", folder / f"{shape}.done"
+    if done.exists() and (bundle / "config.json").exists() and onnx.exists():
+        print(f"reusing {bundle} and {onnx}", flush=True)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        rd.build_bundle(bundle, shape)
+        rd.export_onnx(bundle, onnx, last_logits=True)
+        atomic_write_text(done, "built\n")
+        print(f"bundle + ONNX export (checked against transformers) in {time.perf_counter() - t:.0f} s", flush=True)
+    if not int8:
+        return bundle, onnx
+    q8, q8_done = folder / f"decoder-{shape}.int8.onnx", folder / f"{shape}.int8.done"
+    if not (q8_done.exists() and q8.exists()):
+        from export.quantize import quantize_int8
+
+        t = time.perf_counter()
+        quantize_int8(onnx, q8)
+        atomic_write_text(q8_done, "built\n")
+        print(f"int8 decoder (dynamic, per channel) in {time.perf_counter() - t:.0f} s", flush=True)
+    return bundle, q8
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="base-400m")
@@ -235,6 +270,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="keep the built bundle and ONNX decoder in this folder and reuse them on the next run "
+                         "(default: build both in a temporary folder, about a minute for base-400m)")
+    ap.add_argument("--int8", action="store_true",
+                    help="Rust q8_0 (quantize='int8') against onnxruntime int8 (the decoder through "
+                         "export.quantize's dynamic per-channel recipe); writes prefill_int8.json/.md")
     ap.add_argument("--worker", choices=["rust", "ort"], help=argparse.SUPPRESS)
     ap.add_argument("--bundle", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--onnx", type=Path, help=argparse.SUPPRESS)
@@ -252,11 +293,7 @@ def main() -> None:
     command = "python benchmarks/prefill.py " + " ".join(sys.argv[1:])
     load_before = load_avg()
     with tempfile.TemporaryDirectory() as tmp:
-        bundle, onnx = Path(tmp) / "bundle", Path(tmp) / "decoder.onnx"
-        t = time.perf_counter()
-        rd.build_bundle(bundle, a.shape)
-        rd.export_onnx(bundle, onnx, last_logits=True)
-        print(f"bundle + ONNX export (checked against transformers) in {time.perf_counter() - t:.0f} s", flush=True)
+        bundle, onnx = build_inputs(rd, a.shape, a.cache or Path(tmp), a.int8)
         peak0 = matmul_peak_gflops(a.threads)
         workers = {k: Worker(k, a, bundle, onnx, Path(tmp) / f"{k}.log") for k in ("rust", "ort")}
         for w in workers.values():
@@ -296,7 +333,7 @@ def main() -> None:
         ))
     params = shape["vocab_size"] * shape["hidden_size"] + layer_matmul_params(shape)  # tied: one V × H matrix
     res = dict(
-        shape=a.shape, threads=a.threads, rounds=a.rounds, command=command,
+        shape=a.shape, threads=a.threads, rounds=a.rounds, command=command, int8=a.int8,
         loadavg_before=load_before, loadavg_after=load_avg(), simd=str(rust_runtime.simd_level),
         peak_gflops_before=peak0, peak_gflops_after=peak1, clock_ghz=stated[0], stated_peak_gflops=stated[1],
         flop_per_cycle=64 if avx512 else 32, results=rows,
@@ -308,9 +345,10 @@ def main() -> None:
         ),
     )
     a.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(a.out / "prefill.json", res)
-    write_md(res, a.out / "prefill.md")
-    print((a.out / "prefill.md").read_text())
+    stem = "prefill_int8" if a.int8 else "prefill"
+    atomic_write_json(a.out / f"{stem}.json", res)
+    write_md(res, a.out / f"{stem}.md")
+    print((a.out / f"{stem}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
 //! Decode timing without Python: `cargo run --release --example bench_decode -- BUNDLE [threads] [none|int8]`;
+//! `-- prefill BUNDLE [threads] [tokens,...]`: f32 prefill time, best of 5 (the ids of benchmarks/prefill.py);
+//! `-- gemv [threads] [m,m,...] [OUTxIN,...]`: the packed f32 matmul (default: the `small` and `base-400m`
+//! shapes), GFLOP/s;
 //! `-- linear [threads]`: f32 vs q8_0 `Linear::forward` time per call against the batch rows m (CANDLE_NUM_THREADS=1).
 //! (set the thread count with CANDLE_NUM_THREADS / RAYON_NUM_THREADS too, before the first op).
 use rust_runtime::{Model, Quantize};
@@ -7,7 +10,43 @@ use std::time::Instant;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(|s| s.as_str()) == Some("gemv") {
-        gemv_bench();
+        let threads: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(1);
+        let ms: Vec<usize> = match args.get(3) {
+            Some(s) => s.split(',').map(|v| v.parse()).collect::<Result<_, _>>()?,
+            None => vec![1, 16, 64],
+        };
+        let shapes: Vec<(usize, usize)> = match args.get(4) {
+            Some(s) => s
+                .split(',')
+                .map(|v| {
+                    let (r, k) = v.split_once('x').ok_or("shapes: OUTxIN,OUTxIN,...")?;
+                    Ok::<_, Box<dyn std::error::Error>>((r.parse()?, k.parse()?))
+                })
+                .collect::<Result<_, _>>()?,
+            None => vec![(32000, 512), (2560, 512), (1024, 512), (512, 1280), (2048, 1024), (8192, 1024), (1024, 4096)],
+        };
+        gemv_bench(threads, &ms, &shapes);
+        return Ok(());
+    }
+    if args.get(1).map(|s| s.as_str()) == Some("prefill") {
+        let dir = args.get(2).ok_or("usage: bench_decode prefill BUNDLE [threads] [tokens,tokens,...]")?;
+        let threads: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(1);
+        let lens: Vec<usize> = match args.get(4) {
+            Some(s) => s.split(',').map(|v| v.parse()).collect::<Result<_, _>>()?,
+            None => vec![64, 512],
+        };
+        let model = Model::load(std::path::Path::new(dir), Quantize::None, threads)?;
+        for &n in &lens {
+            let ids: Vec<u32> = (0..n).map(|i| ((7 * i + 3) % 30000 + 2) as u32).collect();
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let mut cache = model.new_cache();
+                let t = Instant::now();
+                model.forward(&mut cache, &ids, false)?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            println!("prefill {n} tokens, threads={threads}: best of 5 {:.1} ms", best * 1e3);
+        }
         return Ok(());
     }
     if args.get(1).map(|s| s.as_str()) == Some("linear") {
@@ -43,21 +82,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 #[allow(dead_code)]
-pub fn gemv_bench() {
+pub fn gemv_bench(threads: usize, ms: &[usize], shapes: &[(usize, usize)]) {
     use rust_runtime::kernels::{PackedF32, Par};
-    let par = Par::new(1).expect("one thread");
-    for &(rows, k) in &[(32000usize, 512usize), (2560, 512), (1024, 512), (512, 1280), (512, 512)] {
+    let par = Par::new(threads).expect("a pool");
+    for &(rows, k) in shapes {
         let w: Vec<f32> = (0..rows * k).map(|i| (i % 13) as f32 * 0.1).collect();
         let p = PackedF32::pack(&w, rows, k);
-        for m in [1usize, 16, 64] {
+        for &m in ms {
             let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32).collect();
             let mut y = vec![0f32; m * rows];
-            let reps = (200_000_000 / (rows * k * m)).max(3);
-            let t = Instant::now();
-            for _ in 0..reps {
-                p.matmul(&par, &x, m, &mut y);
+            // the best of 7 batches: this shared VM's speed drifts, a mean would mix in its neighbours
+            let reps = (60_000_000 / (rows * k * m)).max(1);
+            par.install(|| p.matmul(&par, &x, m, &mut y));
+            let mut dt = f64::INFINITY;
+            for _ in 0..7 {
+                let t = Instant::now();
+                for _ in 0..reps {
+                    par.install(|| p.matmul(&par, &x, m, &mut y));
+                }
+                dt = dt.min(t.elapsed().as_secs_f64() / reps as f64);
             }
-            let dt = t.elapsed().as_secs_f64() / reps as f64;
             println!(
                 "matmul {m}x{k} · {k}x{rows}: {:.1} us, {:.1} GB/s of weights, {:.1} GFLOP/s",
                 dt * 1e6,

@@ -599,14 +599,13 @@ fn prefill_budget(token_budget: usize, prefill_chunk: usize, decoding: usize) ->
 /// Sample the next token of `s` from `logits` and report it; true when `s` has finished
 /// (stop token, max_new_tokens, or its receiver is gone).
 fn sample_seq(s: &mut Seq, logits: &[f32], eot: Option<u32>) -> Result<bool> {
-    let tok = match sampling::sample(logits, &s.req.params, &s.pen, &mut s.rng) {
+    let (tok, max) = match sampling::sample_with_max(logits, &s.req.params, &s.pen, &mut s.rng) {
         Ok(t) => t,
         Err(e) => {
             s.finish(Finish::Error(e.to_string()));
             return Ok(true);
         }
     };
-    let max = sampling::check_logits(logits)?;
     let logprob = sampling::log_prob_with_max(logits, tok as usize, max) as f32;
     let top = if s.req.top_logprobs > 0 { sampling::top_logprobs(logits, s.req.top_logprobs, max) } else { vec![] };
     if (Some(tok) == eot && !s.req.ignore_eos) || s.req.stop_ids.contains(&tok) {

@@ -102,8 +102,8 @@ impl Generator {
             None => model.forward(&mut self.cache, &self.prompt, false)?,
             Some(t) => model.forward(&mut self.cache, &[t], false)?,
         };
-        let tok = sampling::sample(&logits, &self.params, &self.pen, &mut self.rng)?;
-        let lp = sampling::log_prob(&logits, tok as usize) as f32;
+        let (tok, max) = sampling::sample_with_max(&logits, &self.params, &self.pen, &mut self.rng)?;
+        let lp = sampling::log_prob_with_max(&logits, tok as usize, max) as f32;
         if Some(tok) == self.eot || self.stop_ids.contains(&tok) {
             self.done = true;
             return Ok(None);

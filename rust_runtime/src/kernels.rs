@@ -1,5 +1,6 @@
-//! Small f32 kernels: the packed, batch-invariant matmul (`PackedF32`: AVX2+FMA picked at run
-//! time, so a portable build is as fast as a `target-cpu=native` one), dot products, RMSNorm,
+//! Small f32 kernels: the packed, batch-invariant matmul (`PackedF32`: AVX-512 or AVX2+FMA picked
+//! at run time, so a portable build is as fast as a `target-cpu=native` one) and the panel product
+//! that attention runs on the KV cache with the same register tiles (`panel_product`), RMSNorm,
 //! SiLU, RoPE, softmax, and `Par`, the per-model rayon pool that splits work by ranges.
 
 use std::cell::RefCell;
@@ -34,107 +35,24 @@ pub fn simd_level() -> SimdLevel {
     })
 }
 
-// ---------------------------------------------------------------- dot products / GEMV
-
-/// Portable dot product with 16 independent partial sums (vectorizes at any target level).
-#[inline(always)]
-fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; 16];
-    let mut ca = a.chunks_exact(16);
-    let mut cb = b.chunks_exact(16);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for j in 0..16 {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    let mut s = 0f32;
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        s += x * y;
-    }
-    // pairwise reduction of the partial sums
-    let mut w = 8;
-    while w > 0 {
-        for j in 0..w {
-            acc[j] += acc[j + w];
-        }
-        w /= 2;
-    }
-    acc[0] + s
-}
+// ---------------------------------------------------------------- x86 register tiles
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc0 = _mm512_setzero_ps();
-        let mut acc1 = _mm512_setzero_ps();
-        let mut i = 0;
-        while i + 32 <= n {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
-            i += 32;
-        }
-        if i + 16 <= n {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-            i += 16;
-        }
-        if i < n {
-            let mask: __mmask16 = ((1u32 << (n - i)) - 1) as __mmask16;
-            acc1 =
-                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pa.add(i)), _mm512_maskz_loadu_ps(mask, pb.add(i)), acc1);
-        }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum256(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc0 = _mm256_setzero_ps();
-        let mut acc1 = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
-            i += 16;
-        }
-        let mut s = hsum256(_mm256_add_ps(acc0, acc1));
-        while i < n {
-            s += *pa.add(i) * *pb.add(i);
-            i += 1;
-        }
-        s
-    }
-
     /// One register tile of the packed matmul on AVX2: T tokens × one 16-row panel in 2·T ymm
     /// accumulators (+ 2 weight registers + 1 broadcast ≤ 16), over `kc` k steps. `w`: the panel
-    /// at the block's first k step (16 floats a step); `x`: the packed token tile at that step (T
-    /// floats a step); `y`: the tile's outputs, row t at `y + t·ys`, 16 floats. `resume`: start
-    /// from the partial sums in `y` (else from 0). Each output lane is the chain
-    /// acc = fma(w, x, acc) over the k steps in order.
+    /// at the block's first k step (16 floats, the next step `ss` floats on); `x`: the packed
+    /// token tile at that step (T floats a step); `y`: the tile's outputs, row t at `y + t·ys`, 16
+    /// floats. `resume`: start from the partial sums in `y` (else from 0). Each output lane is the
+    /// chain acc = fma(w, x, acc) over the k steps in order. `PF`: prefetch the weights
+    /// PREFETCH_STEPS steps ahead (for a pass that streams them from memory rather than L1).
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::needless_range_loop)]
-    pub unsafe fn tile_avx2<const T: usize>(
+    pub unsafe fn tile_avx2<const T: usize, const PF: bool>(
         w: *const f32,
+        ss: usize,
         x: *const f32,
         kc: usize,
         y: *mut f32,
@@ -150,8 +68,11 @@ mod x86 {
             }
         }
         for i in 0..kc {
-            let w0 = _mm256_loadu_ps(w.add(i * 16));
-            let w1 = _mm256_loadu_ps(w.add(i * 16 + 8));
+            if PF {
+                _mm_prefetch::<_MM_HINT_T1>(w.add((i + super::PREFETCH_STEPS) * ss).cast());
+            }
+            let w0 = _mm256_loadu_ps(w.add(i * ss));
+            let w1 = _mm256_loadu_ps(w.add(i * ss + 8));
             for t in 0..T {
                 let xb = _mm256_broadcast_ss(&*x.add(i * T + t));
                 a0[t] = _mm256_fmadd_ps(w0, xb, a0[t]);
@@ -164,15 +85,41 @@ mod x86 {
         }
     }
 
+    /// One token against G whole groups at once (G·4 zmm accumulators): y[64·g + r] = Σ_i
+    /// w_g[i·64 + r]·x[i], group g at `w + g·gs`. The same per-lane chain as `tile_avx512`; it
+    /// exists for decode, where the weights stream from memory: G groups are G sequential
+    /// streams, which the hardware prefetchers fetch in parallel (one stream per core keeps too
+    /// few lines in flight).
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)]
+    pub unsafe fn gemv_avx512<const G: usize>(w: *const f32, gs: usize, x: *const f32, k: usize, y: *mut f32) {
+        let mut a = [[_mm512_setzero_ps(); 4]; G];
+        for i in 0..k {
+            let xb = _mm512_set1_ps(*x.add(i));
+            for g in 0..G {
+                let wg = w.add(g * gs + i * super::GROUP);
+                for p in 0..4 {
+                    a[g][p] = _mm512_fmadd_ps(_mm512_loadu_ps(wg.add(p * 16)), xb, a[g][p]);
+                }
+            }
+        }
+        for g in 0..G {
+            for p in 0..4 {
+                _mm512_storeu_ps(y.add(g * super::GROUP + p * 16), a[g][p]);
+            }
+        }
+    }
+
     /// One register tile on AVX-512: T tokens × P panels (16·P rows, one zmm each) in P·T zmm
     /// accumulators (4 × 6 = 24, + 4 weight registers + 1 broadcast ≤ 32): per k step P weight
-    /// loads and T broadcasts feed P·T FMAs. Panel p starts at `w + p·ws`; otherwise as
-    /// `tile_avx2` (the same chain per output lane, so the same bits as any other tile shape).
+    /// loads (adjacent: a group's panels interleave) and T broadcasts feed P·T FMAs. Panel p
+    /// starts at `w + 16·p`, k step i at `w + ss·i`; otherwise as `tile_avx2` (the same chain per output lane, so the
+    /// same bits as any other tile shape).
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::needless_range_loop)] // register tiles: a[t][p] reads clearer than zipped iterators
-    pub unsafe fn tile_avx512<const P: usize, const T: usize>(
+    pub unsafe fn tile_avx512<const P: usize, const T: usize, const PF: bool>(
         w: *const f32,
-        ws: usize,
+        ss: usize,
         x: *const f32,
         kc: usize,
         y: *mut f32,
@@ -188,9 +135,14 @@ mod x86 {
             }
         }
         for i in 0..kc {
+            if PF {
+                for p in 0..P {
+                    _mm_prefetch::<_MM_HINT_T1>(w.add((i + super::PREFETCH_STEPS) * ss + p * 16).cast());
+                }
+            }
             let mut wv = [_mm512_setzero_ps(); P];
             for p in 0..P {
-                wv[p] = _mm512_loadu_ps(w.add(p * ws + i * 16));
+                wv[p] = _mm512_loadu_ps(w.add(i * ss + p * 16));
             }
             for t in 0..T {
                 let xb = _mm512_set1_ps(*x.add(i * T + t));
@@ -204,104 +156,6 @@ mod x86 {
                 _mm512_storeu_ps(y.add(t * ys + p * 16), a[t][p]);
             }
         }
-    }
-
-    /// Lane sums of 16 vectors: lane j of the result = Σ lanes of v[j] (a transpose-and-add tree,
-    /// 3 operations a vector instead of a full horizontal reduction each).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn sum_lanes16(v: &[__m512; 16]) -> __m512 {
-        // pairs: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3]
-        let mut w = [_mm512_setzero_ps(); 8];
-        for j in 0..8 {
-            let (a, b) = (v[2 * j], v[2 * j + 1]);
-            w[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-        }
-        // quads: per 128-bit lane the partial sums of 4 vectors, in order
-        let mut x = [_mm512_setzero_ps(); 4];
-        for j in 0..4 {
-            let (a, b) = (w[2 * j], w[2 * j + 1]);
-            x[j] = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(a, b), _mm512_shuffle_ps::<0b11_10_11_10>(a, b));
-        }
-        // add the 128-bit lanes: lane group g of the result holds vectors 4g..4g+3
-        let y0 = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(x[0], x[1]),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(x[0], x[1]),
-        );
-        let y1 = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(x[2], x[3]),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(x[2], x[3]),
-        );
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(y0, y1), _mm512_shuffle_f32x4::<0b11_01_11_01>(y0, y1))
-    }
-
-    /// out[t] = scale · q·k_t for t < n, k_t = the hd floats at `k + t·stride`; hd % 16 == 0.
-    /// 16 keys at a time, each one fma chain over hd in 16 lanes, lane-summed together.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn scores_avx512(q: *const f32, hd: usize, k: *const f32, stride: usize, n: usize, scale: f32, out: *mut f32) {
-        let sc = _mm512_set1_ps(scale);
-        let mut t0 = 0;
-        while t0 < n {
-            let nb = (n - t0).min(16);
-            let mut acc = [_mm512_setzero_ps(); 16];
-            for (j, a) in acc[..nb].iter_mut().enumerate() {
-                let kp = k.add((t0 + j) * stride);
-                let mut s = _mm512_setzero_ps();
-                for c in (0..hd).step_by(16) {
-                    s = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(c)), _mm512_loadu_ps(kp.add(c)), s);
-                }
-                *a = s;
-            }
-            let mask = ((1u32 << nb) - 1) as __mmask16;
-            _mm512_mask_storeu_ps(out.add(t0), mask, _mm512_mul_ps(sum_lanes16(&acc), sc));
-            t0 += 16;
-        }
-    }
-
-    /// out (hd floats) = Σ_t w[t] · v_t for t < n, v_t = the hd floats at `v + t·stride`;
-    /// hd % 16 == 0. Accumulated in registers, even and odd t apart (two chains, then added).
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::needless_range_loop)]
-    pub unsafe fn weighted_sum_avx512(w: *const f32, n: usize, v: *const f32, stride: usize, hd: usize, out: *mut f32) {
-        let mut c = 0;
-        while c < hd {
-            let width = if hd - c >= 64 { 4 } else { 1 };
-            let mut a = [_mm512_setzero_ps(); 8];
-            let mut t = 0;
-            while t + 2 <= n {
-                let (w0, w1) = (_mm512_set1_ps(*w.add(t)), _mm512_set1_ps(*w.add(t + 1)));
-                let (p0, p1) = (v.add(t * stride + c), v.add((t + 1) * stride + c));
-                for j in 0..width {
-                    a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(p0.add(16 * j)), a[j]);
-                    a[4 + j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(p1.add(16 * j)), a[4 + j]);
-                }
-                t += 2;
-            }
-            if t < n {
-                let w0 = _mm512_set1_ps(*w.add(t));
-                let p0 = v.add(t * stride + c);
-                for j in 0..width {
-                    a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(p0.add(16 * j)), a[j]);
-                }
-            }
-            for j in 0..width {
-                _mm512_storeu_ps(out.add(c + 16 * j), _mm512_add_ps(a[j], a[4 + j]));
-            }
-            c += 16 * width;
-        }
-    }
-}
-
-/// a · b over the common length.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    match simd_level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU feature was detected at run time.
-        SimdLevel::Avx512 => unsafe { x86::dot_avx512(a, b) },
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2Fma => unsafe { x86::dot_avx2(a, b) },
-        _ => dot_generic(a, b),
     }
 }
 
@@ -365,6 +219,28 @@ impl Par {
         (0..chunks).into_par_iter().for_each(|c| f(c * n_units / chunks..(c + 1) * n_units / chunks));
     }
 
+    /// `f(i, row)` for every row i of `out` (rows of `width` floats), split over the threads
+    /// when there are more than `ROWS_PAR_FLOATS` floats (elementwise work below that is cheaper
+    /// than a hand-off). Call only from inside `install`. Each row is computed the same way on
+    /// any thread, so the result does not depend on the split.
+    pub fn rows(&self, out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+        let m = if width == 0 { 0 } else { out.len() / width };
+        if self.pool.is_none() || m * width < ROWS_PAR_FLOATS {
+            for (i, row) in out.chunks_exact_mut(width.max(1)).take(m).enumerate() {
+                f(i, row);
+            }
+            return;
+        }
+        let op = SyncPtr(out.as_mut_ptr());
+        self.run(m, |range| {
+            let op = op;
+            for i in range {
+                // SAFETY: row i is written by this unit only, and lies inside `out`.
+                f(i, unsafe { std::slice::from_raw_parts_mut(op.0.add(i * width), width) });
+            }
+        });
+    }
+
     /// Like `run` with one unit per item and a fallible body; the first error wins.
     pub fn try_each<E: Send>(&self, n: usize, f: impl Fn(usize) -> Result<(), E> + Sync + Send) -> Result<(), E> {
         if self.pool.is_none() || n <= 1 {
@@ -374,6 +250,12 @@ impl Par {
         (0..n).into_par_iter().try_for_each(f)
     }
 }
+
+/// Below this many floats of x, `PackedF32::matmul` repacks x on the calling thread.
+const PACK_PAR_FLOATS: usize = 1 << 17;
+
+/// Below this many floats `Par::rows` runs on the calling thread.
+const ROWS_PAR_FLOATS: usize = 1 << 15;
 
 /// A raw pointer that may be shared between threads that write disjoint ranges.
 #[derive(Clone, Copy)]
@@ -385,23 +267,38 @@ unsafe impl Sync for SyncPtr {}
 
 /// Output rows per panel of a packed weight matrix (one zmm, two ymm registers).
 pub const PANEL: usize = 16;
-/// Tokens per register tile.
-const TILE: usize = 6;
-/// Panels per register tile on AVX-512 (4 zmm = 64 rows; see `x86::tile_avx512`).
-const PANELS_512: usize = 4;
-/// k steps per block when several token tiles share the weights: the tile's x (KC × TILE, 6 KB)
-/// stays in L1 while the weights of a row block pass under it; a block's partial sums are stored
-/// in y and resumed from there, which leaves each output's fma chain unchanged (f32 stores are exact).
-const KC: usize = 256;
-/// Weight floats of a row block × one k block (1 MB): they stay in L2 while every token tile
-/// runs over them, so prefill streams each weight from memory once.
-const BLOCK_FLOATS: usize = 1 << 18;
+/// Panels per group: the packed layout interleaves a group's panels k step by k step, so one
+/// step of a group is 64 adjacent floats (four cache lines) and a group streams as one run.
+const GROUP_PANELS: usize = 4;
+/// Output rows per group (the row stride of the packed layout, in floats per k step).
+pub const GROUP: usize = PANEL * GROUP_PANELS;
+/// How far ahead a streaming tile prefetches the weights into L2, in k steps: 128 steps of a
+/// group are 32 KB, one k block, so the first token tile over a block fetches the next block
+/// (measured: 16–64 steps ahead, or into L1, did no better on the decode shapes).
+const PREFETCH_STEPS: usize = 128;
+/// Groups a decode matmul (one token) streams at once on AVX-512 (`x86::gemv_avx512`).
+const GEMV_GROUPS: usize = 4;
+/// f32s per 64-byte cache line.
+const LINE_FLOATS: usize = 16;
+/// Tokens per register tile (the most rows one `panel_product` call takes).
+pub const TILE: usize = 6;
+/// Weight floats of one sliver × one k block when several token tiles share them (32 KB): they
+/// stay in L1 (48 KB on this machine's cores) while every token tile runs over them, the packed x
+/// streaming past from L2 (TILE floats a k step against a sliver's 16–64). So prefill reads each
+/// weight from memory once per matmul and from L1 once per token tile. A block's partial sums are
+/// parked in y and resumed from there, which leaves each output's fma chain unchanged (f32 stores
+/// are exact).
+const BLOCK_FLOATS: usize = 1 << 13;
 
-/// A weight matrix W (`out` × `inp`, the nn.Linear layout) packed once at load into panels of
-/// PANEL rows: element (r, i) lives at `(r / PANEL)·inp·PANEL + i·PANEL + r % PANEL`, the last
-/// panel padded with zeros. Every matmul, prefill or decode, streams the same panels.
+/// A weight matrix W (`out` × `inp`, the nn.Linear layout) packed once at load into groups of
+/// GROUP rows, k-major inside a group: element (r, i) lives at `(r / GROUP)·inp·GROUP + i·GROUP +
+/// r % GROUP`, the last group padded with zero rows. A panel (PANEL rows, one SIMD register) of a
+/// group is 16 adjacent floats per k step. Every matmul, prefill or decode, streams the same groups.
 pub struct PackedF32 {
-    data: Vec<f32>,
+    /// The packed groups start at `buf[off]`, the first 64-byte boundary of `buf`: a k step of a
+    /// panel is then exactly one cache line, so no SIMD load splits across two.
+    buf: Vec<f32>,
+    off: usize,
     pub out: usize,
     pub inp: usize,
 }
@@ -410,24 +307,31 @@ impl PackedF32 {
     /// Pack row-major `w` (out × inp). Panics only on a length mismatch (checked by the loader).
     pub fn pack(w: &[f32], out: usize, inp: usize) -> Self {
         assert_eq!(w.len(), out * inp, "pack: shape mismatch");
-        let panels = out.div_ceil(PANEL);
-        let mut data = vec![0f32; panels * inp * PANEL];
-        for r in 0..out {
-            let (p, l) = (r / PANEL, r % PANEL);
-            let base = p * inp * PANEL + l;
-            for (i, &v) in w[r * inp..(r + 1) * inp].iter().enumerate() {
-                data[base + i * PANEL] = v;
+        let groups = out.div_ceil(GROUP);
+        let len = groups * inp * GROUP;
+        let mut buf = vec![0f32; len + LINE_FLOATS];
+        let off = buf.as_ptr().align_offset(LINE_FLOATS * 4).min(LINE_FLOATS);
+        let data = &mut buf[off..off + len];
+        for (r, src) in w.chunks_exact(inp.max(1)).enumerate().take(out) {
+            let base = (r / GROUP) * inp * GROUP + r % GROUP;
+            for (i, &v) in src.iter().enumerate() {
+                data[base + i * GROUP] = v;
             }
         }
-        PackedF32 { data, out, inp }
+        PackedF32 { buf, off, out, inp }
+    }
+
+    /// The packed groups (see the type's layout).
+    fn data(&self) -> &[f32] {
+        &self.buf[self.off..self.off + self.out.div_ceil(GROUP) * self.inp * GROUP]
     }
 
     /// Copy row `r` (length inp) into `dst`: the embedding lookup of a tied lm_head.
     pub fn row(&self, r: usize, dst: &mut [f32]) {
-        let (p, l) = (r / PANEL, r % PANEL);
-        let base = p * self.inp * PANEL + l;
+        let base = (r / GROUP) * self.inp * GROUP + r % GROUP;
+        let data = self.data();
         for (i, d) in dst[..self.inp].iter_mut().enumerate() {
-            *d = self.data[base + i * PANEL];
+            *d = data[base + i * GROUP];
         }
     }
 
@@ -439,12 +343,13 @@ impl PackedF32 {
     /// split over threads. A token's logits are therefore bit-identical alone or in a batch, and
     /// whether its prompt is prefilled whole or in chunks.
     ///
-    /// Blocking (none of it changes a chain): x is packed into tiles of TILE tokens (k-major, so a
-    /// k step's broadcasts are adjacent); the output columns are split over threads in slivers
-    /// (PANELS_512 panels on AVX-512, one panel otherwise); each thread walks its slivers in row
-    /// blocks of about BLOCK_FLOATS weights per KC k steps, and inside a block every token tile
-    /// meets every sliver, partial sums parked in y between k blocks. With one token tile there
-    /// is no reuse to block for and k runs whole.
+    /// Blocking (none of it changes a chain; BLIS's loop order with the weights as the operand
+    /// kept in L1): x is packed into tiles of TILE tokens (k-major, so a k step's broadcasts are
+    /// adjacent); the output columns are split over threads in slivers (a group of 4 panels on
+    /// AVX-512, one panel otherwise); each thread takes a sliver, cuts k into blocks of
+    /// BLOCK_FLOATS weights, and runs every token tile over a block while it sits in L1, partial
+    /// sums parked in y between k blocks. With one token tile there is no reuse to block for and
+    /// k runs whole.
     pub fn matmul(&self, par: &Par, x: &[f32], m: usize, y: &mut [f32]) {
         self.matmul_at(simd_level(), par, x, m, y)
     }
@@ -460,20 +365,15 @@ impl PackedF32 {
         if m == 1 {
             return self.tiles(level, par, &x[..k], 1, y, split); // one token: the packed tile is x itself
         }
+        let kc = block_steps(level, m, k);
         thread_local! {
             /// This thread's packed-x scratch, kept between matmuls: a fresh one page-faults
             /// megabytes in every prefill matmul.
-            static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+            static X_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
         }
-        SCRATCH.with(|cell| {
-            // busy only if a rayon job stolen while this matmul waits runs another one here
-            let mut fresh = Vec::new();
-            let mut kept = cell.try_borrow_mut();
-            let buf = match kept.as_deref_mut() {
-                Ok(b) => b,
-                Err(_) => &mut fresh,
-            };
-            pack_tokens(par, &x[..m * k], m, k, split, buf);
+        with_scratch(&X_SCRATCH, |buf| {
+            // below PACK_PAR_FLOATS the copy is cheaper than handing it to the pool
+            pack_tokens(par, &x[..m * k], m, k, kc, split && m * k > PACK_PAR_FLOATS, buf);
             self.tiles(level, par, buf, m, y, split);
         })
     }
@@ -481,38 +381,82 @@ impl PackedF32 {
     /// The blocked loops of `matmul_at` over packed x (`xt`, see `pack_tokens`).
     fn tiles(&self, level: SimdLevel, par: &Par, xt: &[f32], m: usize, y: &mut [f32], split: bool) {
         let (out, k) = (self.out, self.inp);
-        let sp = if level == SimdLevel::Avx512 { PANELS_512 } else { 1 };
+        let sp = if level == SimdLevel::Avx512 { GROUP_PANELS } else { 1 };
         let panels = out.div_ceil(PANEL);
         let slivers = panels.div_ceil(sp);
         let tiles = m.div_ceil(TILE);
-        let kc = if tiles == 1 { k.max(1) } else { KC };
+        let kc = block_steps(level, m, k);
         let k_blocks = k.div_ceil(kc).max(1); // inp = 0: one empty block writes the zeros
-        let block_slivers = (BLOCK_FLOATS / (sp * PANEL * kc)).max(1);
+        let data = self.data();
+        let width = sp * PANEL;
         let yp = SyncPtr(y.as_mut_ptr());
+        thread_local! {
+            /// This thread's sliver of y (m rows × one sliver's columns, contiguous) while its k
+            /// blocks run: partial sums are parked and resumed in a few L2-resident pages instead
+            /// of m rows `out` floats apart, then copied to y once.
+            static Y_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
         let body = |range: Range<usize>| {
             let yp = yp;
-            let mut s0 = range.start;
-            while s0 < range.end {
-                let s1 = (s0 + block_slivers).min(range.end);
-                for kb in 0..k_blocks {
-                    let (i0, i1) = (kb * kc, ((kb + 1) * kc).min(k));
-                    for j in 0..tiles {
-                        let t0 = j * TILE;
-                        let n = TILE.min(m - t0);
-                        let xs = &xt[t0 * k + i0 * n..t0 * k + i1 * n];
-                        for s in s0..s1 {
-                            let p0 = s * sp;
-                            let np = sp.min(panels - p0);
-                            let (r0, rows) = (p0 * PANEL, (np * PANEL).min(out - p0 * PANEL));
-                            let w = &self.data[p0 * k * PANEL + i0 * PANEL..];
-                            // SAFETY: sliver s owns columns [r0, r0 + rows) of every output row,
-                            // and this call touches rows t0..t0+n of them only.
-                            let dst = unsafe { yp.0.add(t0 * out + r0) };
-                            unsafe { tile(level, w, k * PANEL, np, xs, n, i1 - i0, dst, out, rows, kb > 0) };
+            let mut s = range.start;
+            while s < range.end {
+                #[cfg(target_arch = "x86_64")]
+                if m == 1 && level == SimdLevel::Avx512 {
+                    // decode on AVX-512: up to GEMV_GROUPS whole groups at once (slivers are groups)
+                    let g = (range.end - s).min(GEMV_GROUPS).min(out / GROUP - s.min(out / GROUP));
+                    if g > 1 {
+                        let (w, gs) = (data[s * k * GROUP..].as_ptr(), k * GROUP);
+                        // SAFETY: avx512f detected; groups s..s+g are whole (g·64 rows ≤ out − 64·s)
+                        // and lie in `data`; slivers s..s+g own columns [64·s, 64·(s + g)) of y's one row.
+                        unsafe {
+                            let y = yp.0.add(s * GROUP);
+                            match g {
+                                2 => x86::gemv_avx512::<2>(w, gs, xt.as_ptr(), k, y),
+                                3 => x86::gemv_avx512::<3>(w, gs, xt.as_ptr(), k, y),
+                                _ => x86::gemv_avx512::<4>(w, gs, xt.as_ptr(), k, y),
+                            }
                         }
+                        s += g;
+                        continue;
                     }
                 }
-                s0 = s1;
+                let p0 = s * sp;
+                let np = sp.min(panels - p0);
+                let (r0, rows) = (p0 * PANEL, (np * PANEL).min(out - p0 * PANEL));
+                let base = (p0 / GROUP_PANELS) * k * GROUP + (p0 % GROUP_PANELS) * PANEL;
+                if tiles == 1 {
+                    // one token tile, k whole (kc = k): straight into y, prefetching the weights
+                    let xs = &xt[..m * k];
+                    // SAFETY: sliver s owns columns [r0, r0 + rows) of every output row.
+                    unsafe { tile(level, &data[base..], GROUP, np, xs, m, k, yp.0.add(r0), out, rows, false, true) };
+                    s += 1;
+                    continue;
+                }
+                with_scratch(&Y_SCRATCH, |acc| {
+                    acc.resize(m * width, 0.0);
+                    for kb in 0..k_blocks {
+                        let (i0, i1) = (kb * kc, ((kb + 1) * kc).min(k));
+                        let w = &data[base + i0 * GROUP..];
+                        for j in 0..tiles {
+                            let t0 = j * TILE;
+                            let n = TILE.min(m - t0);
+                            let at = i0 * m + t0 * (i1 - i0);
+                            let xs = &xt[at..at + n * (i1 - i0)];
+                            // SAFETY: rows t0..t0+n of the scratch, np·PANEL ≤ width columns.
+                            let dst = unsafe { acc.as_mut_ptr().add(t0 * width) };
+                            // the first token tile pulls the block from memory: prefetch ahead of it
+                            unsafe {
+                                tile(level, w, GROUP, np, xs, n, i1 - i0, dst, width, np * PANEL, kb > 0, j == 0)
+                            };
+                        }
+                    }
+                    for t in 0..m {
+                        // SAFETY: sliver s owns columns [r0, r0 + rows) of every output row.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(yp.0.add(t * out + r0), rows) };
+                        dst.copy_from_slice(&acc[t * width..t * width + rows]);
+                    }
+                });
+                s += 1;
             }
         };
         if split {
@@ -523,10 +467,115 @@ impl PackedF32 {
     }
 }
 
-/// x (m × k, row-major) repacked into tiles of TILE tokens: the tile of tokens t0..t0+n (n ≤
-/// TILE) starts at t0·k and holds (i, t) at i·n + t, so one k step's n values are adjacent.
-/// `packed` is resized to m·k and every element overwritten.
-fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, split: bool, packed: &mut Vec<f32>) {
+/// y = x · Wᵀ for n ≤ TILE rows of x and a matrix W of `rows` rows × `kc` steps laid out in
+/// panels: row r, step i at `w[(r / GROUP)·gs + r % GROUP + i·ss]` (`PackedF32` is gs = inp·GROUP,
+/// ss = GROUP; the KV cache has its own strides, see `cache.rs`). `x`: packed, n floats a step
+/// (x[i·n + t] is row t's value at step i). Row t of the result goes to `y[t·ys..][..rows]`;
+/// with `resume` each output continues from the value found there, else from 0.
+///
+/// Every output is the chain acc = fma(W[r, i], x[t, i], acc) over i in order, in one SIMD lane,
+/// whatever n, the SIMD level or the other rows: the chain of `PackedF32::matmul`. Attention uses
+/// it for q·kᵀ and p·V, so one query (decode) and a block of queries (prefill) get the same bits.
+///
+/// Panics when n is 0 or above TILE, or a slice is too short for its strides.
+#[allow(clippy::too_many_arguments)]
+pub fn panel_product(
+    w: &[f32],
+    gs: usize,
+    ss: usize,
+    rows: usize,
+    x: &[f32],
+    n: usize,
+    kc: usize,
+    y: &mut [f32],
+    ys: usize,
+    resume: bool,
+) {
+    panel_product_at(simd_level(), w, gs, ss, rows, x, n, kc, y, ys, resume)
+}
+
+/// `panel_product` with the kernels of `level`, which the CPU must support (the tests run each one).
+#[allow(clippy::too_many_arguments)]
+fn panel_product_at(
+    level: SimdLevel,
+    w: &[f32],
+    gs: usize,
+    ss: usize,
+    rows: usize,
+    x: &[f32],
+    n: usize,
+    kc: usize,
+    y: &mut [f32],
+    ys: usize,
+    resume: bool,
+) {
+    assert!((1..=TILE).contains(&n) && x.len() >= kc * n, "panel_product: {n} rows, {} of x for {kc} steps", x.len());
+    if rows == 0 {
+        return;
+    }
+    assert!(y.len() >= (n - 1) * ys + rows, "panel_product: y holds {} floats", y.len());
+    let sp = if level == SimdLevel::Avx512 { GROUP_PANELS } else { 1 };
+    let panels = rows.div_ceil(PANEL);
+    let mut p0 = 0;
+    while p0 < panels {
+        // a call stays inside one group: its panels are adjacent there
+        let np = sp.min(GROUP_PANELS - p0 % GROUP_PANELS).min(panels - p0);
+        let r0 = p0 * PANEL;
+        let off = (p0 / GROUP_PANELS) * gs + (p0 % GROUP_PANELS) * PANEL;
+        // SAFETY: tile writes rows t < n, columns r0..r0 + r of y, inside y by the assert above;
+        // it checks w's length against kc, ss and np itself.
+        unsafe {
+            tile(
+                level,
+                &w[off..],
+                ss,
+                np,
+                x,
+                n,
+                kc,
+                y.as_mut_ptr().add(r0),
+                ys,
+                (np * PANEL).min(rows - r0),
+                resume,
+                false,
+            )
+        };
+        p0 += np;
+    }
+}
+
+/// Run `f` on this thread's scratch vector in `key`, or on a fresh one if the kept one is busy
+/// (a rayon job stolen while this thread waits inside a parallel region can run another matmul
+/// here).
+fn with_scratch<R>(key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>, f: impl FnOnce(&mut Vec<f32>) -> R) -> R {
+    key.with(|cell| {
+        let mut fresh = Vec::new();
+        let mut kept = cell.try_borrow_mut();
+        let buf = match kept.as_deref_mut() {
+            Ok(b) => b,
+            Err(_) => &mut fresh,
+        };
+        f(buf)
+    })
+}
+
+/// k steps per block of `PackedF32::tiles`: all of k with one token tile (nothing to reuse),
+/// else BLOCK_FLOATS weights of one sliver.
+fn block_steps(level: SimdLevel, m: usize, k: usize) -> usize {
+    if m <= TILE {
+        k.max(1)
+    } else {
+        BLOCK_FLOATS / (if level == SimdLevel::Avx512 { GROUP_PANELS } else { 1 } * PANEL)
+    }
+}
+
+/// x (m × k, row-major) repacked by k blocks of `kc` steps, and inside a block by tiles of TILE
+/// tokens, k-major: block [i0, i1) occupies `packed[i0·m, i1·m)`, its tile of tokens t0..t0+n
+/// (n ≤ TILE) starts at `i0·m + t0·(i1 − i0)` and holds (i, t) at `(i − i0)·n + t`. So one k
+/// step's n values are adjacent, and the token tiles that run over one weight block read one
+/// contiguous run (a single stream for the prefetcher). `packed` is resized to m·k and every
+/// element overwritten.
+fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, kc: usize, split: bool, packed: &mut Vec<f32>) {
     packed.resize(m * k, 0.0);
     let pp = SyncPtr(packed.as_mut_ptr());
     let body = |range: Range<usize>| {
@@ -534,11 +583,14 @@ fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, split: bool, packed: &m
         for j in range {
             let t0 = j * TILE;
             let n = TILE.min(m - t0);
-            // SAFETY: tile j owns packed[t0·k, (t0 + n)·k).
-            let dst = unsafe { std::slice::from_raw_parts_mut(pp.0.add(t0 * k), n * k) };
-            for t in 0..n {
-                for (i, &v) in x[(t0 + t) * k..(t0 + t + 1) * k].iter().enumerate() {
-                    dst[i * n + t] = v;
+            for i0 in (0..k).step_by(kc.max(1)) {
+                let w = kc.min(k - i0);
+                // SAFETY: tile j owns packed[i0·m + t0·w, i0·m + (t0 + n)·w) of every block.
+                let dst = unsafe { std::slice::from_raw_parts_mut(pp.0.add(i0 * m + t0 * w), n * w) };
+                for t in 0..n {
+                    for (i, &v) in x[(t0 + t) * k + i0..(t0 + t) * k + i0 + w].iter().enumerate() {
+                        dst[i * n + t] = v;
+                    }
                 }
             }
         }
@@ -550,18 +602,19 @@ fn pack_tokens(par: &Par, x: &[f32], m: usize, k: usize, split: bool, packed: &m
     }
 }
 
-/// One register tile: n ≤ TILE tokens (`x`, packed, n floats a k step, kc steps) × np panels
-/// (`w`: panel 0 at this block's first k step, panel p at `w[p·ws..]`), into `rows` ≤ np·PANEL
-/// output columns at `y` (token t's at `y + t·ys`), resumed from the sums there if `resume`. A
-/// sliver whose last panel is partial goes through a full-width scratch tile, so that a kernel
-/// never writes past `rows`.
+/// One register tile: n ≤ TILE tokens (`x`, packed, n floats a k step, kc steps) × np panels of
+/// one group (`w`: the first panel at this block's first k step; panel p at `w[16·p..]`, k step i
+/// at `w[ss·i..]`: ss = GROUP for packed weights), into `rows` ≤ np·PANEL output columns at `y` (token t's at `y + t·ys`),
+/// resumed from the sums there if `resume`, prefetching the weights ahead if `stream` (they come
+/// from memory, not L1). A sliver whose last panel is partial goes through a full-width scratch
+/// tile, so that a kernel never writes past `rows`.
 ///
 /// Safety: `y + t·ys + c` must be writable for t < n, c < rows, and owned by this call.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
     level: SimdLevel,
     w: &[f32],
-    ws: usize,
+    ss: usize,
     np: usize,
     x: &[f32],
     n: usize,
@@ -570,18 +623,19 @@ unsafe fn tile(
     ys: usize,
     rows: usize,
     resume: bool,
+    stream: bool,
 ) {
-    assert!((1..=TILE).contains(&n) && (1..=PANELS_512).contains(&np) && x.len() >= kc * n && rows <= np * PANEL);
-    assert!(w.len() >= (np - 1) * ws + kc * PANEL);
+    assert!((1..=TILE).contains(&n) && (1..=GROUP_PANELS).contains(&np) && x.len() >= kc * n && rows <= np * PANEL);
+    assert!(kc == 0 || w.len() >= (kc - 1) * ss + np * PANEL);
     let width = np * PANEL;
     if rows < width {
-        let mut scratch = [[0f32; PANELS_512 * PANEL]; TILE];
+        let mut scratch = [[0f32; GROUP]; TILE];
         if resume {
             for (t, row) in scratch[..n].iter_mut().enumerate() {
                 std::ptr::copy_nonoverlapping(y.add(t * ys), row.as_mut_ptr(), rows);
             }
         }
-        tile(level, w, ws, np, x, n, kc, scratch.as_mut_ptr().cast(), PANELS_512 * PANEL, width, resume);
+        tile(level, w, ss, np, x, n, kc, scratch.as_mut_ptr().cast(), GROUP, width, resume, stream);
         for (t, row) in scratch[..n].iter().enumerate() {
             std::ptr::copy_nonoverlapping(row.as_ptr(), y.add(t * ys), rows);
         }
@@ -591,12 +645,12 @@ unsafe fn tile(
     macro_rules! by_tokens {
         ($f:ident $(, $p:literal)?) => {
             match n {
-                1 => $f::<$($p,)? 1>(w, ws, x, kc, y, ys, resume),
-                2 => $f::<$($p,)? 2>(w, ws, x, kc, y, ys, resume),
-                3 => $f::<$($p,)? 3>(w, ws, x, kc, y, ys, resume),
-                4 => $f::<$($p,)? 4>(w, ws, x, kc, y, ys, resume),
-                5 => $f::<$($p,)? 5>(w, ws, x, kc, y, ys, resume),
-                _ => $f::<$($p,)? 6>(w, ws, x, kc, y, ys, resume),
+                1 => $f::<$($p,)? 1>(w, ss, x, kc, y, ys, resume, stream),
+                2 => $f::<$($p,)? 2>(w, ss, x, kc, y, ys, resume, stream),
+                3 => $f::<$($p,)? 3>(w, ss, x, kc, y, ys, resume, stream),
+                4 => $f::<$($p,)? 4>(w, ss, x, kc, y, ys, resume, stream),
+                5 => $f::<$($p,)? 5>(w, ss, x, kc, y, ys, resume, stream),
+                _ => $f::<$($p,)? 6>(w, ss, x, kc, y, ys, resume, stream),
             }
         };
     }
@@ -617,50 +671,37 @@ unsafe fn tile(
 }
 
 #[cfg(target_arch = "x86_64")]
-unsafe fn tile512<const P: usize, const T: usize>(
-    w: *const f32,
-    ws: usize,
-    x: *const f32,
-    kc: usize,
-    y: *mut f32,
-    ys: usize,
-    resume: bool,
-) {
-    x86::tile_avx512::<P, T>(w, ws, x, kc, y, ys, resume)
+#[rustfmt::skip]
+unsafe fn tile512<const P: usize, const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, stream: bool) {
+    if stream {
+        x86::tile_avx512::<P, T, true>(w, ss, x, kc, y, ys, resume)
+    } else {
+        x86::tile_avx512::<P, T, false>(w, ss, x, kc, y, ys, resume)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-unsafe fn tile256<const T: usize>(
-    w: *const f32,
-    _ws: usize,
-    x: *const f32,
-    kc: usize,
-    y: *mut f32,
-    ys: usize,
-    resume: bool,
-) {
-    x86::tile_avx2::<T>(w, x, kc, y, ys, resume)
+#[rustfmt::skip]
+unsafe fn tile256<const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, stream: bool) {
+    if stream {
+        x86::tile_avx2::<T, true>(w, ss, x, kc, y, ys, resume)
+    } else {
+        x86::tile_avx2::<T, false>(w, ss, x, kc, y, ys, resume)
+    }
 }
 
 /// The same per-lane fma chain as the SIMD kernels, in portable code (one panel).
-unsafe fn tile_generic<const T: usize>(
-    w: *const f32,
-    _ws: usize,
-    x: *const f32,
-    kc: usize,
-    y: *mut f32,
-    ys: usize,
-    resume: bool,
-) {
+#[rustfmt::skip]
+unsafe fn tile_generic<const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, _stream: bool) {
     let mut acc = [[0f32; PANEL]; T];
     if resume {
         for (t, a) in acc.iter_mut().enumerate() {
             std::ptr::copy_nonoverlapping(y.add(t * ys), a.as_mut_ptr(), PANEL);
         }
     }
-    let (w, x) = (std::slice::from_raw_parts(w, kc * PANEL), std::slice::from_raw_parts(x, kc * T));
+    let x = std::slice::from_raw_parts(x, kc * T);
     for i in 0..kc {
-        let wv = &w[i * PANEL..(i + 1) * PANEL];
+        let wv = std::slice::from_raw_parts(w.add(i * ss), PANEL);
         for (t, a) in acc.iter_mut().enumerate() {
             let xv = x[i * T + t];
             for l in 0..PANEL {
@@ -670,34 +711,6 @@ unsafe fn tile_generic<const T: usize>(
     }
     for (t, a) in acc.iter().enumerate() {
         std::ptr::copy_nonoverlapping(a.as_ptr(), y.add(t * ys), PANEL);
-    }
-}
-
-/// One query head's causal attention over `n` cached positions: out (hd = q.len() floats) =
-/// Σ_t softmax_t(scale · q·k_t) · v_t, with k_t = `k[t·stride..][..hd]` and v_t likewise in `v`
-/// (token-major caches, the head's offset already applied). `scores` is scratch (left holding the
-/// weights). Depends on this query and these n positions only, never on other rows of a batch.
-pub fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, n: usize, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let hd = q.len();
-    assert!(n >= 1 && out.len() >= hd && k.len() >= (n - 1) * stride + hd && v.len() >= (n - 1) * stride + hd);
-    scores.clear();
-    #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx512 && hd % 16 == 0 {
-        scores.resize(n, 0.0);
-        // SAFETY: avx512f detected; every read lies in k/v by the assert above, scores has n floats.
-        unsafe { x86::scores_avx512(q.as_ptr(), hd, k.as_ptr(), stride, n, scale, scores.as_mut_ptr()) };
-        softmax_inplace(scores);
-        unsafe { x86::weighted_sum_avx512(scores.as_ptr(), n, v.as_ptr(), stride, hd, out.as_mut_ptr()) };
-        return;
-    }
-    scores.extend((0..n).map(|t| dot(q, &k[t * stride..t * stride + hd]) * scale));
-    softmax_inplace(scores);
-    let o = &mut out[..hd];
-    o.fill(0.0);
-    for (t, &w) in scores.iter().enumerate() {
-        for (ov, &vv) in o.iter_mut().zip(&v[t * stride..t * stride + hd]) {
-            *ov += w * vv;
-        }
     }
 }
 
@@ -860,9 +873,6 @@ mod tests {
             let mut threaded = vec![0f32; m * rows];
             par.install(|| p.matmul(&par, &x, m, &mut threaded));
             assert_eq!(threaded, all, "{rows}x{k}: threads change the result");
-            let want = naive(&w, &x[..k], 1, k)[0];
-            assert!((dot(&w[..k], &x[..k]) - want).abs() <= 1e-4 * (1.0 + want.abs()));
-            assert!((dot_generic(&w[..k], &x[..k]) - want).abs() <= 1e-4 * (1.0 + want.abs()));
         }
     }
 
@@ -928,28 +938,58 @@ mod tests {
     }
 
     #[test]
-    fn attend_matches_a_naive_softmax_attention() {
-        for &(hd, n) in &[(64usize, 1usize), (64, 15), (64, 16), (64, 37), (80, 5), (16, 33), (6, 9)] {
-            let stride = 3 * hd + 5;
-            let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
-            let k: Vec<f32> = (0..n * stride).map(|i| ((i * 7919 % 997) as f32 / 500.0) - 1.0).collect();
-            let v: Vec<f32> = (0..n * stride).map(|i| ((i * 104729 % 991) as f32 / 400.0) - 1.2).collect();
-            let scale = 0.125;
-            let s: Vec<f64> = (0..n)
-                .map(|t| (0..hd).map(|i| q[i] as f64 * k[t * stride + i] as f64).sum::<f64>() * scale as f64)
-                .collect();
-            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
-            let want: Vec<f64> =
-                (0..hd).map(|i| (0..n).map(|t| (s[t] - mx).exp() / z * v[t * stride + i] as f64).sum()).collect();
-            let mut out = vec![f32::NAN; hd];
-            let mut scores = Vec::new();
-            attend(&q, &k, &v, stride, n, scale, &mut scores, &mut out);
-            for (a, b) in out.iter().zip(&want) {
-                assert!((*a as f64 - b).abs() < 1e-5, "hd {hd} n {n}: {a} vs {b}");
-            }
-            for (t, w) in scores.iter().enumerate() {
-                assert!((*w as f64 - (s[t] - mx).exp() / z).abs() < 1e-6, "hd {hd} n {n}: weight {t}");
+    fn panel_product_matches_naive_and_resumes_exactly_at_every_simd_level() {
+        // rows across groups with a partial last panel; strides of the K and V caches and of packed weights
+        for &(rows, kc, gs, ss) in
+            &[(150usize, 37usize, 37 * 64, 64usize), (80, 70, 64, 80), (6, 9, 64, 16), (64, 5, 320, 64)]
+        {
+            let groups = rows.div_ceil(GROUP);
+            let len = (groups - 1) * gs + (kc - 1) * ss + GROUP;
+            let w: Vec<f32> = (0..len).map(|i| ((i * 7919 % 2003) as f32 / 1001.0) - 1.0).collect();
+            let at = |r: usize, i: usize| w[(r / GROUP) * gs + r % GROUP + i * ss];
+            for level in levels() {
+                for n in 1..=TILE {
+                    let x: Vec<f32> = (0..kc * n).map(|i| ((i * 104729 % 1999) as f32 / 999.0) - 1.0).collect();
+                    let ys = rows + 3;
+                    let mut y = vec![f32::NAN; (n - 1) * ys + rows];
+                    panel_product_at(level, &w, gs, ss, rows, &x, n, kc, &mut y, ys, false);
+                    for t in 0..n {
+                        for r in 0..rows {
+                            let want: f64 = (0..kc).map(|i| at(r, i) as f64 * x[i * n + t] as f64).sum();
+                            let got = y[t * ys + r];
+                            assert!((got as f64 - want).abs() < 1e-4, "{level:?} {rows}x{kc} n {n}: {got} vs {want}");
+                        }
+                    }
+                    // the first 3 steps, then the rest resumed from y: the same bits as all at once
+                    let split = 3.min(kc);
+                    let head: Vec<f32> =
+                        (0..split).flat_map(|i| (0..n).map(move |t| (i, t))).map(|(i, t)| x[i * n + t]).collect();
+                    let mut y2 = vec![f32::NAN; y.len()];
+                    panel_product_at(level, &w, gs, ss, rows, &head, n, split, &mut y2, ys, false);
+                    panel_product_at(
+                        level,
+                        &w[split * ss..],
+                        gs,
+                        ss,
+                        rows,
+                        &x[split * n..],
+                        n,
+                        kc - split,
+                        &mut y2,
+                        ys,
+                        true,
+                    );
+                    for t in 0..n {
+                        assert_eq!(y[t * ys..t * ys + rows], y2[t * ys..t * ys + rows], "{level:?} resumed");
+                    }
+                    // row t alone (n = 1) gives the same bits as inside the tile
+                    for t in 0..n {
+                        let xt: Vec<f32> = (0..kc).map(|i| x[i * n + t]).collect();
+                        let mut one = vec![f32::NAN; rows];
+                        panel_product_at(level, &w, gs, ss, rows, &xt, 1, kc, &mut one, rows, false);
+                        assert_eq!(one[..], y[t * ys..t * ys + rows], "{level:?} {rows}x{kc}: row {t} alone");
+                    }
+                }
             }
         }
     }

@@ -11,7 +11,7 @@
 //! attention runs per sequence over that sequence's cache only. So a sequence's logits are the
 //! same bits alone, beside other sequences, or with its prompt split into chunks.
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, CHUNK};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::{self, Par, SyncPtr};
@@ -201,7 +201,7 @@ impl Model {
                     c.vocab_size
                 )));
             }
-            if it.cache.k.len() != c.num_hidden_layers || it.cache.kv_dim != c.num_key_value_heads * c.head_dim {
+            if it.cache.layers() != c.num_hidden_layers || it.cache.kv_dim() != c.num_key_value_heads * c.head_dim {
                 return Err(Error::arg("this sequence belongs to a different model"));
             }
         }
@@ -227,11 +227,13 @@ impl Model {
         let half = hd / 2;
         let eps = c.rms_norm_eps as f32;
         let par = &self.par;
-        // row r of the batch: (item, position)
+        // row r of the batch: (item, position); item b's rows are spans[b] = (first row, count, position of the first)
         let mut rows: Vec<(usize, usize)> = Vec::new();
+        let mut spans: Vec<(usize, usize, usize)> = Vec::new();
         for (b, it) in items.iter_mut().enumerate() {
             let pos0 = it.cache.len;
             it.cache.prepare(pos0 + it.ids.len());
+            spans.push((rows.len(), it.ids.len(), pos0));
             rows.extend((0..it.ids.len()).map(|i| (b, pos0 + i)));
         }
         let m = rows.len();
@@ -252,42 +254,34 @@ impl Model {
         let scale = (hd as f64).powf(-0.5) as f32;
 
         for (li, layer) in self.layers.iter().enumerate() {
-            for i in 0..m {
-                kernels::rms_norm(&x[i * h..(i + 1) * h], &layer.attn_norm, eps, &mut hbuf[i * h..(i + 1) * h]);
-            }
+            par.rows(&mut hbuf, h, |i, o| kernels::rms_norm(&x[i * h..(i + 1) * h], &layer.attn_norm, eps, o));
             layer.qkv.forward(par, &hbuf, m, &mut qkv)?;
             // RoPE on q and k, then append k and v to each sequence's cache.
-            for (i, &(b, p)) in rows.iter().enumerate() {
+            par.rows(&mut qkv, qkv_dim, |i, row| {
+                let p = rows[i].1;
                 let (cs, sn) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);
-                let row = &mut qkv[i * qkv_dim..(i + 1) * qkv_dim];
                 for head in 0..nh + nkv {
                     kernels::rope_half(&mut row[head * hd..(head + 1) * hd], cs, sn);
                 }
-                let cache = &mut *items[b].cache;
-                cache.k[li].extend_from_slice(&row[q_dim..q_dim + kv_dim]);
-                cache.v[li].extend_from_slice(&row[q_dim + kv_dim..]);
+            });
+            for (i, &(b, p)) in rows.iter().enumerate() {
+                let row = &qkv[i * qkv_dim..(i + 1) * qkv_dim];
+                items[b].cache.write(li, p, &row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
             }
             {
-                let kv: Vec<(&[f32], &[f32])> =
-                    items.iter().map(|it| (it.cache.k[li].as_slice(), it.cache.v[li].as_slice())).collect();
-                self.attention(&qkv, &rows, &kv, &mut attn, scale);
+                let caches: Vec<&KvCache> = items.iter().map(|it| &*it.cache).collect();
+                self.attention(li, &qkv, &spans, &caches, &mut attn, scale);
             }
             layer.o.forward(par, &attn, m, &mut hbuf)?;
-            for (xv, o) in x.iter_mut().zip(&hbuf) {
-                *xv += *o;
-            }
-            for i in 0..m {
-                kernels::rms_norm(&x[i * h..(i + 1) * h], &layer.mlp_norm, eps, &mut hbuf[i * h..(i + 1) * h]);
-            }
+            par.rows(&mut x, h, |i, xr| add_assign(xr, &hbuf[i * h..(i + 1) * h]));
+            par.rows(&mut hbuf, h, |i, o| kernels::rms_norm(&x[i * h..(i + 1) * h], &layer.mlp_norm, eps, o));
             layer.gate_up.forward(par, &hbuf, m, &mut gu)?;
-            for i in 0..m {
+            par.rows(&mut act, inter, |i, o| {
                 let row = &gu[i * 2 * inter..(i + 1) * 2 * inter];
-                kernels::silu_mul(&row[..inter], &row[inter..], &mut act[i * inter..(i + 1) * inter]);
-            }
+                kernels::silu_mul(&row[..inter], &row[inter..], o)
+            });
             layer.down.forward(par, &act, m, &mut hbuf)?;
-            for (xv, o) in x.iter_mut().zip(&hbuf) {
-                *xv += *o;
-            }
+            par.rows(&mut x, h, |i, xr| add_assign(xr, &hbuf[i * h..(i + 1) * h]));
         }
 
         // the rows whose logits were asked for, normed and sent through the lm_head together
@@ -325,44 +319,119 @@ impl Model {
         Ok(out)
     }
 
-    /// Causal attention of every batch row (item b at position p) over its own item's cache
-    /// (`kv[b]`, which already holds positions 0..=p).
-    fn attention(&self, qkv: &[f32], rows: &[(usize, usize)], kv: &[(&[f32], &[f32])], out: &mut [f32], scale: f32) {
+    /// Causal attention of every batch row over its own item's cache (which already holds the
+    /// row's position); `spans[b]` = (first row, rows, position of the first) of item b.
+    ///
+    /// An item's rows (consecutive positions) are taken in blocks of up to `kernels::TILE` per
+    /// query head, and a block runs as panel products over the cache's layouts (`cache.rs`):
+    /// scores = q·Kᵀ over the keys up to the block's last position, a softmax per row over its own
+    /// positions, then out = p·V, for the whole block up to its first position and row by row
+    /// after that. Every score and every output element is thus the same fma chain as for that
+    /// row alone (a decode step), so a token's logits do not depend on the batch or on how its
+    /// prompt was chunked; and a prefill block reads each key and value once for TILE queries.
+    fn attention(
+        &self,
+        layer: usize,
+        qkv: &[f32],
+        spans: &[(usize, usize, usize)],
+        caches: &[&KvCache],
+        out: &mut [f32],
+        scale: f32,
+    ) {
         let c = &self.cfg;
         let (hd, nh, nkv) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let q_dim = nh * hd;
         let qkv_dim = q_dim + 2 * nkv * hd;
-        let kv_dim = nkv * hd;
         let group = nh / nkv;
+        let tile = kernels::TILE;
+        // units: (item, first row of the block, rows in it, query head)
+        let mut units: Vec<(usize, usize, usize, usize)> = Vec::new();
+        let mut work = 0usize;
+        let mut max_ctx = 0usize;
+        for (b, &(r0, n, pos0)) in spans.iter().enumerate() {
+            for j in (0..n).step_by(tile) {
+                let t = tile.min(n - j);
+                units.extend((0..nh).map(|head| (b, r0 + j, t, head)));
+                work += nh * t * (pos0 + j + t) * hd;
+            }
+            max_ctx = max_ctx.max(pos0 + n);
+        }
         let op = SyncPtr(out.as_mut_ptr());
-        let unit = |u: usize, scores: &mut Vec<f32>| {
-            let (i, head) = (u / nh, u % nh);
-            let (b, p) = rows[i];
-            let (kc, vc) = kv[b];
+        let unit = |u: usize, buf: &mut AttnScratch| {
+            let (b, r0, t, head) = units[u];
+            let (row0, _, pos0) = spans[b];
+            let p0 = pos0 + (r0 - row0); // position of the block's first row
+            let n = p0 + t; // keys the block's last row sees
+            let cache = caches[b];
             let kvh = head / group; // GQA: q head h reads kv head h / group
-            let q = &qkv[i * qkv_dim + head * hd..i * qkv_dim + (head + 1) * hd];
+            let (kh, vh, hp) = (cache.k_head(layer, kvh), cache.v_head(layer, kvh), cache.hd_pad());
+            buf.q.clear();
+            for i in 0..hd {
+                buf.q.extend((0..t).map(|j| qkv[(r0 + j) * qkv_dim + head * hd + i]));
+            }
+            buf.scores.resize(t * n, 0.0);
+            kernels::panel_product(kh, hd * CHUNK, CHUNK, n, &buf.q, t, hd, &mut buf.scores, n, false);
+            for j in 0..t {
+                let s = &mut buf.scores[j * n..j * n + p0 + j + 1];
+                for v in s.iter_mut() {
+                    *v *= scale;
+                }
+                kernels::softmax_inplace(s);
+            }
+            buf.p.clear();
+            for tt in 0..=p0 {
+                buf.p.extend((0..t).map(|j| buf.scores[j * n + tt]));
+            }
+            buf.out.resize(t * hd, 0.0);
+            kernels::panel_product(vh, CHUNK, hp, hd, &buf.p, t, p0 + 1, &mut buf.out, hd, false);
+            for j in 1..t {
+                // row j's positions past p0, continuing its own chains
+                let pj = &buf.scores[j * n + p0 + 1..j * n + p0 + 1 + j];
+                kernels::panel_product(&vh[(p0 + 1) * hp..], CHUNK, hp, hd, pj, 1, j, &mut buf.out[j * hd..], hd, true);
+            }
             let op = op;
-            // SAFETY: each (row, head) unit writes its own hd-long slice of `out`.
-            let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(i * q_dim + head * hd), hd) };
-            kernels::attend(q, &kc[kvh * hd..], &vc[kvh * hd..], kv_dim, p + 1, scale, scores, o);
+            for j in 0..t {
+                // SAFETY: each (row, head) writes its own hd-long slice of `out`.
+                let o = unsafe { std::slice::from_raw_parts_mut(op.0.add((r0 + j) * q_dim + head * hd), hd) };
+                o.copy_from_slice(&buf.out[j * hd..(j + 1) * hd]);
+            }
         };
-        let n_units = rows.len() * nh;
-        let work: usize = rows.iter().map(|&(_, p)| p + 1).sum::<usize>() * nh * hd;
-        let max_ctx = rows.iter().map(|&(_, p)| p + 1).max().unwrap_or(0);
+        let scratch = || AttnScratch {
+            q: Vec::with_capacity(hd * tile),
+            scores: Vec::with_capacity(tile * max_ctx),
+            p: Vec::with_capacity(tile * max_ctx),
+            out: Vec::with_capacity(tile * hd),
+        };
         if self.par.threads > 1 && work > 1 << 16 {
-            self.par.run(n_units, |range| {
-                let mut scores = Vec::with_capacity(max_ctx);
+            self.par.run(units.len(), |range| {
+                let mut buf = scratch();
                 for u in range {
-                    unit(u, &mut scores);
+                    unit(u, &mut buf);
                 }
             });
         } else {
-            let mut scores = Vec::with_capacity(max_ctx);
-            for u in 0..n_units {
-                unit(u, &mut scores);
+            let mut buf = scratch();
+            for u in 0..units.len() {
+                unit(u, &mut buf);
             }
         }
     }
+}
+
+/// x += o, elementwise (the residual connection).
+fn add_assign(x: &mut [f32], o: &[f32]) {
+    for (xv, ov) in x.iter_mut().zip(o) {
+        *xv += *ov;
+    }
+}
+
+/// One thread's buffers for `Model::attention`: a block's packed queries, scores (then weights),
+/// packed weights and outputs.
+struct AttnScratch {
+    q: Vec<f32>,
+    scores: Vec<f32>,
+    p: Vec<f32>,
+    out: Vec<f32>,
 }
 
 /// cos/sin tables [max_pos][head_dim/2], rounded like transformers' default RoPE:
@@ -415,9 +484,13 @@ pub(crate) mod tests {
     }
 
     fn config_json(kv: usize) -> serde_json::Value {
+        config_json_ctx(kv, 32)
+    }
+
+    fn config_json_ctx(kv: usize, ctx: usize) -> serde_json::Value {
         serde_json::json!({
             "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": kv, "intermediate_size": 128, "max_position_embeddings": 32,
+            "num_key_value_heads": kv, "intermediate_size": 128, "max_position_embeddings": ctx,
             "rms_norm_eps": 1e-5, "vocab_size": 96, "tie_word_embeddings": true, "rope_theta": 50000.0,
             "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}
         })
@@ -446,10 +519,15 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn fixture(name: &str, kv: usize, skip: Option<&str>, reshape: Option<&str>) -> Fixture {
+        fixture_ctx(name, kv, skip, reshape, 32)
+    }
+
+    /// `fixture` with a context of `ctx` positions.
+    fn fixture_ctx(name: &str, kv: usize, skip: Option<&str>, reshape: Option<&str>, ctx: usize) -> Fixture {
         let dir = std::env::temp_dir().join(format!("rust_runtime_test_{}_{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("config.json"), config_json(kv).to_string()).unwrap();
+        std::fs::write(dir.join("config.json"), config_json_ctx(kv, ctx).to_string()).unwrap();
         let ts = tensors(kv, skip, reshape);
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
             ts.into_iter().map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect())).collect();
@@ -479,7 +557,7 @@ pub(crate) mod tests {
             assert_eq!(all.len(), 12 * 96);
             assert_eq!(c.len(), 12);
             // the cache holds n_kv heads per token, not n_heads
-            assert_eq!(c.k[0].len(), 12 * kv * 16);
+            assert_eq!(c.kv_heads(), kv);
             let mut c2 = m.new_cache();
             let first = m.forward(&mut c2, &ids[..5], true).unwrap();
             assert!(max_diff(&first, &all[..5 * 96]) < 1e-5);
@@ -505,6 +583,38 @@ pub(crate) mod tests {
 
     /// Issue 17: a sequence's logits are the same bits alone, beside 15 others (each at its own
     /// position, some prefilling, some decoding), and with its prompt prefilled in chunks.
+    #[test]
+    fn long_contexts_are_bit_identical_across_chunks_steps_forks_and_cache_growth() {
+        // 150 positions: three K chunks of 64 and two cache growths (64 → 128 → 200); prefill
+        // blocks of 6 queries start at positions that are not multiples of 6 or 64
+        let fx = fixture_ctx("longctx", 2, None, None, 200);
+        let ids: Vec<u32> = (0..150).map(|i| (i * 29 + 11) % 96).collect();
+        for threads in [1, 2] {
+            let m = Model::load(&fx.dir, Quantize::None, threads).unwrap();
+            let alone = m.forward(&mut m.new_cache(), &ids, true).unwrap();
+            let mut c = m.new_cache();
+            let mut chunked = m.forward(&mut c, &ids[..70], true).unwrap();
+            chunked.extend(m.forward(&mut c, &ids[70..71], true).unwrap());
+            chunked.extend(m.forward(&mut c, &ids[71..], true).unwrap());
+            assert!(chunked == alone, "threads {threads}: chunked prefill differs");
+            let mut s = m.new_cache();
+            let mut stepped = m.forward(&mut s, &ids[..60], true).unwrap();
+            let mut fork = None;
+            for (i, &id) in ids.iter().enumerate().skip(60) {
+                stepped.extend(m.forward(&mut s, &[id], false).unwrap());
+                if i == 99 {
+                    fork = Some(s.fork());
+                }
+            }
+            assert!(stepped == alone, "threads {threads}: decode steps differ from the prefill");
+            let mut f = fork.unwrap();
+            assert_eq!(f.len(), 100);
+            let rest = m.forward(&mut f, &ids[100..], true).unwrap();
+            assert!(rest[..] == alone[100 * 96..], "threads {threads}: the fork differs");
+            assert!(max_diff(&alone, &m.forward(&mut m.new_cache(), &ids, true).unwrap()) == 0.0);
+        }
+    }
+
     #[test]
     fn batched_forward_is_bit_identical_to_alone_and_to_chunked() {
         let fx = fixture("invariance", 2, None, None);

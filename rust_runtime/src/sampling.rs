@@ -260,7 +260,22 @@ impl Sampler {
 
 /// Choose the next token from raw model logits (penalties, temperature, top_k, top_p, draw).
 pub fn sample(raw: &[f32], p: &SamplingParams, pen: &PenaltyState, rng: &mut StdRng) -> Result<u32> {
-    check_logits(raw)?;
+    sample_with_max(raw, p, pen, rng).map(|(tok, _)| tok)
+}
+
+/// `sample`, also returning the maximum of the raw logits (what `check_logits` returns), so that
+/// the caller's log-probabilities need no second pass to find it.
+pub fn sample_with_max(raw: &[f32], p: &SamplingParams, pen: &PenaltyState, rng: &mut StdRng) -> Result<(u32, f32)> {
+    let max = check_logits(raw)?;
+    sample_checked(raw, max, p, pen, rng).map(|tok| (tok, max))
+}
+
+fn sample_checked(raw: &[f32], max: f32, p: &SamplingParams, pen: &PenaltyState, rng: &mut StdRng) -> Result<u32> {
+    let penalized = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+    if is_greedy(p.temperature) && !penalized {
+        // the raw logits are the candidates: the first position of their (checked, finite) maximum
+        return Ok(raw.iter().position(|&v| v == max).unwrap_or(0) as u32);
+    }
     let mut z = raw.to_vec();
     pen.apply(p, &mut z);
     if is_greedy(p.temperature) {
