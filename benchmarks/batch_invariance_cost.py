@@ -18,7 +18,8 @@ max |Δ| between row 0 of the m-row product and the 1-row product of the same x 
 
 Timing: for each (shape, m) the three kernels run in turn, the order rotated every round (interleaved), each a
 warm-up call (two for the Rust kernels, whose hook starts a fresh pool each time: dropped) then ``repeats`` calls
-sized to about 40 ms; reported are medians over rounds of the mean
+sized to about 40 ms, each kernel after a 0.5 s pause (OpenBLAS's idle threads spin for about 0.1 s after a call and
+would take a core from the next kernel); reported are medians over rounds of the mean
 time a call, medians over rounds of the ratios packed / peer and packed / the faster peer of that round (> 1: the
 invariant kernel is slower, the cost of invariance) and GFLOP/s
 beside the physical limit: cores × 64 FLOP/cycle (two 512-bit FMA pipes) × the clock /proc/cpuinfo states, and
@@ -57,6 +58,10 @@ def linears(shape: dict) -> list[tuple[str, int, int]]:
 
 
 WARMUP = 2  # untimed calls before a Rust kernel's timed ones (see time_kernel)
+# Pause before each kernel's timing. OpenBLAS's idle threads busy-wait after a call (about 2^28 cycles, 0.1 s here)
+# and took a core from whatever ran next in this process: the packed matmul measured 85-140 GFLOP/s right after
+# numpy and 150-230 after a 0.3 s pause (512 × 1280, m = 512, 2 threads). The Rust kernels' pools end with the call.
+QUIET_S = 0.5
 
 
 def time_kernel(kernel: str, w, x, threads: int, repeats: int):
@@ -104,6 +109,7 @@ def measure(a: argparse.Namespace) -> dict:
                 for r in range(a.rounds):
                     order = KERNELS[r % 3:] + KERNELS[:r % 3]
                     for k in order:
+                        time.sleep(QUIET_S)  # let the previous kernel's threads go idle (see QUIET_S)
                         y, s = time_kernel(k, w, x, a.threads, repeats)
                         secs[k].append(s)
                         delta[k] = float(np.max(np.abs(y[0] - alone[k])))

@@ -9,7 +9,8 @@ for the last position only, as Rust's ``Sequence.prefill`` returns. Each engine 
 (its own thread pool; the worker sleeps on a pipe while the other measures) with ``--threads`` threads: Rust
 ``Model.load(threads=…)`` → ``new_sequence().prefill(ids)``; ORT ``intra_op_num_threads`` → one ``run`` with an
 empty past, every ``present.*`` fetched (what a serving prefill needs). After a warm-up prefill at every length,
-rounds run A B A B (Rust, ORT, per length, the order swapped every round); reported are medians over rounds and
+rounds run A B A B (Rust, ORT, per length, the order swapped every round, each prefill after a 0.5 s pause so that
+the other engine's idle threads have stopped spinning); reported are medians over rounds and
 the median of per-round ratios ORT ms / Rust ms (> 1: Rust faster).
 
 Memory: the Rust worker's ``VmHWM`` right after ``Model.load`` (peak at load: the safetensors pages are read,
@@ -47,6 +48,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import load_by_path  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+
+# Pause before each timed prefill: onnxruntime's intra-op threads spin after a run (allow_spinning, its default) and
+# OpenBLAS-style pools likewise, so the engine timed right after another would share the cores with its idle spinners.
+QUIET_S = 0.5
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -308,6 +313,7 @@ def main() -> None:
                 order = ["rust", "ort"] if r % 2 == 0 else ["ort", "rust"]
                 for n in a.tokens:
                     for k in order:
+                        time.sleep(QUIET_S)  # the other worker's idle threads may still spin (see QUIET_S)
                         last[k] = workers[k].prefill(n)
                         ms[(k, n)].append(last[k]["ms"])
                 print(f"round {r + 1}: " + ", ".join(f"{k} {n}: {v[-1]:.0f} ms" for (k, n), v in ms.items()),

@@ -47,7 +47,8 @@ mod x86 {
     /// token tile at that step (T floats a step); `y`: the tile's outputs, row t at `y + t·ys`, 16
     /// floats. `resume`: start from the partial sums in `y` (else from 0). Each output lane is the
     /// chain acc = fma(w, x, acc) over the k steps in order. `PF`: prefetch the weights
-    /// PREFETCH_STEPS steps ahead (for a pass that streams them from memory rather than L1).
+    /// PREFETCH_STEPS steps ahead (for a pass that streams them from memory rather than L1);
+    /// `pf`: lines of another region to prefetch, a few a step (see `Region`).
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::needless_range_loop)]
     pub unsafe fn tile_avx2<const T: usize, const PF: bool>(
@@ -58,6 +59,7 @@ mod x86 {
         y: *mut f32,
         ys: usize,
         resume: bool,
+        pf: super::Region,
     ) {
         let mut a0 = [_mm256_setzero_ps(); T];
         let mut a1 = [_mm256_setzero_ps(); T];
@@ -67,9 +69,10 @@ mod x86 {
                 a1[t] = _mm256_loadu_ps(y.add(t * ys + 8));
             }
         }
+        let _ = pf; // the AVX2 path streams with PF instead (a sliver is one panel of a group)
         for i in 0..kc {
             if PF {
-                _mm_prefetch::<_MM_HINT_T1>(w.add((i + super::PREFETCH_STEPS) * ss).cast());
+                _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add((i + super::PREFETCH_STEPS) * ss).cast());
             }
             let w0 = _mm256_loadu_ps(w.add(i * ss));
             let w1 = _mm256_loadu_ps(w.add(i * ss + 8));
@@ -125,6 +128,7 @@ mod x86 {
         y: *mut f32,
         ys: usize,
         resume: bool,
+        pf: super::Region,
     ) {
         let mut a = [[_mm512_setzero_ps(); P]; T];
         if resume {
@@ -134,22 +138,34 @@ mod x86 {
                 }
             }
         }
-        for i in 0..kc {
-            if PF {
-                for p in 0..P {
-                    _mm_prefetch::<_MM_HINT_T1>(w.add((i + super::PREFETCH_STEPS) * ss + p * 16).cast());
+        macro_rules! step {
+            ($i:expr) => {{
+                let i = $i;
+                if PF {
+                    for p in 0..P {
+                        _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add((i + super::PREFETCH_STEPS) * ss + p * 16).cast());
+                    }
                 }
-            }
-            let mut wv = [_mm512_setzero_ps(); P];
-            for p in 0..P {
-                wv[p] = _mm512_loadu_ps(w.add(i * ss + p * 16));
-            }
-            for t in 0..T {
-                let xb = _mm512_set1_ps(*x.add(i * T + t));
+                let mut wv = [_mm512_setzero_ps(); P];
                 for p in 0..P {
-                    a[t][p] = _mm512_fmadd_ps(wv[p], xb, a[t][p]);
+                    wv[p] = _mm512_loadu_ps(w.add(i * ss + p * 16));
                 }
-            }
+                for t in 0..T {
+                    let xb = _mm512_set1_ps(*x.add(i * T + t));
+                    for p in 0..P {
+                        a[t][p] = _mm512_fmadd_ps(wv[p], xb, a[t][p]);
+                    }
+                }
+            }};
+        }
+        // the region's prefetches ride on the first steps only, so the rest of the loop stays bare
+        let npf = pf.steps().min(kc);
+        for i in 0..npf {
+            pf.step(i);
+            step!(i);
+        }
+        for i in npf..kc {
+            step!(i);
         }
         for t in 0..T {
             for p in 0..P {
@@ -262,6 +278,41 @@ const ROWS_PAR_FLOATS: usize = 1 << 15;
 pub struct SyncPtr(pub *mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
+
+/// Cache lines to prefetch into L2 while a tile runs, two at each of its first steps: a tile over
+/// one weight block fetches its share of the next block, so that the block arrives spread over
+/// all the token tiles instead of stalling the first (whose loads would otherwise wait on memory
+/// with few lines in flight).
+#[derive(Clone, Copy)]
+pub(crate) struct Region {
+    start: *const f32,
+    lines: usize,
+}
+
+impl Region {
+    const NONE: Region = Region { start: std::ptr::null(), lines: 0 };
+
+    /// Steps that carry prefetches.
+    #[inline(always)]
+    fn steps(&self) -> usize {
+        self.lines.div_ceil(2)
+    }
+
+    /// Issue step i's two prefetches (i < `steps()`; the second may fall one line past the
+    /// region). A prefetch never faults, so the region may run past the end of the matrix.
+    #[inline(always)]
+    fn step(&self, i: usize) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch reads nothing architecturally; wrapping_add computes no out-of-bounds reference.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            _mm_prefetch::<_MM_HINT_T1>(self.start.wrapping_add(2 * i * LINE_FLOATS).cast());
+            _mm_prefetch::<_MM_HINT_T1>(self.start.wrapping_add((2 * i + 1) * LINE_FLOATS).cast());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
+    }
+}
 
 // ---------------------------------------------------------------- packed f32 matmul
 
@@ -428,7 +479,23 @@ impl PackedF32 {
                     // one token tile, k whole (kc = k): straight into y, prefetching the weights
                     let xs = &xt[..m * k];
                     // SAFETY: sliver s owns columns [r0, r0 + rows) of every output row.
-                    unsafe { tile(level, &data[base..], GROUP, np, xs, m, k, yp.0.add(r0), out, rows, false, true) };
+                    unsafe {
+                        tile(
+                            level,
+                            &data[base..],
+                            GROUP,
+                            np,
+                            xs,
+                            m,
+                            k,
+                            yp.0.add(r0),
+                            out,
+                            rows,
+                            false,
+                            true,
+                            Region::NONE,
+                        )
+                    };
                     s += 1;
                     continue;
                 }
@@ -437,6 +504,12 @@ impl PackedF32 {
                     for kb in 0..k_blocks {
                         let (i0, i1) = (kb * kc, ((kb + 1) * kc).min(k));
                         let w = &data[base + i0 * GROUP..];
+                        // the next block follows this one in memory (the next k block of this
+                        // group, or the next group's first): its lines, shared out over this
+                        // block's token tiles (AVX-512, where a sliver is a whole group)
+                        let next_lines = if sp == GROUP_PANELS { kc * GROUP / LINE_FLOATS } else { 0 };
+                        let share = next_lines.div_ceil(tiles);
+                        let next = data.as_ptr().wrapping_add(base + i1 * GROUP);
                         for j in 0..tiles {
                             let t0 = j * TILE;
                             let n = TILE.min(m - t0);
@@ -444,9 +517,14 @@ impl PackedF32 {
                             let xs = &xt[at..at + n * (i1 - i0)];
                             // SAFETY: rows t0..t0+n of the scratch, np·PANEL ≤ width columns.
                             let dst = unsafe { acc.as_mut_ptr().add(t0 * width) };
-                            // the first token tile pulls the block from memory: prefetch ahead of it
+                            let pf = Region {
+                                start: next.wrapping_add(j * share * LINE_FLOATS),
+                                lines: share.min(next_lines.saturating_sub(j * share)),
+                            };
+                            // without a region (AVX2), the first token tile prefetches ahead of itself
+                            let ahead = j == 0 && next_lines == 0;
                             unsafe {
-                                tile(level, w, GROUP, np, xs, n, i1 - i0, dst, width, np * PANEL, kb > 0, j == 0)
+                                tile(level, w, GROUP, np, xs, n, i1 - i0, dst, width, np * PANEL, kb > 0, ahead, pf)
                             };
                         }
                     }
@@ -538,6 +616,7 @@ fn panel_product_at(
                 (np * PANEL).min(rows - r0),
                 resume,
                 false,
+                Region::NONE,
             )
         };
         p0 += np;
@@ -624,6 +703,7 @@ unsafe fn tile(
     rows: usize,
     resume: bool,
     stream: bool,
+    pf: Region,
 ) {
     assert!((1..=TILE).contains(&n) && (1..=GROUP_PANELS).contains(&np) && x.len() >= kc * n && rows <= np * PANEL);
     assert!(kc == 0 || w.len() >= (kc - 1) * ss + np * PANEL);
@@ -635,7 +715,7 @@ unsafe fn tile(
                 std::ptr::copy_nonoverlapping(y.add(t * ys), row.as_mut_ptr(), rows);
             }
         }
-        tile(level, w, ss, np, x, n, kc, scratch.as_mut_ptr().cast(), GROUP, width, resume, stream);
+        tile(level, w, ss, np, x, n, kc, scratch.as_mut_ptr().cast(), GROUP, width, resume, stream, pf);
         for (t, row) in scratch[..n].iter().enumerate() {
             std::ptr::copy_nonoverlapping(row.as_ptr(), y.add(t * ys), rows);
         }
@@ -645,12 +725,12 @@ unsafe fn tile(
     macro_rules! by_tokens {
         ($f:ident $(, $p:literal)?) => {
             match n {
-                1 => $f::<$($p,)? 1>(w, ss, x, kc, y, ys, resume, stream),
-                2 => $f::<$($p,)? 2>(w, ss, x, kc, y, ys, resume, stream),
-                3 => $f::<$($p,)? 3>(w, ss, x, kc, y, ys, resume, stream),
-                4 => $f::<$($p,)? 4>(w, ss, x, kc, y, ys, resume, stream),
-                5 => $f::<$($p,)? 5>(w, ss, x, kc, y, ys, resume, stream),
-                _ => $f::<$($p,)? 6>(w, ss, x, kc, y, ys, resume, stream),
+                1 => $f::<$($p,)? 1>(w, ss, x, kc, y, ys, resume, stream, pf),
+                2 => $f::<$($p,)? 2>(w, ss, x, kc, y, ys, resume, stream, pf),
+                3 => $f::<$($p,)? 3>(w, ss, x, kc, y, ys, resume, stream, pf),
+                4 => $f::<$($p,)? 4>(w, ss, x, kc, y, ys, resume, stream, pf),
+                5 => $f::<$($p,)? 5>(w, ss, x, kc, y, ys, resume, stream, pf),
+                _ => $f::<$($p,)? 6>(w, ss, x, kc, y, ys, resume, stream, pf),
             }
         };
     }
@@ -672,27 +752,27 @@ unsafe fn tile(
 
 #[cfg(target_arch = "x86_64")]
 #[rustfmt::skip]
-unsafe fn tile512<const P: usize, const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, stream: bool) {
+unsafe fn tile512<const P: usize, const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, stream: bool, pf: Region) {
     if stream {
-        x86::tile_avx512::<P, T, true>(w, ss, x, kc, y, ys, resume)
+        x86::tile_avx512::<P, T, true>(w, ss, x, kc, y, ys, resume, pf)
     } else {
-        x86::tile_avx512::<P, T, false>(w, ss, x, kc, y, ys, resume)
+        x86::tile_avx512::<P, T, false>(w, ss, x, kc, y, ys, resume, pf)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[rustfmt::skip]
-unsafe fn tile256<const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, stream: bool) {
+unsafe fn tile256<const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, stream: bool, pf: Region) {
     if stream {
-        x86::tile_avx2::<T, true>(w, ss, x, kc, y, ys, resume)
+        x86::tile_avx2::<T, true>(w, ss, x, kc, y, ys, resume, pf)
     } else {
-        x86::tile_avx2::<T, false>(w, ss, x, kc, y, ys, resume)
+        x86::tile_avx2::<T, false>(w, ss, x, kc, y, ys, resume, pf)
     }
 }
 
 /// The same per-lane fma chain as the SIMD kernels, in portable code (one panel).
 #[rustfmt::skip]
-unsafe fn tile_generic<const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, _stream: bool) {
+unsafe fn tile_generic<const T: usize>(w: *const f32, ss: usize, x: *const f32, kc: usize, y: *mut f32, ys: usize, resume: bool, _stream: bool, _pf: Region) {
     let mut acc = [[0f32; PANEL]; T];
     if resume {
         for (t, a) in acc.iter_mut().enumerate() {
