@@ -241,6 +241,20 @@ def write_md(res: dict, path: Path) -> None:
     atomic_write_text(path, "\n".join(lines))
 
 
+def argv_without_cache(argv: list[str]) -> list[str]:
+    """The command line as recorded in the results: ``--cache FOLDER`` only saves rebuilding the inputs (and would
+    write a path of this machine into the results)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--cache":
+            skip = True
+        elif not arg.startswith("--cache="):
+            out.append(arg)
+    return out
+
+
 def build_inputs(rd, shape: str, folder: Path, int8: bool = False) -> tuple[Path, Path]:
     """The random-init bundle of ``shape`` and its ONNX decoder (logits of the last position) in ``folder``: built
     there unless a previous build finished (``<shape>.done`` is written last, so an interrupted build is redone).
@@ -295,7 +309,7 @@ def main() -> None:
         sys.exit(f"--tokens must lie in 1..{shape['max_position_embeddings']} (the context), got {a.tokens}")
     import rust_runtime
 
-    command = "python benchmarks/prefill.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/prefill.py " + " ".join(argv_without_cache(sys.argv[1:]))
     load_before = load_avg()
     with tempfile.TemporaryDirectory() as tmp:
         bundle, onnx = build_inputs(rd, a.shape, a.cache or Path(tmp), a.int8)

@@ -545,41 +545,36 @@ impl PackedF32 {
     }
 }
 
-/// y = x · Wᵀ for n ≤ TILE rows of x and a matrix W of `rows` rows × `kc` steps laid out in
-/// panels: row r, step i at `w[(r / GROUP)·gs + r % GROUP + i·ss]` (`PackedF32` is gs = inp·GROUP,
-/// ss = GROUP; the KV cache has its own strides, see `cache.rs`). `x`: packed, n floats a step
-/// (x[i·n + t] is row t's value at step i). Row t of the result goes to `y[t·ys..][..rows]`;
-/// with `resume` each output continues from the value found there, else from 0.
+/// A matrix W of `rows` rows laid out in panels: row r, step i at `w[(r / GROUP)·gs + r % GROUP +
+/// i·ss]` (`PackedF32` is gs = inp·GROUP, ss = GROUP; the KV cache has its own strides, see
+/// `cache.rs`).
+#[derive(Clone, Copy)]
+pub struct Panels<'a> {
+    pub w: &'a [f32],
+    pub gs: usize,
+    pub ss: usize,
+    pub rows: usize,
+}
+
+/// y = x · Wᵀ for n ≤ TILE rows of x and the first `kc` steps of W (`a`). `x`: packed, n floats
+/// a step (x[i·n + t] is row t's value at step i). Row t of the result goes to
+/// `y[t·ys..][..a.rows]`; with `resume` each output continues from the value found there, else
+/// from 0.
 ///
 /// Every output is the chain acc = fma(W[r, i], x[t, i], acc) over i in order, in one SIMD lane,
 /// whatever n, the SIMD level or the other rows: the chain of `PackedF32::matmul`. Attention uses
 /// it for q·kᵀ and p·V, so one query (decode) and a block of queries (prefill) get the same bits.
 ///
 /// Panics when n is 0 or above TILE, or a slice is too short for its strides.
-#[allow(clippy::too_many_arguments)]
-pub fn panel_product(
-    w: &[f32],
-    gs: usize,
-    ss: usize,
-    rows: usize,
-    x: &[f32],
-    n: usize,
-    kc: usize,
-    y: &mut [f32],
-    ys: usize,
-    resume: bool,
-) {
-    panel_product_at(simd_level(), w, gs, ss, rows, x, n, kc, y, ys, resume)
+pub fn panel_product(a: &Panels<'_>, x: &[f32], n: usize, kc: usize, y: &mut [f32], ys: usize, resume: bool) {
+    panel_product_at(simd_level(), a, x, n, kc, y, ys, resume)
 }
 
 /// `panel_product` with the kernels of `level`, which the CPU must support (the tests run each one).
 #[allow(clippy::too_many_arguments)]
 fn panel_product_at(
     level: SimdLevel,
-    w: &[f32],
-    gs: usize,
-    ss: usize,
-    rows: usize,
+    a: &Panels<'_>,
     x: &[f32],
     n: usize,
     kc: usize,
@@ -587,6 +582,7 @@ fn panel_product_at(
     ys: usize,
     resume: bool,
 ) {
+    let Panels { w, gs, ss, rows } = *a;
     assert!((1..=TILE).contains(&n) && x.len() >= kc * n, "panel_product: {n} rows, {} of x for {kc} steps", x.len());
     if rows == 0 {
         return;
@@ -1032,7 +1028,7 @@ mod tests {
                     let x: Vec<f32> = (0..kc * n).map(|i| ((i * 104729 % 1999) as f32 / 999.0) - 1.0).collect();
                     let ys = rows + 3;
                     let mut y = vec![f32::NAN; (n - 1) * ys + rows];
-                    panel_product_at(level, &w, gs, ss, rows, &x, n, kc, &mut y, ys, false);
+                    panel_product_at(level, &Panels { w: &w, gs, ss, rows }, &x, n, kc, &mut y, ys, false);
                     for t in 0..n {
                         for r in 0..rows {
                             let want: f64 = (0..kc).map(|i| at(r, i) as f64 * x[i * n + t] as f64).sum();
@@ -1045,20 +1041,9 @@ mod tests {
                     let head: Vec<f32> =
                         (0..split).flat_map(|i| (0..n).map(move |t| (i, t))).map(|(i, t)| x[i * n + t]).collect();
                     let mut y2 = vec![f32::NAN; y.len()];
-                    panel_product_at(level, &w, gs, ss, rows, &head, n, split, &mut y2, ys, false);
-                    panel_product_at(
-                        level,
-                        &w[split * ss..],
-                        gs,
-                        ss,
-                        rows,
-                        &x[split * n..],
-                        n,
-                        kc - split,
-                        &mut y2,
-                        ys,
-                        true,
-                    );
+                    panel_product_at(level, &Panels { w: &w, gs, ss, rows }, &head, n, split, &mut y2, ys, false);
+                    let rest = Panels { w: &w[split * ss..], gs, ss, rows };
+                    panel_product_at(level, &rest, &x[split * n..], n, kc - split, &mut y2, ys, true);
                     for t in 0..n {
                         assert_eq!(y[t * ys..t * ys + rows], y2[t * ys..t * ys + rows], "{level:?} resumed");
                     }
@@ -1066,7 +1051,7 @@ mod tests {
                     for t in 0..n {
                         let xt: Vec<f32> = (0..kc).map(|i| x[i * n + t]).collect();
                         let mut one = vec![f32::NAN; rows];
-                        panel_product_at(level, &w, gs, ss, rows, &xt, 1, kc, &mut one, rows, false);
+                        panel_product_at(level, &Panels { w: &w, gs, ss, rows }, &xt, 1, kc, &mut one, rows, false);
                         assert_eq!(one[..], y[t * ys..t * ys + rows], "{level:?} {rows}x{kc}: row {t} alone");
                     }
                 }

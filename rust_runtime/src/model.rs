@@ -14,7 +14,7 @@
 use crate::cache::{KvCache, CHUNK};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kernels::{self, Par, SyncPtr};
+use crate::kernels::{self, Panels, Par, SyncPtr};
 use crate::linear::Linear;
 pub use crate::linear::Quantize;
 use crate::loader::Loader;
@@ -370,7 +370,8 @@ impl Model {
                 buf.q.extend((0..t).map(|j| qkv[(r0 + j) * qkv_dim + head * hd + i]));
             }
             buf.scores.resize(t * n, 0.0);
-            kernels::panel_product(kh, hd * CHUNK, CHUNK, n, &buf.q, t, hd, &mut buf.scores, n, false);
+            let keys = Panels { w: kh, gs: hd * CHUNK, ss: CHUNK, rows: n };
+            kernels::panel_product(&keys, &buf.q, t, hd, &mut buf.scores, n, false);
             for j in 0..t {
                 let s = &mut buf.scores[j * n..j * n + p0 + j + 1];
                 for v in s.iter_mut() {
@@ -383,11 +384,13 @@ impl Model {
                 buf.p.extend((0..t).map(|j| buf.scores[j * n + tt]));
             }
             buf.out.resize(t * hd, 0.0);
-            kernels::panel_product(vh, CHUNK, hp, hd, &buf.p, t, p0 + 1, &mut buf.out, hd, false);
+            let values = Panels { w: vh, gs: CHUNK, ss: hp, rows: hd };
+            kernels::panel_product(&values, &buf.p, t, p0 + 1, &mut buf.out, hd, false);
             for j in 1..t {
                 // row j's positions past p0, continuing its own chains
                 let pj = &buf.scores[j * n + p0 + 1..j * n + p0 + 1 + j];
-                kernels::panel_product(&vh[(p0 + 1) * hp..], CHUNK, hp, hd, pj, 1, j, &mut buf.out[j * hd..], hd, true);
+                let later = Panels { w: &vh[(p0 + 1) * hp..], ..values };
+                kernels::panel_product(&later, pj, 1, j, &mut buf.out[j * hd..], hd, true);
             }
             let op = op;
             for j in 0..t {
