@@ -76,11 +76,14 @@ impl KvCache {
 
     /// An independent copy holding the same `len` tokens (room for at least one more chunk).
     pub fn fork(&self) -> Self {
-        let mut c = KvCache { k: Vec::new(), v: Vec::new(), len: 0, cap: 0, ..*self };
-        c.k = vec![Vec::new(); self.k.len()];
-        c.v = vec![Vec::new(); self.v.len()];
+        let mut c = self.empty_like();
         c.relayout_from(self, self.len.max(1));
         c
+    }
+
+    /// The same shape (layers, heads, head_dim, context) with nothing allocated.
+    fn empty_like(&self) -> Self {
+        KvCache { k: vec![Vec::new(); self.k.len()], v: vec![Vec::new(); self.v.len()], len: 0, cap: 0, ..*self }
     }
 
     /// Make room for `total` tokens (what lies at or past `len` is dropped).
@@ -92,10 +95,7 @@ impl KvCache {
 
     /// Reallocate for at least `positions` (rounded up to whole chunks), keeping `len` tokens.
     fn grow(&mut self, positions: usize) {
-        let old = std::mem::replace(
-            self,
-            KvCache { k: vec![Vec::new(); self.k.len()], v: vec![Vec::new(); self.v.len()], len: 0, cap: 0, ..*self },
-        );
+        let old = std::mem::replace(self, self.empty_like());
         self.relayout_from(&old, positions);
     }
 

@@ -413,10 +413,10 @@ impl PackedF32 {
             return;
         }
         let split = par.threads > 1 && out.div_ceil(PANEL) * k * m >= 1 << 15;
-        if m == 1 {
-            return self.tiles(level, par, &x[..k], 1, y, split); // one token: the packed tile is x itself
-        }
         let kc = block_steps(level, m, k);
+        if m == 1 {
+            return self.tiles(level, par, &x[..k], 1, kc, y, split); // one token: the packed tile is x itself
+        }
         thread_local! {
             /// This thread's packed-x scratch, kept between matmuls: a fresh one page-faults
             /// megabytes in every prefill matmul.
@@ -425,21 +425,26 @@ impl PackedF32 {
         with_scratch(&X_SCRATCH, |buf| {
             // below PACK_PAR_FLOATS the copy is cheaper than handing it to the pool
             pack_tokens(par, &x[..m * k], m, k, kc, split && m * k > PACK_PAR_FLOATS, buf);
-            self.tiles(level, par, buf, m, y, split);
+            self.tiles(level, par, buf, m, kc, y, split);
         })
     }
 
-    /// The blocked loops of `matmul_at` over packed x (`xt`, see `pack_tokens`).
-    fn tiles(&self, level: SimdLevel, par: &Par, xt: &[f32], m: usize, y: &mut [f32], split: bool) {
+    /// The blocked loops of `matmul_at` over packed x (`xt`, see `pack_tokens`, k blocks of `kc`
+    /// steps from `block_steps`).
+    #[allow(clippy::too_many_arguments)]
+    fn tiles(&self, level: SimdLevel, par: &Par, xt: &[f32], m: usize, kc: usize, y: &mut [f32], split: bool) {
         let (out, k) = (self.out, self.inp);
-        let sp = if level == SimdLevel::Avx512 { GROUP_PANELS } else { 1 };
+        let sp = sliver_panels(level);
         let panels = out.div_ceil(PANEL);
         let slivers = panels.div_ceil(sp);
         let tiles = m.div_ceil(TILE);
-        let kc = block_steps(level, m, k);
         let k_blocks = k.div_ceil(kc).max(1); // inp = 0: one empty block writes the zeros
         let data = self.data();
         let width = sp * PANEL;
+        // the lines of a block, shared out over the token tiles that run over the block before it
+        // (AVX-512, where a sliver is a whole group; AVX2 tiles prefetch ahead of themselves)
+        let next_lines = if sp == GROUP_PANELS { kc * GROUP / LINE_FLOATS } else { 0 };
+        let share = next_lines.div_ceil(tiles);
         let yp = SyncPtr(y.as_mut_ptr());
         thread_local! {
             /// This thread's sliver of y (m rows × one sliver's columns, contiguous) while its k
@@ -505,10 +510,7 @@ impl PackedF32 {
                         let (i0, i1) = (kb * kc, ((kb + 1) * kc).min(k));
                         let w = &data[base + i0 * GROUP..];
                         // the next block follows this one in memory (the next k block of this
-                        // group, or the next group's first): its lines, shared out over this
-                        // block's token tiles (AVX-512, where a sliver is a whole group)
-                        let next_lines = if sp == GROUP_PANELS { kc * GROUP / LINE_FLOATS } else { 0 };
-                        let share = next_lines.div_ceil(tiles);
+                        // group, or the next group's first)
                         let next = data.as_ptr().wrapping_add(base + i1 * GROUP);
                         for j in 0..tiles {
                             let t0 = j * TILE;
@@ -588,7 +590,7 @@ fn panel_product_at(
         return;
     }
     assert!(y.len() >= (n - 1) * ys + rows, "panel_product: y holds {} floats", y.len());
-    let sp = if level == SimdLevel::Avx512 { GROUP_PANELS } else { 1 };
+    let sp = sliver_panels(level);
     let panels = rows.div_ceil(PANEL);
     let mut p0 = 0;
     while p0 < panels {
@@ -634,13 +636,23 @@ fn with_scratch<R>(key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>, f: im
     })
 }
 
+/// Panels a thread's sliver (and a register tile) spans at `level`: a whole group on AVX-512,
+/// one panel otherwise (the AVX2 and portable tiles hold one panel).
+fn sliver_panels(level: SimdLevel) -> usize {
+    if level == SimdLevel::Avx512 {
+        GROUP_PANELS
+    } else {
+        1
+    }
+}
+
 /// k steps per block of `PackedF32::tiles`: all of k with one token tile (nothing to reuse),
 /// else BLOCK_FLOATS weights of one sliver.
 fn block_steps(level: SimdLevel, m: usize, k: usize) -> usize {
     if m <= TILE {
         k.max(1)
     } else {
-        BLOCK_FLOATS / (if level == SimdLevel::Avx512 { GROUP_PANELS } else { 1 } * PANEL)
+        BLOCK_FLOATS / (sliver_panels(level) * PANEL)
     }
 }
 
