@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import load_by_path  # noqa: E402
+from benchmarks.common import QUIET_S, load_by_path  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 KERNELS = ("packed", "gemm", "numpy")
@@ -58,10 +58,6 @@ def linears(shape: dict) -> list[tuple[str, int, int]]:
 
 
 WARMUP = 2  # untimed calls before a Rust kernel's timed ones (see time_kernel)
-# Pause before each kernel's timing. OpenBLAS's idle threads busy-wait after a call (about 2^28 cycles, 0.1 s here)
-# and took a core from whatever ran next in this process: the packed matmul measured 85-140 GFLOP/s right after
-# numpy and 150-230 after a 0.3 s pause (512 × 1280, m = 512, 2 threads). The Rust kernels' pools end with the call.
-QUIET_S = 0.5
 
 
 def time_kernel(kernel: str, w, x, threads: int, repeats: int):
@@ -109,7 +105,7 @@ def measure(a: argparse.Namespace) -> dict:
                 for r in range(a.rounds):
                     order = KERNELS[r % 3:] + KERNELS[:r % 3]
                     for k in order:
-                        time.sleep(QUIET_S)  # let the previous kernel's threads go idle (see QUIET_S)
+                        time.sleep(QUIET_S)  # let the previous kernel's threads go idle (benchmarks.common)
                         y, s = time_kernel(k, w, x, a.threads, repeats)
                         secs[k].append(s)
                         delta[k] = float(np.max(np.abs(y[0] - alone[k])))

@@ -2,7 +2,8 @@
 puts the repository root on ``sys.path`` and imports ``from benchmarks.common import …`` (a namespace package).
 
 ``load_by_path(name)`` loads a sibling script as a module (its builders and shapes: rust_decode.SHAPES, …);
-``free_port()`` picks a free TCP port on 127.0.0.1 for a server a benchmark starts.
+``free_port()`` picks a free TCP port on 127.0.0.1 for a server a benchmark starts. ``QUIET_S`` is the pause
+before a timing that follows another engine's run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from pathlib import Path
 from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
+
+# Seconds to pause before timing one engine right after another. Thread pools busy-wait after a call: OpenBLAS's idle
+# threads for about 2^28 cycles (0.1 s here), onnxruntime's intra-op threads likewise (allow_spinning, its default);
+# the engine timed next would share the cores with those spinners. Measured: the packed matmul ran at 85-140
+# GFLOP/s right after numpy in the same process and 150-230 after a 0.3 s pause (512 × 1280, m = 512, 2 threads).
+QUIET_S = 0.5
 
 
 def load_by_path(name: str) -> ModuleType:

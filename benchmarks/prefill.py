@@ -46,12 +46,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import load_by_path  # noqa: E402
+from benchmarks.common import QUIET_S, load_by_path  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
-
-# Pause before each timed prefill: onnxruntime's intra-op threads spin after a run (allow_spinning, its default) and
-# OpenBLAS-style pools likewise, so the engine timed right after another would share the cores with its idle spinners.
-QUIET_S = 0.5
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -255,30 +251,43 @@ def argv_without_cache(argv: list[str]) -> list[str]:
     return out
 
 
+def build_once(done: Path, outputs: list[Path], build, what: str) -> None:
+    """Run ``build()`` unless the marker file ``done`` and every path of ``outputs`` exist; write the marker last,
+    so an interrupted build is redone on the next run."""
+    if done.exists() and all(p.exists() for p in outputs):
+        print(f"reusing {what} in {done.parent}", flush=True)
+        return
+    t = time.perf_counter()
+    build()
+    atomic_write_text(done, "built\n")
+    print(f"{what} in {time.perf_counter() - t:.0f} s", flush=True)
+
+
 def build_inputs(rd, shape: str, folder: Path, int8: bool = False) -> tuple[Path, Path]:
-    """The random-init bundle of ``shape`` and its ONNX decoder (logits of the last position) in ``folder``: built
-    there unless a previous build finished (``<shape>.done`` is written last, so an interrupted build is redone).
-    With ``int8`` the decoder returned is its int8 twin (export.quantize.quantize_int8), made once likewise."""
-    bundle, onnx, done = folder / f"bundle-{shape}", folder / f"decoder-{shape}.onnx", folder / f"{shape}.done"
-    if done.exists() and (bundle / "config.json").exists() and onnx.exists():
-        print(f"reusing {bundle} and {onnx}", flush=True)
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
+    """The random-init bundle of ``shape`` and its ONNX decoder (logits of the last position) in ``folder``, built
+    there once (see build_once). With ``int8`` the decoder returned is its int8 twin (export.quantize.quantize_int8),
+    made once likewise. Raises NotADirectoryError when ``folder`` is an existing file."""
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"--cache {folder}: not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    bundle, onnx = folder / f"bundle-{shape}", folder / f"decoder-{shape}.onnx"
+
+    def build_fp32() -> None:
         rd.build_bundle(bundle, shape)
         rd.export_onnx(bundle, onnx, last_logits=True)
-        atomic_write_text(done, "built\n")
-        print(f"bundle + ONNX export (checked against transformers) in {time.perf_counter() - t:.0f} s", flush=True)
+
+    build_once(folder / f"{shape}.done", [bundle / "config.json", onnx], build_fp32,
+               "bundle + ONNX export (checked against transformers)")
     if not int8:
         return bundle, onnx
-    q8, q8_done = folder / f"decoder-{shape}.int8.onnx", folder / f"{shape}.int8.done"
-    if not (q8_done.exists() and q8.exists()):
+    q8 = folder / f"decoder-{shape}.int8.onnx"
+
+    def build_int8() -> None:
         from export.quantize import quantize_int8
 
-        t = time.perf_counter()
         quantize_int8(onnx, q8)
-        atomic_write_text(q8_done, "built\n")
-        print(f"int8 decoder (dynamic, per channel) in {time.perf_counter() - t:.0f} s", flush=True)
+
+    build_once(folder / f"{shape}.int8.done", [q8], build_int8, "int8 decoder (dynamic, per channel)")
     return bundle, q8
 
 
@@ -311,6 +320,8 @@ def main() -> None:
 
     command = "python benchmarks/prefill.py " + " ".join(argv_without_cache(sys.argv[1:]))
     load_before = load_avg()
+    if a.cache is not None and a.cache.exists() and not a.cache.is_dir():
+        sys.exit(f"--cache {a.cache}: not a folder (give a folder to keep the built bundle and ONNX decoder in)")
     with tempfile.TemporaryDirectory() as tmp:
         bundle, onnx = build_inputs(rd, a.shape, a.cache or Path(tmp), a.int8)
         peak0 = matmul_peak_gflops(a.threads)
@@ -327,7 +338,7 @@ def main() -> None:
                 order = ["rust", "ort"] if r % 2 == 0 else ["ort", "rust"]
                 for n in a.tokens:
                     for k in order:
-                        time.sleep(QUIET_S)  # the other worker's idle threads may still spin (see QUIET_S)
+                        time.sleep(QUIET_S)  # the other worker's idle threads may still spin (benchmarks.common)
                         last[k] = workers[k].prefill(n)
                         ms[(k, n)].append(last[k]["ms"])
                 print(f"round {r + 1}: " + ", ".join(f"{k} {n}: {v[-1]:.0f} ms" for (k, n), v in ms.items()),
