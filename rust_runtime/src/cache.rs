@@ -148,6 +148,13 @@ impl KvCache {
         &self.v[layer][h * n..(h + 1) * n]
     }
 
+    /// Floats held for K and for V in `layer` (all heads, the whole capacity): what the tests
+    /// check to see that GQA heads are not expanded.
+    #[cfg(test)]
+    pub(crate) fn layer_floats(&self, layer: usize) -> (usize, usize) {
+        (self.k[layer].len(), self.v[layer].len())
+    }
+
     /// The row stride of `v_head`.
     pub(crate) fn hd_pad(&self) -> usize {
         self.hd_pad

@@ -559,8 +559,9 @@ pub(crate) mod tests {
             let all = m.forward(&mut c, &ids, true).unwrap();
             assert_eq!(all.len(), 12 * 96);
             assert_eq!(c.len(), 12);
-            // the cache holds n_kv heads per token, not n_heads
+            // the cache holds n_kv heads per token, not n_heads: capacity 64 positions × head_dim 16
             assert_eq!(c.kv_heads(), kv);
+            assert_eq!(c.layer_floats(0), (kv * 64 * 16, kv * 64 * 16));
             let mut c2 = m.new_cache();
             let first = m.forward(&mut c2, &ids[..5], true).unwrap();
             assert!(max_diff(&first, &all[..5 * 96]) < 1e-5);
