@@ -140,13 +140,17 @@ class ChoiceGroup:
         with self._lock:
             if self._submission is None:
                 engine = self.lm.engine
-                try:
-                    self._submission = self._submit(engine)
-                except Exception:
-                    if self.lm._engine is engine:  # a refusal by the running engine
-                        raise
-                    # lm.close() ran between reading lm.engine and submitting: queue in the next engine
-                    self._submission = self._submit(self.lm.engine)
+                while True:
+                    try:
+                        self._submission = self._submit(engine)
+                        break
+                    except Exception:
+                        if self.lm._engine is engine and not getattr(engine, "closed", False):
+                            raise  # a refusal by the running engine
+                    # The engine stopped between reading lm.engine and submitting (lm.close(), its own close(),
+                    # or its scheduler thread died): queue in its replacement, which lm.engine starts. Never
+                    # "the engine is closed" (docs/design.md); each pass needs one more engine to have stopped.
+                    engine = self.lm.engine
                 if self._cancelled:  # choices cancelled before the submission existed
                     self._forward_cancels(self._submission, sorted(self._cancelled))
             return self._submission

@@ -191,30 +191,104 @@ class Fatal(BaseException):
 
 
 class FatalOnce(ScriptedBackend):
+    """Its first prefill waits for ``release`` (set by the test), then raises :class:`Fatal`, which kills the
+    engine's scheduler thread: the test, not the timing, decides which requests are inside the engine then.
+    (Not the first decode: a sequence decoding alone skips ``decode_batch`` and could finish before the rest
+    were submitted.)"""
+
     fired = False
 
-    def decode_batch(self, seqs, token_ids):
-        if not self.fired:
-            self.fired = True
-            raise Fatal("the backend pulled the plug")
-        return super().decode_batch(seqs, token_ids)
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.release = threading.Event()
+
+    def new_sequence(self):
+        seq = super().new_sequence()
+        prefill = seq.prefill
+
+        def fatal_once(*a, **kw):
+            if not self.fired:
+                self.fired = True
+                assert self.release.wait(timeout=60), "the test never released the fatal prefill"
+                raise Fatal("the backend pulled the plug")
+            return prefill(*a, **kw)
+
+        seq.prefill = fatal_once
+        return seq
+
+
+CAUSE = "the engine stopped: Fatal: the backend pulled the plug"
+
+
+def outcome(g) -> tuple[str, str]:
+    """("done", text) for a generation that completed, ("error", message) for one that raised BackendError."""
+    try:
+        return "done", LM.collect(g).text
+    except BackendError as e:
+        return "error", str(e)
+
+
+def obeys_the_dying_engine_rule(o: tuple[str, str], text: str) -> bool:
+    """docs/design.md: a request submitted while the engine dies joins the replacement (and completes) or
+    fails with the dying engine's cause — never "the engine is closed" — whichever side of the race it lands."""
+    return o == ("done", text) or (o[0] == "error" and CAUSE in o[1])
 
 
 def test_an_engine_thread_killed_by_its_backend_ends_every_request_and_is_replaced(monkeypatch):
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the dying thread's report
     tok = scripted_tokenizer()
-    lm = LM(FatalOnce(tok.get_vocab_size(with_added_tokens=True), 64, None), tok, max_batch=2)
-    gens = [g for p in ("x", "y", "z") for g in lm.start_choices(p, 1, 5, temperature=0)]
-    for g in gens:
+    backend = FatalOnce(tok.get_vocab_size(with_added_tokens=True), 64, None)
+    lm = LM(backend, tok, max_batch=2)
+    dying = lm.engine
+    inside = [g for p in ("x", "y", "z") for g in lm.start_choices(p, 1, 5, temperature=0)]
+    for g in inside:  # the running pair and a queued third, all in before the fatal decode is released
         g.submit()
-    box: list = []
-    t = threading.Thread(target=lambda: box.extend(pytest.raises(BackendError, LM.collect, g) for g in gens),
-                         daemon=True)
+    assert lm._engine is dying and not dying.closed
+    racing = lm.start_choices("w", 1, 5, temperature=0)[0]
+    real = dying.submit
+
+    def dies_first(*a, **kw):  # the group has read lm.engine; its thread dies before the submit lands
+        backend.release.set()
+        dying._thread.join(timeout=60)
+        assert dying.closed and not dying._thread.is_alive() and lm._engine is dying
+        return real(*a, **kw)
+
+    dying.submit = dies_first
+    racing.submit()  # used to raise BackendError("the engine is closed") (issue 29)
+    assert lm._engine is not dying and not lm._engine.closed
+    outs: list = []
+    t = threading.Thread(target=lambda: outs.extend(outcome(g) for g in (*inside, racing)), daemon=True)
     t.start()
-    t.join(timeout=5)  # the running pair and the queued third used to wait forever
-    assert len(box) == 3 and all("the engine stopped: Fatal: the backend pulled the plug" in str(e.value)
-                                 for e in box)
-    assert lm.complete("y", 2, temperature=0).completion_tokens == 2  # a fresh engine serves
+    t.join(timeout=60)  # ends at once: the requests inside were ended before the thread died (they used to hang)
+    assert len(outs) == 4
+    alone = LM(ScriptedBackend(tok.get_vocab_size(with_added_tokens=True), 64, None), tok)
+    want = [LM.collect(g).text for p in ("x", "y", "z", "w") for g in alone.start_choices(p, 1, 5, temperature=0)]
+    assert all(obeys_the_dying_engine_rule(o, t) for o, t in zip(outs, want))
+    # and, the race driven by events, exactly which side each landed on: the three inside share the cause (they
+    # used to wait forever), the racing one completed in the replacement as it would alone
+    assert outs == [("error", CAUSE)] * 3 + [("done", want[3])] and len(want[3]) > 0
+    assert lm.complete("y", 2, temperature=0).completion_tokens == 2 and running(lm) == 0
+
+
+def test_an_engine_closed_between_the_read_and_the_submit_sends_the_request_to_its_replacement(monkeypatch):
+    """Issue 29's reproduction: the engine closes itself (not via lm.close(), so lm._engine still names it)
+    after LM chose it; the request goes to the replacement instead of failing with "the engine is closed"."""
+    lm = scripted_lm(["ab"], context=64)
+    engine_cls = type(lm.engine)
+    real = engine_cls.submit
+    calls: list = []
+
+    def close_once(self, *a, **kw):
+        calls.append(self)
+        if len(calls) == 1:
+            self.close()
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(engine_cls, "submit", close_once)
+    first = lm._engine
+    out = LM.collect(lm.start_choices("x", 1, 5, temperature=0)[0])
+    assert (out.text, out.finish_reason) == ("ab" * 5, "length")
+    assert len(calls) == 2 and calls[0] is first and first.closed and calls[1] is lm._engine is not first
 
 
 class ForkFails(ScriptedBackend):
