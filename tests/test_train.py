@@ -104,8 +104,10 @@ def test_existing_run_needs_resume_or_new_name(tmp_path, session_cache):
 
 # ---------------------------------------------------------------------------------------------- TR4
 
-def test_tr4_resume_is_bit_identical(tmp_path, session_cache, small_corpus, monkeypatch):
-    extra = {"data.paths": [str(small_corpus)], "train.max_steps": 24, "train.warmup_steps": 5}
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_tr4_resume_is_bit_identical(tmp_path, session_cache, small_corpus, monkeypatch, optimizer):
+    extra = {"data.paths": [str(small_corpus)], "train.max_steps": 24, "train.warmup_steps": 5,
+             "train.optimizer": optimizer}
     cfg_a = fast_config(tmp_path, session_cache, **extra, **{"run.name": "a"})
     trainer = Trainer(cfg_a, **QUIET)
     trainer.train()

@@ -84,6 +84,10 @@ class TrainSection:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    optimizer: str = "adamw"  # "adamw" or "muon" (Muon on the hidden matrices, AdamW on the rest): train/optim.py
+    muon_momentum: float = 0.95
+    schedule: str = "cosine"  # "cosine", "linear" (to min_lr) or "wsd" (hold, then a linear cooldown): train/optim.py
+    cooldown_frac: float = 0.2  # wsd: the share of max_steps spent cooling down to min_lr
     grad_clip: float = 1.0
     eval_every: int = 100
     eval_tokens: int = 32768
@@ -286,6 +290,14 @@ def validate(cfg: Config) -> None:
                           f"({m.max_position_embeddings})")
     if not (0 < t.lr) or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr / train.min_lr: expected 0 <= min_lr <= lr and lr > 0, got {t.lr} / {t.min_lr}")
+    if t.optimizer not in ("adamw", "muon"):
+        raise ConfigError(f"train.optimizer: expected adamw or muon, got {t.optimizer!r}")
+    if t.schedule not in ("cosine", "linear", "wsd"):
+        raise ConfigError(f"train.schedule: expected cosine, linear or wsd, got {t.schedule!r}")
+    if isinstance(t.cooldown_frac, bool) or not 0 <= t.cooldown_frac <= 1:
+        raise ConfigError(f"train.cooldown_frac: expected a number in [0, 1], got {t.cooldown_frac!r}")
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum: expected a number in [0, 1), got {t.muon_momentum!r}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {t.betas}")
     if t.dtype not in ("auto", "float32", "bfloat16", "float16"):

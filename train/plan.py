@@ -52,6 +52,7 @@ from train.model import (
     RotaryEmbedding,
     checkpointed_layers,
 )
+from train.optim import MuonAdamW, build_optimizer
 
 HEADROOM = 0.90  # plan for at most 90 % of the GPU's memory: the allocator's fragmentation, NCCL and cuBLAS buffers
 ETA_MATMUL = 0.75  # large bf16 GEMMs reach ≈ 700-750 of H100 SXM's 989 dense TFLOP/s
@@ -96,7 +97,7 @@ class Plan:
         return (
             f"micro-batch {self.micro_batch_size} × {self.seq_len}, {self.dtype}, "
             f"{'compiled' if self.compiled else 'eager'}{self._ac()}: peak ≈ {self.peak_bytes / g:.1f} GiB (parameters "
-            f"{self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, AdamW state "
+            f"{self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, optimizer state "
             f"{self.optimizer_bytes / g:.2f}, activations and the rest {self.activation_bytes / g:.1f})"
         )
 
@@ -111,10 +112,11 @@ class Plan:
 
 def _fake_peaks(
     cfg: ModelConfig, micros: tuple[int, ...], seq_len: int, dtype: torch.dtype, activation_checkpoint: str = "none",
-    checkpoint_every: int = 2,
+    checkpoint_every: int = 2, optimizer: str = "adamw",
 ) -> list[tuple[int, int, int]]:
     """(peak, parameter, optimizer-state) bytes of one training step on fake tensors, optimizer state present, for
-    each micro-batch size in ``micros`` (one model and optimizer, a fresh tracker per step)."""
+    each micro-batch size in ``micros`` (one model and the run's ``optimizer`` — AdamW keeps two moments per
+    parameter, Muon one momentum buffer per hidden matrix — a fresh tracker per step)."""
     from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415 - seconds to import; a cache hit skips it
 
     out = []
@@ -122,14 +124,15 @@ def _fake_peaks(
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
         step = CausalLMLoss(model, activation_checkpoint=activation_checkpoint, checkpoint_every=checkpoint_every)
-        opt = torch.optim.AdamW(model.parameters(), foreach=True)
-        for p in model.parameters():  # create the AdamW state before tracking, as at any step after the first
+        opt = build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), optimizer=optimizer)
+        parts = (opt.muon, opt.adamw) if isinstance(opt, MuonAdamW) else (opt,)
+        for p in model.parameters():  # create the optimizer state before tracking, as at any step after the first
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
         for micro in micros:
             tracker = MemTracker()
-            tracker.track_external(model, opt)
+            tracker.track_external(model, *parts)
             x = torch.randint(0, cfg.vocab_size, (micro, seq_len + 1))
             with tracker:
                 with autocast_ctx(torch.device("cpu"), dtype):
@@ -263,19 +266,19 @@ def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
 
 
 def memory_model(
-    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, cache_dir: str | Path | None = None
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, cache_dir: str | Path | None = None, optimizer: str = "adamw"
 ) -> MemoryModel:
     """Fit :class:`MemoryModel` for ``cfg`` at ``seq_len`` in ``dtype`` (fake runs of 2 and 3 layers at micro-batch
     1 and 2, one eager and one compiled trace of a real layer).
 
     With ``cache_dir`` the fit is kept in ``cache_dir/plan/<key>.json``, the key being the sha256 of the model
-    config, ``seq_len``, ``dtype``, torch's version and the source of ``train/plan.py`` and ``train/model.py``: a
+    config, ``seq_len``, ``dtype``, ``optimizer`` (``train.optimizer``), torch's version and the source of ``train/plan.py`` and ``train/model.py``: a
     repeated plan of the same model (``train.run`` on CUDA after ``python -m train.plan``) takes no fake run."""
     path = None
     if cache_dir is not None:
         here = Path(__file__)
-        src = here.read_bytes() + here.with_name("model.py").read_bytes()
-        key = json.dumps([dataclasses.asdict(cfg), seq_len, str(dtype), torch.__version__,
+        src = here.read_bytes() + here.with_name("model.py").read_bytes() + here.with_name("optim.py").read_bytes()
+        key = json.dumps([dataclasses.asdict(cfg), seq_len, str(dtype), optimizer, torch.__version__,
                           hashlib.sha256(src).hexdigest()], sort_keys=True)
         path = Path(cache_dir) / "plan" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
         try:
@@ -293,7 +296,7 @@ def memory_model(
     for n_layers in (2, 3):
         small = dataclasses.replace(cfg, num_hidden_layers=n_layers)
         micros = (1, 2, big) if chunked and n_layers == 2 else (1, 2)
-        for micro, run in zip(micros, _fake_peaks(small, micros, seq_len, dtype), strict=True):
+        for micro, run in zip(micros, _fake_peaks(small, micros, seq_len, dtype, optimizer=optimizer), strict=True):
             runs[n_layers, micro] = run
     p = {k: v[0] for k, v in runs.items()}
     d = (p[3, 2] - p[3, 1]) - (p[2, 2] - p[2, 1])
@@ -385,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.train
     global_tokens = t.micro_batch_size * t.grad_accum * t.seq_len
     ac = (t.activation_checkpoint, t.activation_checkpoint_every)
-    mm = memory_model(mcfg, t.seq_len, dtype, cache_dir=None if args.no_cache else resolve_path(cfg.data.cache_dir))
+    mm = memory_model(mcfg, t.seq_len, dtype, cache_dir=None if args.no_cache else resolve_path(cfg.data.cache_dir),
+                      optimizer=t.optimizer)
     ckpt = sorted(checkpointed_layers(*ac, mcfg.num_hidden_layers))
     ac_text = {"none": "no activation checkpointing", "full": f"activation checkpointing of all {len(ckpt)} layers",
                "selective": f"activation checkpointing of {len(ckpt)} of {mcfg.num_hidden_layers} layers "
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{str(dtype).replace('torch.', '')}, {ac_text}"
     )
     print(
-        f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'AdamW':>6} {'activ.':>7} {'peak GiB':>8} "
+        f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'optim':>6} {'activ.':>7} {'peak GiB':>8} "
         f"{'fits':>4} {'step s':>7} {'MFU':>6}"
     )
     g = 2**30

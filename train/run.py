@@ -13,7 +13,8 @@ metrics keys and the checkpoint layout are docs/design.md's. The loop:
   recomputes its forward in the backward instead of keeping its activations) or "full" (every layer);
 * the loss is computed inside the training module (``train.model.CausalLMLoss``): in bf16 the float32 logits are
   never held whole;
-* AdamW (no decay on norms and embeddings), linear warmup then cosine decay to ``min_lr``, gradient clipping;
+* AdamW (no decay on norms and embeddings) or Muon on the hidden matrices, warmup then a cosine, linear or WSD
+  decay to ``min_lr`` (train/optim.py), gradient clipping;
 * gradient accumulation normalised by the number of target tokens of the whole step (every micro-batch on every
   rank), not by the number of micro-batches (case TR1);
 * evaluation every ``eval_every`` steps (val NLL and bits per character per language; at step 0 also the
@@ -86,7 +87,7 @@ from train.errors import NonFiniteStop, TrainError
 from train.evaluate import evaluate, greedy_samples
 from train.loader import TrainLoader, step_batches, val_windows
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig
-from train.optim import build_optimizer_for, lr_at
+from train.optim import build_optimizer_for, lr_for
 from train.plots import plot_loss, read_metrics
 from train.preflight import PreflightFailed, run_preflight
 from train.shards import open_shard
@@ -280,7 +281,8 @@ class Trainer:
         total = torch.cuda.get_device_properties(self.device).total_memory
         compiled = t.compile is not False
         ac = (t.activation_checkpoint, t.activation_checkpoint_every)
-        mm = P.memory_model(self.mcfg, t.seq_len, self.dtype, cache_dir=resolve_path(self.cfg.data.cache_dir))
+        mm = P.memory_model(self.mcfg, t.seq_len, self.dtype, cache_dir=resolve_path(self.cfg.data.cache_dir),
+                            optimizer=t.optimizer)
         self.plan = mm.plan(self.micro, compiled, *ac)
         self.log(f"plan: {self.plan.summary()} against {total / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
         if self.plan.peak_bytes > P.HEADROOM * total:
@@ -336,6 +338,11 @@ class Trainer:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         if state.get("tokenizer_sha256") and state["tokenizer_sha256"] != self.prepared.index["tokenizer_sha256"]:
             raise TrainError(f"--resume refused: the tokenizer differs from the one {ckpt} was trained with")
+        was = state.get("scheduler", {}).get("optimizer", "adamw")  # checkpoints before train.optimizer: AdamW
+        if was != self.cfg.train.optimizer:
+            raise TrainError(f"--resume refused: {ckpt} was trained with train.optimizer = {was!r}, the config says "
+                             f"{self.cfg.train.optimizer!r}. Resume with --set train.optimizer={was}, or start a new "
+                             f"run with --init-from {ckpt} (its weights, a fresh optimizer).")
         load_weights(self.model, ckpt / "model.safetensors")
         opt_state = torch.load(ckpt / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(opt_state)
@@ -501,9 +508,9 @@ class Trainer:
         t = self.cfg.train
         return {
             "step": self.step, "tokens": self.tokens, "data_position": self.loader.position,
-            "scheduler": {"kind": "warmup_cosine", "step": self.step, "lr": t.lr, "min_lr": t.min_lr,
-                          "warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
-                          "current_lr": lr_at(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)},
+            "scheduler": {"kind": f"warmup_{t.schedule}", "optimizer": t.optimizer, "step": self.step, "lr": t.lr,
+                          "min_lr": t.min_lr, "warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
+                          "current_lr": lr_for(self.step, t)},
             "rng": rng_state(), "config_sha256": self.cfg.sha256(), "model_config": self.mcfg.to_dict(),
             "tokenizer_sha256": self.prepared.index["tokenizer_sha256"], "nonfinite": self.nonfinite,
             "wall_s": self.wall_before + (time.time() - self.t_start), "world_size": self.dist.world_size,
@@ -620,7 +627,7 @@ class Trainer:
         """One optimizer step over ``micro × accum`` windows per rank; returns its :class:`StepStats`. The loss sum
         and the stop flag travel in one all-reduce (no extra collective or host sync at the top of a step)."""
         t = self.cfg.train
-        lr = lr_at(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
+        lr = lr_for(self.step, t)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         windows = self.loader.next_windows(self.micro * self.accum * self.dist.world_size)

@@ -51,8 +51,9 @@ def check_update_flow(model: nn.Module, batch: torch.Tensor, ctx, optimizer_fact
             if isinstance(val, torch.Tensor) and val.dim() > 0 and tuple(val.shape) != tuple(param.shape):
                 culprits.append(f"{n}: optimizer state {key!r} has shape {tuple(val.shape)}, the parameter "
                                 f"{tuple(param.shape)}")
-    detail = ("every trainable tensor is in the optimizer once, moves after a step and has state of its shape"
-              if not culprits else f"{len(culprits)} problems")
+    ran = "+".join(sorted({str(g.get("optimizer", type(opt).__name__)) for g in opt.param_groups}))
+    detail = (f"every trainable tensor is in the optimizer ({ran}) once, moves after a step and has state of its shape"
+              if not culprits else f"{len(culprits)} problems ({ran})")
     return CheckResult("update_flow", not culprits, detail=detail, culprits=culprits)
 
 

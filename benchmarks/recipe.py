@@ -1,0 +1,192 @@
+"""The training recipe, old against new, on the same data and tokens: AdamW + cosine to lr/10 (the 2019 recipe)
+against Muon on the hidden matrices + AdamW on the rest with a linear decay to zero (train/optim.py).
+
+Every (recipe, learning rate, seed) runs ``--preset`` for ``--steps`` steps in-process, interleaved (for each seed,
+for each learning rate: old, then new) so both sides see the same machine load. Reports validation bits/char per
+language at each evaluation, the best learning rate of each recipe (lowest mean final validation NLL over the
+seeds), the **tokens-to-target ratio** (tokens the old recipe's best needs for its final validation NLL ÷ tokens
+the new recipe's best needs for the same NLL, interpolated between evaluations, per seed) and the step-time ratio.
+Writes ``benchmarks/results/recipe-<preset>.{md,json,png}``.
+
+    python benchmarks/recipe.py [--preset tiny] [--steps 200] [--lrs 3e-3 1e-2 2e-2 4e-2] [--seeds 1337 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from train.config import load_config  # noqa: E402
+from train.data import prepare  # noqa: E402
+from train.run import Trainer  # noqa: E402
+
+RECIPES = {
+    "adamw-cosine": {"train.optimizer": '"adamw"', "train.schedule": '"cosine"', "min_lr_frac": 0.1},
+    "muon-linear": {"train.optimizer": '"muon"', "train.schedule": '"linear"', "min_lr_frac": 0.0},
+}
+
+
+def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_every: int) -> dict:
+    """One run in a temporary folder: its evaluation rows (tokens, val per language) and its mean step time."""
+    spec = dict(RECIPES[recipe])
+    frac = spec.pop("min_lr_frac")
+    out_dir = Path(tempfile.mkdtemp(prefix="recipe-"))
+    try:
+        sets = [f"{k}={v}" for k, v in spec.items()] + [
+            f"train.lr={lr}", f"train.min_lr={lr * frac}", f"train.max_steps={steps}", f"train.eval_every={eval_every}",
+            "train.ckpt_every=100000", "train.preflight=false", f"run.seed={seed}",
+            f"run.out_dir={json.dumps(str(out_dir))}", f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"]
+        cfg = load_config(preset, sets)
+        prepare(cfg, log=lambda m: None)
+        t0 = time.time()
+        trainer = Trainer(cfg, log=lambda m: None)
+        trainer.train()
+        wall = time.time() - t0
+        rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    evals = [{"step": r["step"], "tokens": r["tokens"], "val": r["val"]} for r in rows if r["kind"] == "eval"]
+    tps = [r["tokens_per_s"] for r in rows if r["kind"] == "train"][1:]  # the first window holds the warm-up
+    return {"recipe": recipe, "lr": lr, "seed": seed, "evals": evals, "wall_s": wall,
+            "tokens_per_s": statistics.median(tps) if tps else None}
+
+
+def tokens_to_reach(evals: list[dict], target: float) -> float | None:
+    """Tokens at which the validation NLL (all languages) first reaches ``target``, linearly interpolated between
+    evaluations; None if it never does."""
+    prev = None
+    for e in evals:
+        nll = e["val"]["all"]["nll"]
+        if nll <= target:
+            if prev is None:
+                return float(e["tokens"])
+            (t0, n0), (t1, n1) = prev, (e["tokens"], nll)
+            return t0 + (t1 - t0) * (n0 - target) / max(n0 - n1, 1e-12)
+        prev = (e["tokens"], nll)
+    return None
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Best lr per recipe, per-seed tokens-to-target and step-time ratios (new ÷ old)."""
+    final = {}
+    for r in runs:
+        final.setdefault((r["recipe"], r["lr"]), []).append(r["evals"][-1]["val"]["all"]["nll"])
+    best = {rec: min((lr for (rr, lr) in final if rr == rec), key=lambda lr: statistics.mean(final[rec, lr]))
+            for rec in RECIPES}
+    old, new = list(RECIPES)
+    per_seed = []
+    for seed in sorted({r["seed"] for r in runs}):
+        ro = next(r for r in runs if r["recipe"] == old and r["lr"] == best[old] and r["seed"] == seed)
+        rn = next(r for r in runs if r["recipe"] == new and r["lr"] == best[new] and r["seed"] == seed)
+        target = ro["evals"][-1]["val"]["all"]["nll"]
+        need_old, need_new = tokens_to_reach(ro["evals"], target), tokens_to_reach(rn["evals"], target)
+        per_seed.append({"seed": seed, "target_nll": target, "tokens_old": need_old, "tokens_new": need_new,
+                         "tokens_to_target": (need_old / need_new) if need_new else None,
+                         "step_time_ratio": ro["tokens_per_s"] / rn["tokens_per_s"],
+                         "final_old": ro["evals"][-1]["val"], "final_new": rn["evals"][-1]["val"]})
+    return {"best_lr": best, "final_nll": {f"{k[0]}@{k[1]:g}": v for k, v in final.items()}, "per_seed": per_seed}
+
+
+def report(res: dict, floor: dict | None) -> str:
+    s = res["summary"]
+    lines = [f"# Training recipe: {' vs '.join(RECIPES)} at `{res['preset']}`", "",
+             f"`python benchmarks/recipe.py --preset {res['preset']} --steps {res['steps']} --lrs "
+             f"{' '.join(f'{x:g}' for x in res['lrs'])} --seeds {' '.join(map(str, res['seeds']))}` "
+             f"({res['steps']} steps each, interleaved; measured {res['date']}).", "",
+             "## Learning-rate grid (final validation NLL, nats/token, all languages; mean over seeds)", "",
+             "| recipe | " + " | ".join(f"lr {x:g}" for x in res["lrs"]) + " |",
+             "|---|" + "---|" * len(res["lrs"])]
+    for rec in RECIPES:
+        cells = []
+        for lr in res["lrs"]:
+            v = s["final_nll"].get(f"{rec}@{lr:g}")
+            mark = " **best**" if lr == s["best_lr"][rec] else ""
+            cells.append(f"{statistics.mean(v):.3f}{mark}" if v else "–")
+        lines.append(f"| {rec} | " + " | ".join(cells) + " |")
+    lines += ["", "## Best of each, per seed", "",
+              "| seed | target NLL | tokens old | tokens new | tokens-to-target | step-time ratio | "
+              + " | ".join(f"{k} bpc old → new" for k in s["per_seed"][0]["final_old"] if k != "all") + " |",
+              "|---|---|---|---|---|---|" + "---|" * (len(s["per_seed"][0]["final_old"]) - 1)]
+    for p in s["per_seed"]:
+        ttt = f"{p['tokens_to_target']:.2f}×" if p["tokens_to_target"] else "not reached"
+        new_tok = f"{p['tokens_new']:,.0f}" if p["tokens_new"] else "–"
+        langs = " | ".join(f"{p['final_old'][k]['bpc']:.3f} → {p['final_new'][k]['bpc']:.3f}"
+                           for k in p["final_old"] if k != "all")
+        lines.append(f"| {p['seed']} | {p['target_nll']:.3f} | {p['tokens_old']:,.0f} | {new_tok} | {ttt} | "
+                     f"{p['step_time_ratio']:.3f} | {langs} |")
+    if floor:
+        lines += ["", "Compressor floor (bits/char on the same validation text): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in floor.items())]
+    lines += ["", f"![validation NLL against tokens](recipe-{res['preset']}.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    best = res["summary"]["best_lr"]
+    for r in res["runs"]:
+        if r["lr"] != best[r["recipe"]]:
+            continue
+        xs = [e["tokens"] for e in r["evals"]]
+        ys = [e["val"]["all"]["nll"] for e in r["evals"]]
+        ax.plot(xs, ys, marker="o", ls="-" if r["recipe"] == "muon-linear" else "--",
+                label=f"{r['recipe']} lr {r['lr']:g} seed {r['seed']}")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation NLL (nats/token)")
+    ax.set_title(f"{res['preset']}: best learning rate of each recipe")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2, 2e-2, 4e-2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1337, 7])
+    args = p.parse_args(argv)
+    if len(args.lrs) < 1 or any(lr <= 0 for lr in args.lrs):
+        p.error("--lrs: expected positive learning rates")
+    plan = [(seed, lr, rec) for seed in args.seeds for lr in args.lrs for rec in RECIPES]
+    runs, t0 = [], time.time()
+    for i, (seed, lr, rec) in enumerate(plan):
+        runs.append(run_once(args.preset, rec, lr, seed, args.steps, args.eval_every))
+        done = time.time() - t0
+        last = runs[-1]["evals"][-1]["val"]["all"]["nll"]
+        print(f"[{i + 1}/{len(plan)}] {rec} lr {lr:g} seed {seed}: val NLL {last:.3f} "
+              f"({runs[-1]['wall_s']:.0f} s; ETA {done / (i + 1) * (len(plan) - i - 1) / 60:.0f} min)", flush=True)
+    res = {"preset": args.preset, "steps": args.steps, "lrs": args.lrs, "seeds": args.seeds,
+           "date": time.strftime("%Y-%m-%d"), "runs": runs}
+    res["summary"] = summarise(runs)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / f"recipe-{args.preset}.json", res)
+    plot(res, out / f"recipe-{args.preset}.png")
+    atomic_write_text(out / f"recipe-{args.preset}.md", report(res, None))
+    print(report(res, None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
