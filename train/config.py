@@ -73,6 +73,15 @@ class ModelSection:
     initializer_range: float = 0.02
 
 
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer: the names train/optim.py builds
+SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule: the names train/optim.py's lr_at computes
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    """``("a", "b", "c")`` → ``"a, b or c"`` for an error message."""
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 @dataclass
 class TrainSection:
     micro_batch_size: int = 8
@@ -290,10 +299,10 @@ def validate(cfg: Config) -> None:
                           f"({m.max_position_embeddings})")
     if not (0 < t.lr) or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr / train.min_lr: expected 0 <= min_lr <= lr and lr > 0, got {t.lr} / {t.min_lr}")
-    if t.optimizer not in ("adamw", "muon"):
-        raise ConfigError(f"train.optimizer: expected adamw or muon, got {t.optimizer!r}")
-    if t.schedule not in ("cosine", "linear", "wsd"):
-        raise ConfigError(f"train.schedule: expected cosine, linear or wsd, got {t.schedule!r}")
+    if t.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"train.optimizer: expected {_one_of(OPTIMIZERS)}, got {t.optimizer!r}")
+    if t.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule: expected {_one_of(SCHEDULES)}, got {t.schedule!r}")
     if isinstance(t.cooldown_frac, bool) or not 0 <= t.cooldown_frac <= 1:
         raise ConfigError(f"train.cooldown_frac: expected a number in [0, 1], got {t.cooldown_frac!r}")
     if not 0 <= t.muon_momentum < 1:

@@ -29,10 +29,8 @@ import math
 import torch
 from torch import nn
 
-from train.config import TrainSection
+from train.config import OPTIMIZERS, SCHEDULES, TrainSection
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "linear", "wsd")
 # The decoder-layer projections Muon owns (train/model.py names them so); anything else stays on AdamW.
 MUON_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
