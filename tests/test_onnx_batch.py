@@ -11,8 +11,10 @@ from serve.backends.onnx import OnnxBackend
 
 # fp32: float noise (a padded row's softmax runs over more slots, the masked ones exactly zero). int8: the graph's
 # DynamicQuantizeLinear takes ONE activation scale per tensor, i.e. over every row of the batch, so a row's logits
-# move with its companions' activations (by ~1e-2 on the tiny bundle; the int8-vs-fp32 gap itself is larger).
-TOLS = {None: 2e-5, "int8": 5e-2}
+# move with its companions' activations. That movement is bounded against the int8 model's own error: a quarter of
+# the largest int8-vs-fp32 logit gap of the same prompts decoded one at a time (on the tiny bundle the gap is ~0.46,
+# the batch movement ~0.05-0.07; a fixed 5e-2 failed whenever the fixture's weights moved).
+FP32_TOL, INT8_SHARE = 2e-5, 0.25
 PROMPTS = ([0], [0, 5, 9], [0, 17, 33, 4, 81, 250, 7], [0] + list(range(40, 52)))
 
 
@@ -21,9 +23,25 @@ def backend(request, bundle) -> OnnxBackend:
     return OnnxBackend(bundle, quantize=request.param, threads=1)
 
 
+@pytest.fixture(scope="module")
+def int8_gap(bundle) -> float:
+    """Largest |int8 − fp32| logit over 16 greedy single-sequence decode steps of :data:`PROMPTS`."""
+    q, f = OnnxBackend(bundle, quantize="int8", threads=1), OnnxBackend(bundle, quantize=None, threads=1)
+    qs, toks = prefilled(q)
+    fs, _ = prefilled(f)
+    gap = 0.0
+    for _ in range(16):
+        lq = np.stack([s.decode(t) for s, t in zip(qs, toks, strict=True)])
+        lf = np.stack([s.decode(t) for s, t in zip(fs, toks, strict=True)])
+        gap = max(gap, float(np.abs(lq - lf).max()))
+        toks = [int(t) for t in lf.argmax(-1)]
+    assert 0.0 < gap < 2.0, gap  # int8 does move the logits, and not absurdly (range ~4 on the tiny bundle)
+    return gap
+
+
 @pytest.fixture
-def tol(backend) -> float:
-    return TOLS[backend.quantize]
+def tol(request, backend) -> float:
+    return FP32_TOL if backend.quantize is None else INT8_SHARE * request.getfixturevalue("int8_gap")
 
 
 def prefilled(backend, prompts=PROMPTS):
