@@ -92,6 +92,7 @@ class Tokenizer:
 Event = tuple[int, int | None, float, list[tuple[int, float]], str | None]
 
 class RequestStream(Iterator[Event]):
+    """cancel(), cancel_choice() and id work from any thread while another thread blocks in next()."""
     @property
     def id(self) -> int: ...
     def __iter__(self) -> RequestStream: ...
@@ -126,7 +127,10 @@ class Engine:
         top_logprobs: int = 0,
         timeout: float | None = None,
         ignore_eos: bool = False,
-    ) -> RequestStream: ...
+        first_index: int = 0,
+    ) -> RequestStream:
+        """first_index: the caller's index of this request's choice 0; choice i draws from
+        choice_seed(seed, first_index + i) (choice_seed(s, 0) = s)."""
     def cancel(self, id: int) -> None: ...
     def stats(self) -> dict[str, int | float]: ...
     def close(self) -> None: ...

@@ -145,15 +145,16 @@ class RustEngine:
     def submit(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, n: int = 1,
                top_logprobs: int = 0, ignore_eos: bool = False, first_index: int = 0) -> Submission:
         """Queue ``ids`` (``<|endoftext|>`` + prompt, checked ids); see the module docstring. ``first_index``
-        > 0 (a request's choices beyond the first batch) draws from a seed derived from (seed, first_index).
+        is the request's index of this group's choice 0 (its choices beyond the first batch): the engine seeds
+        choice i of the group with ``choice_seed(seed, first_index + i)``, the rule every choice follows.
         Raises BackendError for what the engine refuses (a prompt that does not fit, n > max_batch)."""
-        seed = None if params.seed is None else derived_seed(int(params.seed), first_index)
+        seed = None if params.seed is None else int(params.seed) % SEED_MODULUS
         try:
             stream = self._engine.submit(
                 list(ids), max_new_tokens, temperature=params.temperature, top_k=min(int(params.top_k), TOP_K_OFF),
                 top_p=params.top_p, presence_penalty=params.presence_penalty,
                 frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-                seed=seed, n=n, top_logprobs=top_logprobs, ignore_eos=ignore_eos)
+                seed=seed, n=n, top_logprobs=top_logprobs, ignore_eos=ignore_eos, first_index=first_index)
         except ValueError as e:
             raise BackendError(str(e)) from e
         return _RustSubmission(stream, n)
@@ -448,14 +449,6 @@ class StepEngine:
             r.post(c.index, TokenEvent(None, finish="length"))
         else:
             c.next_token = tok
-
-
-def derived_seed(seed: int, first_index: int) -> int:
-    """The Rust engine's seed for a group of choices starting at ``first_index`` (``seed`` itself for 0):
-    a SplitMix64-style odd-constant offset, reduced mod 2**64."""
-    if first_index == 0:
-        return seed % SEED_MODULUS
-    return (seed + first_index * 0x9E37_79B9_7F4A_7C15) % SEED_MODULUS
 
 
 def check_engine_limits(max_batch: int, token_budget: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:

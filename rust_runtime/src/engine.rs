@@ -33,8 +33,11 @@ pub struct Request {
     pub prompt: Vec<u32>,
     pub max_new_tokens: usize,
     pub params: SamplingParams,
-    /// choice i draws from `choice_seed(seed, i)`; None = fresh entropy
+    /// choice i draws from `choice_seed(seed, first_choice + i)`; None = fresh entropy
     pub seed: Option<u64>,
+    /// the caller's index of this request's choice 0 (a caller that splits n choices into groups of at
+    /// most max_batch submits each group with its first index, so every choice follows the one seed rule)
+    pub first_choice: usize,
     pub stop_ids: Vec<u32>,
     /// number of choices (n), each a sequence of its own after the shared prefill
     pub n: usize,
@@ -396,7 +399,7 @@ impl Scheduler {
                         cache: self.model.new_cache(),
                         prefilled: 0,
                         last: None,
-                        rng: sampling::make_rng(req.seed),
+                        rng: sampling::make_rng(req.seed.map(|s| choice_seed(s, req.first_choice))),
                         pen,
                         produced: 0,
                         tx,
@@ -536,7 +539,7 @@ impl Scheduler {
                         cache: parent.cache.fork(),
                         prefilled: parent.prefilled,
                         last: None,
-                        rng: sampling::make_rng(parent.req.seed.map(|s| choice_seed(s, c))),
+                        rng: sampling::make_rng(parent.req.seed.map(|s| choice_seed(s, parent.req.first_choice + c))),
                         pen: parent.pen.clone(),
                         produced: 0,
                         tx: parent.tx.clone(),
@@ -645,7 +648,7 @@ mod tests {
     }
 
     fn req(prompt: Vec<u32>, max_new: usize, params: SamplingParams, seed: Option<u64>, n: usize) -> Request {
-        Request { prompt, max_new_tokens: max_new, params, seed, stop_ids: vec![], n, top_logprobs: 0, timeout: None, ignore_eos: false }
+        Request { prompt, max_new_tokens: max_new, params, seed, first_choice: 0, stop_ids: vec![], n, top_logprobs: 0, timeout: None, ignore_eos: false }
     }
 
     fn alone(m: &Model, prompt: &[u32], max_new: usize, params: SamplingParams, seed: Option<u64>) -> Vec<(u32, f32)> {
@@ -685,6 +688,12 @@ mod tests {
         assert_eq!(got[0].0, alone(&model, &prompts[5], 10, sampled.clone(), Some(99)));
         assert_eq!(got[2].0, alone(&model, &prompts[5], 10, sampled.clone(), Some(choice_seed(99, 2))));
         assert_ne!(got[1].0, got[2].0);
+        // a later group of the same request (first_choice 1, n = 2): its choices are choices 1 and 2
+        let (_, rx) =
+            eng.submit(Request { first_choice: 1, ..req(prompts[5].clone(), 10, sampled.clone(), Some(99), 2) }).unwrap();
+        let later = collect(&rx, 2);
+        assert_eq!(later[0].0, got[1].0);
+        assert_eq!(later[1].0, got[2].0);
     }
 
     /// Wait (polling, at most 30 s) until the held scheduler has run `n` steps in all.

@@ -16,6 +16,7 @@ use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 impl From<Error> for PyErr {
@@ -483,7 +484,7 @@ impl PyEngine {
     /// then an ordinary token; stop_ids still stop).
     #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
                         frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None, n=1,
-                        top_logprobs=0, timeout=None, ignore_eos=false))]
+                        top_logprobs=0, timeout=None, ignore_eos=false, first_index=0))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -501,6 +502,7 @@ impl PyEngine {
         top_logprobs: i64,
         timeout: Option<f64>,
         ignore_eos: bool,
+        first_index: i64,
     ) -> PyResult<PyRequestStream> {
         let params =
             SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
@@ -515,6 +517,9 @@ impl PyEngine {
         }
         if n < 1 {
             return Err(PyValueError::new_err(format!("n is {n}; expected an integer >= 1")));
+        }
+        if !(0..=1 << 32).contains(&first_index) {
+            return Err(PyValueError::new_err(format!("first_index is {first_index}; expected an integer >= 0")));
         }
         if !(0..=1000).contains(&top_logprobs) {
             return Err(PyValueError::new_err(format!(
@@ -545,6 +550,7 @@ impl PyEngine {
             max_new_tokens: max_new_tokens as usize,
             params,
             seed,
+            first_choice: first_index as usize,
             stop_ids: to_u32(&stops, "stop_ids")?,
             n: n as usize,
             top_logprobs: top_logprobs as usize,
@@ -553,7 +559,7 @@ impl PyEngine {
         };
         let n = req.n;
         let (id, rx) = self.engine.submit(req)?;
-        Ok(PyRequestStream { engine: self.engine.clone(), id, rx: std::sync::Mutex::new(rx), open: n })
+        Ok(PyRequestStream { engine: self.engine.clone(), id, rx: std::sync::Mutex::new(rx), open: AtomicUsize::new(n) })
     }
 
     /// Make request `id` leave the batch before the next step.
@@ -602,14 +608,16 @@ impl PyEngine {
 /// the end of choice `index` has finish_reason "stop" / "length" / "cancelled" / "timeout" /
 /// "error: …" and token_id None (logprob NaN), except a "stop" at end-of-text or a stop id,
 /// which carries that token (not part of the output) with its logprob and top alternatives. Iteration ends when every choice has ended.
-/// Dropping the stream cancels the request.
-#[pyclass(module = "rust_runtime", name = "RequestStream")]
+/// Dropping the stream cancels the request. Frozen (no mutable borrow): cancel(), cancel_choice()
+/// and id work from any thread while another thread blocks in next().
+#[pyclass(module = "rust_runtime", name = "RequestStream", frozen)]
 pub struct PyRequestStream {
     engine: Arc<Engine>,
     #[pyo3(get)]
     id: u64,
     rx: std::sync::Mutex<std::sync::mpsc::Receiver<Event>>,
-    open: usize,
+    /// choices not yet ended
+    open: AtomicUsize,
 }
 
 type PyEvent = (usize, Option<u32>, f32, Vec<(u32, f32)>, Option<String>);
@@ -620,8 +628,8 @@ impl PyRequestStream {
         slf
     }
 
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<PyEvent>> {
-        if self.open == 0 {
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyEvent>> {
+        if self.open.load(Ordering::Acquire) == 0 {
             return Ok(None);
         }
         loop {
@@ -634,11 +642,11 @@ impl PyRequestStream {
             match got {
                 Ok(Event::Token { index, id, logprob, top }) => return Ok(Some((index, Some(id), logprob, top, None))),
                 Ok(Event::Stopped { index, id, logprob, top }) => {
-                    self.open = self.open.saturating_sub(1);
+                    let _ = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |o| o.checked_sub(1));
                     return Ok(Some((index, Some(id), logprob, top, Some("stop".to_string()))));
                 }
                 Ok(Event::Finished { index, reason }) => {
-                    self.open = self.open.saturating_sub(1);
+                    let _ = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |o| o.checked_sub(1));
                     let name = match &reason {
                         Finish::Error(m) => format!("error: {m}"),
                         r => r.name().to_string(),
@@ -647,7 +655,7 @@ impl PyRequestStream {
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    self.open = 0;
+                    self.open.store(0, Ordering::Release);
                     return Err(PyRuntimeError::new_err("the engine stopped before this request finished"));
                 }
             }
@@ -667,7 +675,7 @@ impl PyRequestStream {
 
 impl Drop for PyRequestStream {
     fn drop(&mut self) {
-        if self.open > 0 {
+        if *self.open.get_mut() > 0 {
             self.engine.cancel(self.id);
         }
     }
