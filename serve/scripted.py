@@ -5,10 +5,18 @@ as one token and whose backend, at every step, puts nearly all probability on th
 (cycling, never end-of-text unless ``eos_after`` is given). ``script=None`` gives seeded random logits
 instead (the same for every request, so only the sampler's randomness differs). It implements the backend
 protocol of :mod:`serve.backends.base` and sleeps ``delay_s`` per token (blocking, like real compute).
+
+``gate`` lets a test, not the clock, decide when the model moves on: every sequence makes its first
+``gate_after`` tokens, then each further step blocks until the gate opens. The gate is a ``threading.Event``
+(``set()`` opens it) or a file path (creating the file opens it: a server in another process, released by the
+test), e.g. ``scripted_lm(["ab"], gate=str(tmp_path / "open"), gate_after=1)``. ``prefill_gate`` (the same
+kinds) holds every prefill until it opens: the engine's step is held *inside* the first request's prefill, so
+requests submitted meanwhile wait in the engine's queue and join the next step together.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -60,6 +68,8 @@ class ScriptedSequence:
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         b = self.backend
         ids = check_ids(ids, b.vocab_size, self.position, b.max_position_embeddings)
+        b.hold([self], first=True)
+        b.wait_for(b.prefill_gate)
         b.pause()
         rows = np.stack([b.context_logits(self.position + i) for i in range(len(ids))])
         self.position += len(ids)
@@ -67,6 +77,7 @@ class ScriptedSequence:
         return rows if all_logits else rows[-1]
 
     def decode(self, token_id: int) -> np.ndarray:
+        self.backend.hold([self])
         self.backend.pause()
         return self._advance(token_id)
 
@@ -90,13 +101,17 @@ class ScriptedBackend:
 
     script: ids emitted in turn (cycled), or None for seeded random logits; delay_s: blocking delay per
     prefill and per decode step (``busy``: spin the CPU instead of sleeping); eos_after: emit end-of-text (id 0) as the token after this many;
-    ``decoded`` counts decode steps over all sequences (a token counter for tests).
+    ``decoded`` counts decode steps over all sequences (a token counter for tests); gate, gate_after: see the
+    module docstring (``gate_timeout_s``: a step held longer raises, so a test that never opens the gate fails
+    instead of hanging); ``held`` counts the steps that have waited at the closed gate; prefill_gate: every
+    prefill waits for it.
     """
 
     name = "scripted"
 
     def __init__(self, vocab_size: int, context: int = 128, script: Sequence[int] | None = None,
-                 delay_s: float = 0.0, eos_after: int | None = None, seed: int = 0, busy: bool = False):
+                 delay_s: float = 0.0, eos_after: int | None = None, seed: int = 0, busy: bool = False,
+                 gate=None, gate_after: int = 0, gate_timeout_s: float = 300.0, prefill_gate=None):
         self.vocab_size = int(vocab_size)
         self.max_position_embeddings = int(context)
         self.script = None if script is None else list(script)
@@ -105,6 +120,11 @@ class ScriptedBackend:
         self.seed = seed
         self.busy = busy
         self.decoded = 0
+        self.gate = gate
+        self.gate_after = int(gate_after)
+        self.gate_timeout_s = float(gate_timeout_s)
+        self.prefill_gate = prefill_gate
+        self.held = 0
 
     def new_sequence(self) -> ScriptedSequence:
         return ScriptedSequence(self)
@@ -112,8 +132,39 @@ class ScriptedBackend:
     def decode_batch(self, seqs: Sequence[ScriptedSequence], token_ids: Sequence[int]) -> np.ndarray:
         """One step of every sequence at the cost of one (as a batched forward that reads the weights once):
         one delay, then float32 logits ``[len(seqs), V]``."""
+        self.hold(seqs)
         self.pause()
         return np.stack([s._advance(t) for s, t in zip(seqs, token_ids)])
+
+    @staticmethod
+    def is_open(gate) -> bool:
+        """Whether ``gate`` lets a step through: None, an Event that is set, a path that exists."""
+        if gate is None:
+            return True
+        return gate.is_set() if hasattr(gate, "is_set") else os.path.exists(gate)
+
+    def hold(self, seqs: Sequence[ScriptedSequence], first: bool = False) -> None:
+        """Block until ``gate`` opens when this step makes a token past the first ``gate_after`` of any of
+        ``seqs`` (``first``: a prefill, which makes token 1; a decode makes token ``steps + 2``)."""
+        if any((1 if first else s.steps + 2) > self.gate_after for s in seqs):
+            self.wait_for(self.gate)
+
+    def wait_for(self, gate) -> None:
+        """Block until ``gate`` opens, as ``pause`` waits: sleeping, or (``busy``) spinning the CPU in Python
+        between looks at the gate. Raises RuntimeError after ``gate_timeout_s``."""
+        if self.is_open(gate):
+            return
+        self.held += 1
+        end = time.monotonic() + self.gate_timeout_s
+        while not self.is_open(gate):
+            if time.monotonic() > end:
+                raise RuntimeError(f"the scripted backend's gate stayed closed for {self.gate_timeout_s:g} s")
+            if self.busy:
+                spin = time.perf_counter() + 0.01
+                while time.perf_counter() < spin:
+                    pass
+            else:
+                time.sleep(0.002)
 
     def pause(self) -> None:
         """The per-step delay: blocks the calling thread, sleeping or (``busy``) spinning the CPU in Python
@@ -148,13 +199,15 @@ class ScriptedBackend:
 
 def scripted_lm(pieces: Sequence[str] | None = None, *, context: int = 128, delay_s: float = 0.0,
                 eos_after: int | None = None, name: str = "scripted", extra_pieces: Sequence[str] = (),
-                busy: bool = False) -> LM:
+                busy: bool = False, gate=None, gate_after: int = 0, prefill_gate=None) -> LM:
     """An :class:`LM` whose backend emits ``pieces`` in turn (one token each), or random logits when
-    ``pieces`` is None. ``extra_pieces`` are added to the vocabulary without being scripted."""
+    ``pieces`` is None. ``extra_pieces`` are added to the vocabulary without being scripted; ``gate``,
+    ``gate_after``: hold every sequence after that many tokens until the gate opens; ``prefill_gate``: hold every
+    prefill until it opens (module docstring)."""
     tok = scripted_tokenizer([*(pieces or ()), *extra_pieces])
     script = None if pieces is None else [tok.token_to_id(_spelled(p)) for p in pieces]
     backend = ScriptedBackend(tok.get_vocab_size(with_added_tokens=True), context, script, delay_s, eos_after,
-                              busy=busy)
+                              busy=busy, gate=gate, gate_after=gate_after, prefill_gate=prefill_gate)
     return LM(backend, tok, name=name)
 
 
