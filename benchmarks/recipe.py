@@ -1,22 +1,26 @@
 """The training recipe, old against new, on the same data and tokens: AdamW + cosine to lr/10 (the 2019 recipe)
 against Muon on the hidden matrices + AdamW on the rest with a linear decay to zero (train/optim.py).
 
-Every (recipe, learning rate, seed) runs ``--preset`` for ``--steps`` steps in-process, interleaved (for each seed,
-for each learning rate: old, then new) so both sides see the same machine load. Reports validation bits/char per
+Every (recipe, learning rate) of the grid runs ``--preset`` for ``--steps`` steps on the first seed; the two recipes
+at one learning rate run **side by side**, each in its own process on one thread (``OMP_NUM_THREADS=1``), so both
+see the same machine load at every moment and the step-time ratio is a paired measurement; the best learning rate
+of each recipe is then confirmed on every other seed the same way. Reports validation bits/char per
 language at each evaluation, the best learning rate of each recipe (lowest mean final validation NLL over the
 seeds), the **tokens-to-target ratio** (tokens the old recipe's best needs for its final validation NLL ÷ tokens
 the new recipe's best needs for the same NLL, interpolated between evaluations, per seed) and the step-time ratio.
 Writes ``benchmarks/results/recipe-<preset>.{md,json,png}``.
 
-    python benchmarks/recipe.py [--preset tiny] [--steps 200] [--lrs 3e-3 1e-2 2e-2 4e-2] [--seeds 1337 7]
+    python benchmarks/recipe.py [--preset tiny] [--steps 200] [--lrs 1e-3 3e-3 1e-2 2e-2 4e-2] [--seeds 1337 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +56,8 @@ def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_ev
         trainer = Trainer(cfg, log=lambda m: None)
         trainer.train()
         wall = time.time() - t0
+        if trainer.step != steps:  # stopped by a signal: a partial run must not enter the comparison
+            raise SystemExit(f"recipe: the {recipe} run at lr {lr:g} stopped at step {trainer.step} of {steps}")
         rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -59,6 +65,23 @@ def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_ev
     tps = [r["tokens_per_s"] for r in rows if r["kind"] == "train"][1:]  # the first window holds the warm-up
     return {"recipe": recipe, "lr": lr, "seed": seed, "evals": evals, "wall_s": wall,
             "tokens_per_s": statistics.median(tps) if tps else None}
+
+
+def run_side_by_side(preset: str, recipes: list[str], lr: float, seed: int, steps: int, eval_every: int) -> list[dict]:
+    """:func:`run_once` of every recipe at once, each in a child process on one thread; their results in order."""
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="recipe-pair-") as tmp:
+        for rec in recipes:
+            out = Path(tmp) / f"{rec}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--one", rec, "--preset", preset, "--steps",
+                   str(steps), "--eval-every", str(eval_every), "--lrs", str(lr), "--seeds", str(seed),
+                   "--out", str(out)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)))
+        for _, proc in procs:
+            if proc.wait() != 0:
+                raise SystemExit(f"recipe: a child run failed (exit {proc.returncode}): {' '.join(proc.args)}")
+        return [json.loads(out.read_text()) for out, _ in procs]
 
 
 def tokens_to_reach(evals: list[dict], target: float) -> float | None:
@@ -76,13 +99,18 @@ def tokens_to_reach(evals: list[dict], target: float) -> float | None:
     return None
 
 
-def summarise(runs: list[dict]) -> dict:
-    """Best lr per recipe, per-seed tokens-to-target and step-time ratios (new ÷ old)."""
+def best_lrs(runs: list[dict], seed: int) -> dict[str, float]:
+    """Per recipe, the learning rate with the lowest final validation NLL on ``seed`` (the grid's seed)."""
+    return {rec: min((r for r in runs if r["recipe"] == rec and r["seed"] == seed),
+                     key=lambda r: r["evals"][-1]["val"]["all"]["nll"])["lr"] for rec in RECIPES}
+
+
+def summarise(runs: list[dict], grid_seed: int) -> dict:
+    """Best lr per recipe (on the grid's seed), per-seed tokens-to-target and step-time ratios (new ÷ old)."""
     final = {}
     for r in runs:
         final.setdefault((r["recipe"], r["lr"]), []).append(r["evals"][-1]["val"]["all"]["nll"])
-    best = {rec: min((lr for (rr, lr) in final if rr == rec), key=lambda lr: statistics.mean(final[rec, lr]))
-            for rec in RECIPES}
+    best = best_lrs(runs, grid_seed)
     old, new = list(RECIPES)
     per_seed = []
     for seed in sorted({r["seed"] for r in runs}):
@@ -103,7 +131,7 @@ def report(res: dict, floor: dict | None) -> str:
              f"`python benchmarks/recipe.py --preset {res['preset']} --steps {res['steps']} --lrs "
              f"{' '.join(f'{x:g}' for x in res['lrs'])} --seeds {' '.join(map(str, res['seeds']))}` "
              f"({res['steps']} steps each, interleaved; measured {res['date']}).", "",
-             "## Learning-rate grid (final validation NLL, nats/token, all languages; mean over seeds)", "",
+             "## Learning-rate grid (final validation NLL, nats/token, all languages; seed " + str(res["seeds"][0]) + "; the best also mean over every seed)", "",
              "| recipe | " + " | ".join(f"lr {x:g}" for x in res["lrs"]) + " |",
              "|---|" + "---|" * len(res["lrs"])]
     for rec in RECIPES:
@@ -163,27 +191,59 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2, 2e-2, 4e-2])
-    p.add_argument("--seeds", type=int, nargs="+", default=[1337, 7])
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 2e-2, 4e-2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1337, 7],
+                   help="the grid runs on the first; the best lr of each recipe is confirmed on the others")
+    p.add_argument("--resume", action="store_true", help="keep the finished runs of an interrupted grid")
+    p.add_argument("--one", choices=list(RECIPES), help=argparse.SUPPRESS)  # a child of run_side_by_side
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.one:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(1)
+        atomic_write_json(Path(args.out), run_once(args.preset, args.one, args.lrs[0], args.seeds[0], args.steps,
+                                                   args.eval_every))
+        return 0
     if len(args.lrs) < 1 or any(lr <= 0 for lr in args.lrs):
         p.error("--lrs: expected positive learning rates")
-    plan = [(seed, lr, rec) for seed in args.seeds for lr in args.lrs for rec in RECIPES]
-    runs, t0 = [], time.time()
-    for i, (seed, lr, rec) in enumerate(plan):
-        runs.append(run_once(args.preset, rec, lr, seed, args.steps, args.eval_every))
-        done = time.time() - t0
-        last = runs[-1]["evals"][-1]["val"]["all"]["nll"]
-        print(f"[{i + 1}/{len(plan)}] {rec} lr {lr:g} seed {seed}: val NLL {last:.3f} "
-              f"({runs[-1]['wall_s']:.0f} s; ETA {done / (i + 1) * (len(plan) - i - 1) / 60:.0f} min)", flush=True)
-    res = {"preset": args.preset, "steps": args.steps, "lrs": args.lrs, "seeds": args.seeds,
-           "date": time.strftime("%Y-%m-%d"), "runs": runs}
-    res["summary"] = summarise(runs)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"recipe-{args.preset}.partial.json"  # every finished run, so an interrupted grid resumes
+    runs = json.loads(partial.read_text())["runs"] if args.resume and partial.exists() else []
+    done = {(r["seed"], r["lr"], r["recipe"]) for r in runs}
+    # tokenizer and shards once, here, so the side-by-side children only read the cache
+    prepare(load_config(args.preset, [f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"]))
+    t0, n_new = time.time(), 0
+
+    def run(todo: list[tuple[int, float, str]]) -> None:
+        nonlocal n_new
+        pairs: dict[tuple[int, float], list[str]] = {}
+        for seed, lr, rec in todo:
+            if (seed, lr, rec) not in done:
+                pairs.setdefault((seed, lr), []).append(rec)
+        for i, ((seed, lr), recs) in enumerate(pairs.items()):
+            for r in run_side_by_side(args.preset, recs, lr, seed, args.steps, args.eval_every):
+                runs.append(r)
+                done.add((seed, lr, r["recipe"]))
+            atomic_write_json(partial, {"preset": args.preset, "steps": args.steps, "runs": runs})
+            n_new += 1
+            eta = (time.time() - t0) / n_new * (len(pairs) - i - 1) / 60
+            print(f"[{i + 1}/{len(pairs)}] lr {lr:g} seed {seed}: " + ", ".join(
+                f"{r['recipe']} val NLL {r['evals'][-1]['val']['all']['nll']:.3f} ({r['wall_s']:.0f} s)"
+                for r in runs[-len(recs):]) + f"; ETA of this phase {eta:.0f} min", flush=True)
+
+    # the grid on the first seed, then the best learning rate of each recipe on every other seed
+    run([(args.seeds[0], lr, rec) for lr in args.lrs for rec in RECIPES])
+    best = best_lrs(runs, args.seeds[0])
+    run([(seed, best[rec], rec) for seed in args.seeds[1:] for rec in RECIPES])
+    res = {"preset": args.preset, "steps": args.steps, "lrs": args.lrs, "seeds": args.seeds,
+           "date": time.strftime("%Y-%m-%d"), "runs": runs}
+    res["summary"] = summarise(runs, args.seeds[0])
     atomic_write_json(out / f"recipe-{args.preset}.json", res)
     plot(res, out / f"recipe-{args.preset}.png")
     atomic_write_text(out / f"recipe-{args.preset}.md", report(res, None))
+    partial.unlink(missing_ok=True)
     print(report(res, None))
     return 0
 

@@ -21,6 +21,8 @@ from typing import Any
 
 EOT = "<|endoftext|>"
 MANIFEST = "manifest.json"
+GENERATION_CONFIG = "generation_config.json"
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")
 QUANTIZE_CHOICES = ("none", "int8")
 HASH_BLOCK = 1 << 20
 
@@ -95,3 +97,18 @@ def verify_files(bundle: Path, names: Iterable[str]) -> None:
         if digest != entry["sha256"]:
             raise BundleError(f"{path} is corrupt: sha256 {digest[:16]}…, the manifest says {entry['sha256'][:16]}… "
                               "(re-export or re-download the bundle)")
+
+
+def sampling_defaults(bundle: str | Path) -> dict[str, float]:
+    """The bundle's default sampling (``generation_config.json``, written by training from ``train.hf_files.SAMPLING``):
+    ``{temperature, top_k, top_p, repetition_penalty}``. A bundle that does not sample by default (``do_sample``
+    false or absent, as before these defaults existed) gives greedy: ``{"temperature": 0.0}``. BundleError for a
+    missing or unreadable file."""
+    path = Path(bundle) / GENERATION_CONFIG
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{path}: cannot read the generation defaults ({e})") from None
+    if not isinstance(cfg, dict) or not cfg.get("do_sample"):
+        return {"temperature": 0.0}
+    return {k: cfg[k] for k in SAMPLING_KEYS if k in cfg}

@@ -4,6 +4,12 @@
     python -m serve.generate runs/small/bundle --prompt "আমি বাংলায়" --temperature 0 --max-new-tokens 40
     python -m serve.generate runs/small/bundle --backend rust --quantize int8
 
+Each continuation is drawn the way a user would draw it: with the bundle's sampling defaults
+(``generation_config.json``; the model card states them) and a fixed seed, unless ``--temperature`` / ``--top-k``
+/ ``--top-p`` / ``--repetition-penalty`` say otherwise; a sampled continuation is followed by the greedy one of the
+same prompt (``--no-greedy`` to skip it), and each by its share of distinct words (1.0: no word repeats; a
+continuation that loops on one word is near 0).
+
 Exit status 2 for a bundle that cannot be loaded or a request that cannot be served (message on stderr).
 """
 
@@ -12,9 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serve.bundle import QUANTIZE_CHOICES
+from serve.bundle import QUANTIZE_CHOICES, BundleError, sampling_defaults
 from serve.errors import RequestError
 from serve.lm import BACKENDS, LM, load
+from train.textutil import distinct_word_share
 
 DEFAULT_PROMPTS = [("bn", "বাংলা ভাষা"), ("en", "The river")]
 
@@ -25,11 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("bundle", help="bundle directory (runs/NAME/bundle)")
     p.add_argument("--prompt", default=None, help="continue this text instead of the Bangla and English defaults")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 = off")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.1, help="1 = off")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the bundle's)")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off (default: the bundle's)")
+    p.add_argument("--top-p", type=float, default=None, help="1 = off (default: the bundle's)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="1 = off (default: the bundle's)")
     p.add_argument("--seed", type=int, default=1234, help="random seed (same seed, same text)")
+    p.add_argument("--no-greedy", action="store_true", help="do not follow a sampled continuation by the greedy one")
     p.add_argument("--backend", choices=BACKENDS, default="onnx")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none")
     p.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256 against manifest.json")
@@ -37,20 +45,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def print_continuation(lm: LM, prompt: str, args: argparse.Namespace, label: str | None = None) -> str:
-    """Stream one continuation of ``prompt`` to stdout (prompt first); returns the generated text."""
+SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def sampling_settings(args: argparse.Namespace) -> dict:
+    """The sampling of this command: the bundle's defaults (:func:`serve.bundle.sampling_defaults`) overridden by
+    the options given. Missing keys are off (top_k 0, top_p 1, repetition_penalty 1)."""
+    s = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **sampling_defaults(args.bundle)}
+    s.update({k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None})
+    return s
+
+
+def print_continuation(lm: LM, prompt: str, args: argparse.Namespace, settings: dict,
+                       label: str | None = None) -> str:
+    """Stream one continuation of ``prompt`` to stdout (prompt first), then a line with how it was drawn and its
+    share of distinct words; returns the generated text."""
     head = f"[{label}] " if label else ""
     sys.stdout.write(f"{head}{prompt}")
     sys.stdout.flush()
     pieces = []
-    for piece in lm.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed):
+    for piece in lm.stream(prompt, args.max_new_tokens, seed=args.seed, **settings):
         pieces.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write("\n\n")
+    text = "".join(pieces)
+    share = distinct_word_share(text)
+    how = ("greedy" if settings["temperature"] == 0 else
+           "sampled: " + ", ".join(f"{k} {settings[k]:g}" for k in SETTINGS) + f", seed {args.seed}")
+    sys.stdout.write(f"\n    ({how}; distinct words {'-' if share is None else f'{share:.0%}'})\n\n")
     sys.stdout.flush()
-    return "".join(pieces)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,10 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ImportError) as e:
         print(f"error: cannot load {args.bundle}: {e}", file=sys.stderr)
         return 2
+    try:
+        settings = sampling_settings(args)
+    except BundleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     prompts = [(None, args.prompt)] if args.prompt is not None else DEFAULT_PROMPTS
     try:
         for label, prompt in prompts:
-            print_continuation(lm, prompt, args, label)
+            print_continuation(lm, prompt, args, settings, label)
+            if settings["temperature"] != 0 and not args.no_greedy:
+                greedy = {**settings, "temperature": 0.0}
+                print_continuation(lm, prompt, args, greedy, f"{label}, greedy" if label else "greedy")
     except RequestError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2

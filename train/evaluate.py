@@ -1,4 +1,5 @@
-"""Validation NLL and bits per character per language, and greedy samples of fixed prompts.
+"""Validation NLL and bits per character per language (and, at the end of a run, per source file over the whole
+validation split: :func:`evaluate_sources`), and greedy samples of fixed prompts.
 
 ``nll`` is the mean negative log-likelihood in nats per target token; ``bpc`` is bits per NFC character:
 ``sum NLL / ln 2 / characters`` where the characters of a token span are the UTF-8 lead bytes of its tokens
@@ -75,5 +76,77 @@ def greedy_samples(model: LlamaForCausalLM, tokenizer, eot_id: int, max_new_toke
         ids = [eot_id] + tokenizer.encode(prompt, add_special_tokens=False).ids
         new = model.generate_greedy(ids, max_new_tokens, eot_id=eot_id)
         out.append({"prompt": prompt, "lang": lang, "text": tokenizer.decode(new)})
+    model.train(was_training)
+    return out
+
+
+def strided_spans(length: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """``(start, window length, targets to skip)`` for windows of at most ``seq_len + 1`` tokens over a stream of
+    ``length`` tokens, advancing by ``stride``, so that every target (positions 1..length-1) is scored exactly once:
+    by the first window that holds it after the targets the previous window scored (Hugging Face's strided
+    perplexity). Each window after the first gives its targets at least ``seq_len - stride`` tokens of context."""
+    spans, begin, prev_end = [], 0, 0
+    while length >= 2:
+        end = min(begin + seq_len + 1, length)
+        spans.append((begin, end - begin, max(prev_end, begin + 1) - begin - 1))
+        prev_end = end
+        if end == length:
+            break
+        begin += stride
+    return spans
+
+
+@torch.no_grad()
+def evaluate_sources(model: LlamaForCausalLM, sources: dict, tokenizer, eot_id: int, char_counts: np.ndarray,
+                     seq_len: int, device: torch.device, autocast=None, batch_size: int = 8,
+                     stride: int | None = None) -> dict[str, dict]:
+    """NLL and bits per NFC character of every validation document of every source — the text the compressor floor
+    (:mod:`train.compression`) is measured on: ``{source: {lang, nll, bpc, tokens, chars}, lang: {...}, "all": {...}}``
+    (nats per target token; bits per character).
+
+    ``sources`` maps a name to an object with ``lang`` and ``docs`` (NFC strings). Each source is one token stream,
+    every document as ``<|endoftext|>`` + its tokens (as the shards lay it out), scored by :func:`strided_spans`
+    (``stride`` defaults to ``seq_len // 2``). Characters are counted as in :func:`evaluate`, so they sum to the
+    documents' NFC characters.
+    """
+    stride = stride or max(seq_len // 2, 1)
+    was_training = model.training
+    model.eval()
+    ctx = autocast if autocast is not None else contextlib.nullcontext()
+    out: dict[str, dict] = {}
+    for name, src in sources.items():
+        ids: list[int] = []
+        for doc in src.docs:
+            ids.append(eot_id)
+            ids.extend(tokenizer.encode(doc, add_special_tokens=False).ids)
+        stream = np.asarray(ids, dtype=np.int64)
+        by_len: dict[int, list[tuple[int, int]]] = {}
+        for begin, n, skip in strided_spans(len(stream), seq_len, stride):
+            by_len.setdefault(n, []).append((begin, skip))
+        nll_sum, tokens, chars = 0.0, 0, 0
+        for n, group in sorted(by_len.items()):
+            for i in range(0, len(group), batch_size):
+                part = group[i:i + batch_size]
+                batch = torch.from_numpy(np.stack([stream[b:b + n] for b, _ in part])).to(device)
+                with ctx:
+                    logits, _ = model(batch[:, :-1])
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                nll = (-logp.gather(-1, batch[:, 1:, None])[..., 0]).double().cpu().numpy()
+                ys = batch[:, 1:].cpu().numpy()
+                for row, (_, skip) in enumerate(part):
+                    nll_sum += float(nll[row, skip:].sum())
+                    tokens += n - 1 - skip
+                    chars += int(char_counts[ys[row, skip:]].sum())
+        out[name] = {"lang": src.lang, "nll": nll_sum / max(tokens, 1),
+                     "bpc": nll_sum / math.log(2) / max(chars, 1), "tokens": tokens, "chars": chars}
+    groups: dict[str, list[dict]] = {}
+    for v in list(out.values()):
+        groups.setdefault(v["lang"], []).append(v)
+    groups["all"] = list(out.values())
+    for key, vs in groups.items():
+        nll_sum = sum(v["nll"] * v["tokens"] for v in vs)
+        tokens, chars = sum(v["tokens"] for v in vs), sum(v["chars"] for v in vs)
+        out[key] = {"nll": nll_sum / max(tokens, 1), "bpc": nll_sum / math.log(2) / max(chars, 1), "tokens": tokens,
+                    "chars": chars}
     model.train(was_training)
     return out

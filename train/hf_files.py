@@ -16,11 +16,18 @@ from train.tokenizer import tokenizer_config
 
 NAMES = ("config.json", "generation_config.json", "tokenizer_config.json")
 MAX_NEW_TOKENS = 64  # generation_config's default length
+# The sampling a user gets by default — the one owner of these numbers: generation_config.json carries them (so
+# transformers' generate() samples the same way), the model card states them, ``python -m serve.generate`` and the
+# Ollama Modelfile read them from the bundle, and the trainer's end-of-run samples use them. Nucleus sampling
+# (Holtzman et al. 2020) at a moderate temperature, with CTRL's repetition penalty (Keskar et al. 2019) so that a
+# small model does not loop on one word.
+SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.1}
 
 
 def generation_config(eot_id: int, pad_id: int) -> dict:
-    """``generation_config.json``: greedy, ``<|endoftext|>`` (``eot_id``) as bos and eos, ``pad_id`` as pad."""
-    return {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": pad_id, "do_sample": False,
+    """``generation_config.json``: sampling with :data:`SAMPLING`, ``<|endoftext|>`` (``eot_id``) as bos and eos,
+    ``pad_id`` as pad, :data:`MAX_NEW_TOKENS` new tokens (Hugging Face's ``GenerationConfig`` keys)."""
+    return {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": pad_id, "do_sample": True, **SAMPLING,
             "max_new_tokens": MAX_NEW_TOKENS}
 
 

@@ -70,3 +70,15 @@ def split_value(text_nfc: str) -> float:
 def is_val(text_nfc: str, val_fraction: float) -> bool:
     """True when the document belongs to the validation split (docs/design.md)."""
     return split_value(text_nfc) < val_fraction
+
+
+_WORD = re.compile(r"[\w\u0980-\u09ff]+")
+
+
+def distinct_word_share(text: str) -> float | None:
+    """Distinct words over words in ``text`` (distinct-1 over words; Li et al., "A Diversity-Promoting Objective
+    Function for Neural Conversation Models", 2016): 1.0 when no word repeats, near 0 when a sample loops on one
+    word. Words are runs of letters, marks and digits (Bangla's combining marks included), compared case-folded.
+    None for a text without words."""
+    words = [w.casefold() for w in _WORD.findall(text)]
+    return len(set(words)) / len(words) if words else None
