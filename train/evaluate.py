@@ -150,3 +150,71 @@ def evaluate_sources(model: LlamaForCausalLM, sources: dict, tokenizer, eot_id: 
                     "chars": chars}
     model.train(was_training)
     return out
+
+
+def _process_logits(logits: torch.Tensor, seen: list[int], temperature: float, top_k: int, top_p: float,
+                    repetition_penalty: float) -> torch.Tensor:
+    """Hugging Face's logits processors in its order — repetition penalty (CTRL: a seen token's positive logit is
+    divided by the penalty, a negative one multiplied), temperature, top-k, top-p (nucleus: the smallest set whose
+    probability reaches ``top_p``) — on one row of float32 logits ``[V]``; removed tokens get -inf."""
+    x = logits.float().clone()
+    if repetition_penalty != 1.0 and seen:
+        idx = torch.tensor(sorted(set(seen)), device=x.device)
+        v = x[idx]
+        x[idx] = torch.where(v > 0, v / repetition_penalty, v * repetition_penalty)
+    x = x / temperature
+    if 0 < top_k < x.numel():
+        kth = torch.topk(x, top_k).values[-1]
+        x[x < kth] = float("-inf")
+    if top_p < 1.0:
+        srt, order = torch.sort(x, descending=True)
+        cum = torch.softmax(srt, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(srt, dim=-1) >= top_p  # keep up to and including the token that reaches top_p
+        x[order[drop]] = float("-inf")
+    return x
+
+
+@torch.no_grad()
+def sampled_continuation(model: LlamaForCausalLM, ids: list[int], max_new_tokens: int, eot_id: int, seed: int,
+                         temperature: float, top_k: int = 0, top_p: float = 1.0,
+                         repetition_penalty: float = 1.0) -> list[int]:
+    """A continuation of ``ids`` drawn with the KV cache and :func:`_process_logits` (the penalty counts the prompt's
+    tokens too, as Hugging Face's does), from a ``torch.Generator`` seeded with ``seed``; stops at ``eot_id`` or the
+    context. ``temperature`` 0 is greedy."""
+    if temperature == 0:
+        return model.generate_greedy(ids, max_new_tokens, eot_id=eot_id)
+    device = model.lm_head.weight.device
+    max_new_tokens = max(0, min(max_new_tokens, model.config.max_position_embeddings - len(ids)))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    logits, past = model(torch.tensor([ids], dtype=torch.long, device=device), use_cache=True)
+    seen, out = list(ids), []
+    while len(out) < max_new_tokens:
+        x = _process_logits(logits[0, -1], seen, temperature, top_k, top_p, repetition_penalty)
+        nxt = int(torch.multinomial(torch.softmax(x, dim=-1).cpu(), 1, generator=gen))
+        if nxt == eot_id:
+            break
+        out.append(nxt)
+        seen.append(nxt)
+        if len(out) < max_new_tokens:
+            logits, past = model(torch.tensor([[nxt]], device=device), past_key_values=past)
+    return out
+
+
+def user_samples(model: LlamaForCausalLM, tokenizer, eot_id: int, sampling: dict, seed: int = 1234,
+                 max_new_tokens: int = 48, prompts=SAMPLE_PROMPTS) -> list[dict]:
+    """For each prompt, the continuation a user would draw (``sampling``: the bundle's defaults,
+    ``train.hf_files.SAMPLING``; seeded) and the greedy one, each with its share of distinct words:
+    ``[{prompt, lang, sampled, greedy, distinct_sampled, distinct_greedy}]``."""
+    from train.textutil import distinct_word_share  # noqa: PLC0415 - a leaf module
+
+    was_training = model.training
+    model.eval()
+    out = []
+    for i, (lang, prompt) in enumerate(prompts):
+        ids = [eot_id] + tokenizer.encode(prompt, add_special_tokens=False).ids
+        sampled = tokenizer.decode(sampled_continuation(model, ids, max_new_tokens, eot_id, seed + i, **sampling))
+        greedy = tokenizer.decode(model.generate_greedy(ids, max_new_tokens, eot_id=eot_id))
+        out.append({"prompt": prompt, "lang": lang, "sampled": sampled, "greedy": greedy,
+                    "distinct_sampled": distinct_word_share(sampled), "distinct_greedy": distinct_word_share(greedy)})
+    model.train(was_training)
+    return out
