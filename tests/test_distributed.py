@@ -94,3 +94,17 @@ def test_resume_under_torchrun(prepared_cache):
     wa, wb = _weights(tmp / "runs" / "r1"), _weights(tmp / "runs" / "r2")
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
     assert torch.load(find_checkpoint(tmp / "runs" / "r2") / "optimizer.pt", weights_only=True)
+
+
+def test_micro_split_keeps_the_global_batch_or_refuses():
+    """Each rank's (micro_batch_size, grad_accum): the accumulation is divided among the ranks when it can be, else
+    the micro-batch; a world size that divides neither is refused, naming both."""
+    from train.components.placement import micro_split
+    from train.config import TrainSection
+    from train.errors import TrainError
+
+    t = TrainSection(micro_batch_size=8, grad_accum=4)
+    assert [micro_split(t, w) for w in (1, 2, 4, 8)] == [(8, 4), (8, 2), (8, 1), (1, 4)]
+    with pytest.raises(TrainError, match=r"world size 3 divides neither train.grad_accum \(4\) nor "
+                                         r"train.micro_batch_size \(8\)"):
+        micro_split(t, 3)

@@ -111,7 +111,7 @@ def test_tr4_resume_is_bit_identical(tmp_path, session_cache, small_corpus, monk
     cfg_a = fast_config(tmp_path, session_cache, **extra, **{"run.name": "a"})
     trainer = Trainer(cfg_a, **QUIET)
     trainer.train()
-    n_windows = trainer.loader.n_windows
+    n_windows = trainer.data.loader.n_windows
     assert 13 * 8 > n_windows, f"the resumed step must lie in the second epoch (epoch has {n_windows} windows)"
 
     cfg_b = fast_config(tmp_path, session_cache, **extra, **{"run.name": "b"})
@@ -120,8 +120,8 @@ def test_tr4_resume_is_bit_identical(tmp_path, session_cache, small_corpus, monk
 
     def stop_at_13(self, model):
         loss = real_step(self, model)
-        if self.step == 13:
-            self.stop_requested = True
+        if self.state.step == 13:
+            self.stop.requested = True
         return loss
 
     monkeypatch.setattr(Trainer, "_train_step", stop_at_13)
@@ -187,7 +187,7 @@ def test_tr5_failed_save_keeps_previous_checkpoint(tmp_path, session_cache):
         Path(path).write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
         raise OSError("disk full (simulated)")
 
-    t.step = 20
+    t.state.step = 20
     with pytest.raises(OSError, match="simulated"):
         t.save(serializer=half_then_raise)
     assert read_latest_name(root) == "step-000010"
@@ -209,8 +209,8 @@ def test_tr5_process_killed_mid_write(tmp_path, session_cache):
         cfg = fast_config(Path({str(tmp_path)!r}), Path({str(session_cache)!r}),
                           **{{"run.name": "kill", "train.max_steps": 10}})
         t = Trainer(cfg, resume=True, log=lambda m: None)
-        t._refuse_existing_run(); t.setup(); t._write_run_dir(); import time; t.t_start = time.time(); t._resume()
-        t.step = 20
+        t.start()
+        t.state.step = 20
         def half_then_die(obj, path):
             buf = io.BytesIO(); torch.save(obj, buf)
             with open(path, "wb") as f:
@@ -276,7 +276,7 @@ def test_nonfinite_step_skipped_then_training_continues(tmp_path, session_cache,
     cfg = fast_config(tmp_path, session_cache, **{"run.name": "nan1", "train.max_steps": 6})
     t = Trainer(cfg, **QUIET)
     t.train()
-    assert t.step == 6 and t.nonfinite == 0
+    assert t.state.step == 6 and t.state.nonfinite == 0
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
     losses = [r["loss"] for r in rows(tmp_path / "runs" / "nan1", "train")]
     assert sum(1 for x in losses if x != x) == 1  # exactly one NaN step, skipped
@@ -288,7 +288,7 @@ def test_nonfinite_guard_stops_run_fed_nan(tmp_path, session_cache, monkeypatch)
     real_step = Trainer._train_step
 
     def poison_after_4(self, model):
-        if self.step == 4:
+        if self.state.step == 4:
             with torch.no_grad():
                 self.model.model.embed_tokens.weight.fill_(float("nan"))
         return real_step(self, model)

@@ -363,16 +363,6 @@ def _dump_flat_toml(d: dict[str, dict[str, Any]]) -> str:
                      for sec, table in d.items())
 
 
-def config_from_dict(d: dict[str, dict[str, Any]]) -> Config:
-    """Rebuild a :class:`Config` from :meth:`Config.to_dict` output (e.g. a run's ``config.toml``)."""
-    cfg = Config()
-    for section, table in d.items():
-        for key, value in table.items():
-            _apply(cfg, section, key, value, "config")
-    validate(cfg)
-    return cfg
-
-
 def resolve_path(p: str | Path) -> Path:
     """A relative data path is taken from the working directory, or else from the project root
     (so the default ``data/sample`` works from anywhere)."""

@@ -96,8 +96,3 @@ def scan_inputs(files: list[str], cache_dir: str | Path | None = None, workers: 
     if todo and cache_path is not None:
         atomic_write_json(cache_path, {"version": CACHE_VERSION, "files": cached})
     return [out[i] for i in range(len(files))]
-
-
-def input_fingerprints(files: list[str]) -> list[dict]:
-    """``[{path, sha256, bytes}]`` for every input (no cache, this process)."""
-    return [f.fingerprint() for f in scan_inputs(files)]

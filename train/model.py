@@ -206,7 +206,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder stack (``model.*`` in Hugging Face names)."""
+    """The decoder stack (``model.*`` in Hugging Face names): the one loop over the decoder layers that inference
+    (:meth:`LlamaForCausalLM.forward`) and training (:class:`CausalLMLoss`) both run."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -214,6 +215,46 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+        layers: list | None = None,
+    ) -> tuple[torch.Tensor, KVCache | None]:
+        """Hidden states ``[batch, seq, hidden_size]`` after the last decoder layer, **before** the final norm
+        (unlike transformers' ``LlamaModel``: each head applies ``norm`` itself, the training head inside its
+        compiled graph), and the presents when ``use_cache`` or a past is given (else None: training keeps no
+        K/V alive beyond what the backward needs).
+
+        input_ids int64 ``[batch, seq]``; attention_mask int/bool ``[batch, past + seq]`` (1 = real token);
+        position_ids int64 ``[batch, seq]`` (default: ``cumsum(mask) - 1`` clipped at 0, or ``past + arange``);
+        past_key_values: one (k, v) per layer, ``[batch, kv_heads, past, head_dim]``. Without a past or a mask
+        attention is causal through SDPA's ``is_causal``, else through :func:`build_attention_mask`.
+        ``layers`` replaces ``self.layers`` by callables of the same signature, one per layer (the training
+        module's compiled or activation-checkpointed wrappers); the parameters stay these layers'.
+        """
+        b, s = input_ids.shape
+        past_len = past_key_values[0][0].shape[2] if past_key_values is not None else 0
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
+            else:
+                position_ids = (torch.arange(s, device=input_ids.device) + past_len)[None].expand(b, s)
+        mask = None
+        if past_key_values is not None or attention_mask is not None:
+            mask = build_attention_mask(attention_mask, b, s, past_len, input_ids.device)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, compute_dtype(x))
+        presents: KVCache | None = [] if (use_cache or past_key_values is not None) else None
+        for i, layer in enumerate(self.layers if layers is None else layers):
+            x, present = layer(x, cos, sin, mask, past_key_values[i] if past_key_values is not None else None)
+            if presents is not None:
+                presents.append(present)
+        return x, presents
 
 
 def build_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len, device) -> torch.Tensor:
@@ -288,31 +329,9 @@ class LlamaForCausalLM(nn.Module):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, KVCache | None]:
         """Logits ``[batch, seq, vocab]`` (float32 in autocast too) and, with ``use_cache`` or a past, the
-        presents.
-
-        input_ids int64 ``[batch, seq]``; attention_mask int/bool ``[batch, past + seq]`` (1 = real token);
-        position_ids int64 ``[batch, seq]`` (default: ``cumsum(mask) - 1`` clipped at 0, or ``past + arange``);
-        past_key_values: one (k, v) per layer, ``[batch, kv_heads, past, head_dim]``.
-        """
-        b, s = input_ids.shape
-        past_len = past_key_values[0][0].shape[2] if past_key_values is not None else 0
-        if position_ids is None:
-            if attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
-            else:
-                position_ids = (torch.arange(s, device=input_ids.device) + past_len)[None].expand(b, s)
-        mask = None
-        if past_key_values is not None or attention_mask is not None:
-            mask = build_attention_mask(attention_mask, b, s, past_len, input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(position_ids, compute_dtype(x))
-        presents: KVCache = []
-        for i, layer in enumerate(self.model.layers):
-            past = past_key_values[i] if past_key_values is not None else None
-            x, present = layer(x, cos, sin, mask, past)
-            presents.append(present)
-        logits = _upcast(self.lm_head(self.model.norm(x)))
-        return logits, (presents if (use_cache or past_key_values is not None) else None)
+        presents; the arguments are :meth:`LlamaModel.forward`'s (shapes and defaults there)."""
+        x, presents = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        return _upcast(self.lm_head(self.model.norm(x))), presents
 
     @torch.no_grad()
     def generate_greedy(self, ids: list[int], max_new_tokens: int, eot_id: int | None = None) -> list[int]:
@@ -341,6 +360,8 @@ CHUNK_TOKENS = 8192  # rows of lm_head + cross-entropy per checkpointed chunk in
 
 class CausalLMLoss(nn.Module):
     """The training forward: summed next-token NLL of ``lm`` (a :class:`LlamaForCausalLM`), optionally compiled.
+    It runs the model's own decoder loop (:meth:`LlamaModel.forward`) over its per-layer wrappers, then the head +
+    loss.
 
     ``forward(input_ids, labels)`` takes int64 ``[b, s]`` inputs and already-shifted labels (-100 = ignored) and
     returns the float32 scalar sum of NLL in nats over the non-ignored labels. The parameters are ``lm``'s (this
@@ -403,12 +424,7 @@ class CausalLMLoss(nn.Module):
             pad = self.static_batch - b
             input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, s)])
             labels = torch.cat([labels, labels.new_full((pad, s), -100)])
-            b = self.static_batch
-        position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
-        x = self.lm.model.embed_tokens(input_ids)
-        cos, sin = self.lm.model.rotary_emb(position_ids, compute_dtype(x))
-        for block in self._blocks:
-            x, _ = block(x, cos, sin, None, None)
+        x, _ = self.lm.model(input_ids, layers=self._blocks)
         return self._head(x, labels)
 
 

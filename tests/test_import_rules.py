@@ -1,0 +1,97 @@
+"""docs/design.md's import rule for train/: no module under ``train/`` imports ``serve`` or ``export`` (each stage
+reads only the files the previous one wrote). Checked statically: every ``.py`` file under ``train/`` is parsed
+with ``ast`` and every import in it — at the top, inside a function or a ``try``, relative ones resolved, and
+``importlib.import_module`` / ``__import__`` of a string literal — is compared with the forbidden packages, so an
+import on a path no test happens to run is caught too. (``serve/`` never importing torch is checked at run time by
+``tests/test_serve_api.py::test_serve_never_imports_torch``.)"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+FORBIDDEN = {"train": ("serve", "export")}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package(path: Path, root: Path) -> str:
+    """The package a relative import in ``path`` is resolved against (``__package__`` at run time)."""
+    name = _module_name(path, root)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def imports(path: Path, root: Path) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file ``path`` of the tree ``root``. ``from m import a``
+    yields ``m`` and ``m.a`` (``a`` may be a submodule)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = _package(path, root).split(".")
+                anchor = ".".join(pkg[:len(pkg) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
+            yield node.lineno, base
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}"
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            yield node.lineno, node.args[0].value
+
+
+def violations(root: Path, package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """``"train/x.py:12 imports serve.lm"`` for every import of a ``forbidden`` package (or one of its modules) by
+    a file under ``root/package``, sorted; each file and line named once per forbidden module."""
+    out = set()
+    for f in sorted((root / package).rglob("*.py")):
+        for line, name in imports(f, root):
+            if any(name == bad or name.startswith(bad + ".") for bad in forbidden):
+                out.add(f"{f.relative_to(root).as_posix()}:{line} imports {name}")
+    return sorted(out)
+
+
+def test_train_imports_neither_serve_nor_export():
+    bad = violations(ROOT, "train", FORBIDDEN["train"])
+    assert not bad, ("docs/design.md: train/ never imports serve/ or export/ (export may use train, not the other "
+                     "way round); move the shared piece into train/ or a leaf module: " + "; ".join(bad))
+
+
+def test_the_check_finds_every_kind_of_import(tmp_path):
+    """The checker itself: a planted tree with each way of importing a forbidden package is reported, file and
+    line, and the allowed imports (stdlib, train's own modules, relative ones inside train) are not."""
+    files = {
+        "train/__init__.py": "",
+        "train/ok.py": "import json\nfrom train.model import LlamaForCausalLM\nfrom . import errors\nimport serve_extra\n",
+        "train/top.py": "import os\nimport serve.lm as lm\n",
+        "train/lazy.py": "def f():\n    try:\n        from export import onnx\n    except ImportError:\n        pass\n",
+        "train/sub/__init__.py": "from ..model import x\n",
+        "train/sub/deep.py": "from serve import load\n",
+        "train/dyn.py": "import importlib\nm = importlib.import_module('export.pipeline')\nn = __import__('serve')\n",
+    }
+    for name, text in files.items():
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text), encoding="utf-8")
+    assert violations(tmp_path, "train", FORBIDDEN["train"]) == [
+        "train/dyn.py:2 imports export.pipeline",
+        "train/dyn.py:3 imports serve",
+        "train/lazy.py:3 imports export",
+        "train/lazy.py:3 imports export.onnx",
+        "train/sub/deep.py:1 imports serve",
+        "train/sub/deep.py:1 imports serve.load",
+        "train/top.py:2 imports serve.lm",
+    ]
+    assert list(imports(tmp_path / "train/sub/__init__.py", tmp_path)) == [(1, "train.model"), (1, "train.model.x")]

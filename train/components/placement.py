@@ -1,0 +1,109 @@
+"""Where and how the training steps run: the device and ranks, the compute dtype, each rank's share of the global
+batch, the CUDA fast paths, the planner's memory check, the SDPA backend and the autocast context."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from train import distributed as D
+from train import plan as P
+from train.config import Config, TrainSection, resolve_path
+from train.device import (
+    autocast_ctx,
+    choose_sdpa_backend,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    sdpa_context,
+    setup_cpu_allocator,
+    setup_cuda_fast_paths,
+)
+from train.errors import TrainError
+from train.model import ModelConfig
+
+
+def micro_split(train: TrainSection, world_size: int) -> tuple[int, int]:
+    """(micro_batch_size, grad_accum) per rank such that the global batch stays as configured: the accumulation
+    is divided among the ranks when it can be, else the micro-batch. TrainError when neither divides."""
+    if train.grad_accum % world_size == 0:
+        return train.micro_batch_size, train.grad_accum // world_size
+    if train.micro_batch_size % world_size == 0:
+        return train.micro_batch_size // world_size, train.grad_accum
+    raise TrainError(f"world size {world_size} divides neither train.grad_accum ({train.grad_accum}) nor "
+                     f"train.micro_batch_size ({train.micro_batch_size}): the global batch cannot be kept")
+
+
+class Placement:
+    """The run's device (``cuda:LOCAL_RANK`` under torchrun), process group (:class:`train.distributed.DistInfo`)
+    and compute dtype, known from construction; after :meth:`setup`, the per-rank ``micro`` × ``accum``, the
+    memory ``plan`` (CUDA), the SDPA choice ``sdpa`` = (name, backend or None, detail), the ``autocast`` context
+    and ``peak_flops`` (FLOP/s of a known GPU in this dtype, else None: no MFU)."""
+
+    def __init__(self, train: TrainSection):
+        self.device = resolve_device(train.device)
+        self.dist = D.init_distributed(self.device.type)
+        if self.dist.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self.dtype = resolve_dtype(train.dtype, self.device)
+        self.micro, self.accum = train.micro_batch_size, train.grad_accum
+        self.sdpa: tuple[str, object, str] = ("default", None, "")
+        self.plan: P.Plan | None = None
+        self.autocast = contextlib.nullcontext()
+        self.peak_flops: float | None = None
+
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as the logs and summary.json write it ("float32", "bfloat16")."""
+        return str(self.dtype).replace("torch.", "")
+
+    def setup(self, cfg: Config, mcfg: ModelConfig, log: Callable[[str], None]) -> None:
+        """Before the model is allocated: the micro-batch split, then on CUDA the fast paths, the planner's refusal
+        of a micro-batch that cannot fit and the SDPA backend (its numerics check draws from the global RNG, so it
+        runs at the same point after seeding every time); on CPU the allocator thresholds. Raises TrainError."""
+        self.micro, self.accum = micro_split(cfg.train, self.dist.world_size)
+        if self.device.type == "cuda":
+            setup_cuda_fast_paths()
+            self._check_fits(cfg, mcfg, log)
+            self.sdpa = choose_sdpa_backend(self.device, self.dtype, mcfg.num_attention_heads, mcfg.head_dim)
+            log(f"attention: SDPA backend {self.sdpa[0]} ({self.sdpa[2]})")
+        else:
+            setup_cpu_allocator()
+        self.peak_flops = peak_flops(self.device, self.dtype)
+        self.autocast = autocast_ctx(self.device, self.dtype)
+
+    def _check_fits(self, cfg: Config, mcfg: ModelConfig, log: Callable[[str], None]) -> None:
+        """Refuse, before allocating anything on the GPU, a micro-batch the planner says cannot fit its memory."""
+        t = cfg.train
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        compiled = t.compile is not False
+        ac = (t.activation_checkpoint, t.activation_checkpoint_every)
+        mm = P.memory_model(mcfg, t.seq_len, self.dtype, cache_dir=resolve_path(cfg.data.cache_dir),
+                            optimizer=t.optimizer)
+        self.plan = mm.plan(self.micro, compiled, *ac)
+        log(f"plan: {self.plan.summary()} against {total / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
+        if self.plan.peak_bytes > P.HEADROOM * total:
+            fit = P.largest_micro_batch(mcfg, t.seq_len, self.dtype, compiled, total, P.HEADROOM, *ac, mm=mm)
+            hint = (f"--set train.micro_batch_size={fit} --set train.grad_accum="
+                    f"{max(1, t.micro_batch_size * t.grad_accum // fit)}" if fit else "a smaller model")
+            raise TrainError(f"the planner estimates a peak of {self.plan.peak_bytes / 2**30:.1f} GiB at micro-batch "
+                             f"{self.micro} × {t.seq_len}, over {P.HEADROOM:.0%} of this GPU's "
+                             f"{total / 2**30:.1f} GiB; try {hint} (python -m train.plan shows the table)")
+
+    def step_context(self) -> contextlib.ExitStack:
+        """The context a training forward runs in: autocast and the chosen SDPA backend."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast)
+        stack.enter_context(sdpa_context(self.sdpa[1]))
+        return stack
+
+    def to_device(self, windows: np.ndarray) -> torch.Tensor:
+        """int64 windows ``[n, seq + 1]`` as a tensor on the device (through pinned memory, asynchronously, on
+        CUDA)."""
+        t = torch.from_numpy(windows)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t

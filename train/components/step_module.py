@@ -1,0 +1,117 @@
+"""The module a training step calls: :class:`train.model.CausalLMLoss` over the model, compiled as ``train.compile``
+says (each decoder layer and the head + loss, static shapes, warmed up at the training micro-batch; "auto" falls
+back to eager aloud) or eager, wrapped in DistributedDataParallel under torchrun; and :class:`CompileInfo`, the
+record of which path ran (summary.json's ``compile``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from train.components.placement import Placement
+from train.config import TrainSection
+from train.errors import TrainError
+from train.model import CausalLMLoss, LlamaForCausalLM
+
+DDP_BUCKET_MB = 100  # fewer, larger all-reduces than DDP's 25 MB default (base-400m: 16 buckets, not 64)
+
+
+@dataclasses.dataclass
+class CompileInfo:
+    """Which training path ran: ``path`` "compiled" or "eager", ``reason`` why, the warm-up seconds, and the
+    graphs Dynamo compiled during the warm-up and after it (``recompiles``, filled in at the end; 0 expected)."""
+
+    requested: bool | str
+    path: str = "eager"
+    reason: str = ""
+    warmup_s: float = 0.0
+    graphs: int = 0
+    recompiles: int | None = None
+
+
+def _unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class StepModuleBuilder:
+    """Builds the step module for ``train`` (the config's ``[train]``) and keeps its :class:`CompileInfo` in
+    ``info``."""
+
+    def __init__(self, train: TrainSection):
+        self.train = train
+        self.info = CompileInfo(requested=train.compile)
+        self._graphs_after_warmup = 0
+
+    def loss_module(self, model: LlamaForCausalLM) -> CausalLMLoss:
+        """The eager :class:`CausalLMLoss` with the configured activation checkpointing."""
+        return CausalLMLoss(model, activation_checkpoint=self.train.activation_checkpoint,
+                            checkpoint_every=self.train.activation_checkpoint_every)
+
+    def build(self, model: LlamaForCausalLM, placement: Placement, warmup_windows: np.ndarray,
+              log: Callable[[str], None]) -> torch.nn.Module:
+        """The step module (see the module doc). ``warmup_windows`` int64 ``[micro, seq + 1]``: the batch a compiled
+        module is warmed up on (forward + backward, gradients dropped). TrainError when compiling fails and
+        ``train.compile`` is true."""
+        mode, info = self.train.compile, self.info
+        step_model = self.loss_module(model)
+        if mode is False:
+            info.path, info.reason = "eager", "train.compile = false"
+        else:
+            before = _unique_graphs()
+            t0 = time.time()
+            try:
+                step_model.compile_blocks(placement.micro)
+                self._warm_up(step_model, placement, warmup_windows)
+                info.path = "compiled"
+                info.reason = (f"train.compile = {json.dumps(mode)}: each decoder layer and the head + loss, static "
+                               f"shapes, warmed up at micro-batch {placement.micro} × {self.train.seq_len}")
+                info.graphs = _unique_graphs() - before
+            except Exception as e:  # noqa: BLE001 - any compiler failure: an error (true) or eager, said aloud (auto)
+                model.zero_grad(set_to_none=True)
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                if mode is True:
+                    raise TrainError(f"torch.compile failed ({why}). train.compile = true makes this an error; set "
+                                     f"train.compile = \"auto\" to fall back to eager (about half the MFU) or false"
+                                     ) from e
+                step_model = self.loss_module(model)
+                info.path, info.reason = "eager", f"torch.compile failed, train.compile = \"auto\" fell back: {why}"
+                log("WARNING: " + "!" * 60)
+                log(f"WARNING: training EAGERLY: {info.reason}")
+                log("WARNING: " + "!" * 60)
+            info.warmup_s = time.time() - t0
+            self._graphs_after_warmup = _unique_graphs()
+        log(f"training path: {info.path} ({info.reason})")
+        if step_model.checkpointed:
+            log(f"activation checkpointing ({self.train.activation_checkpoint}): decoder layers "
+                f"{', '.join(map(str, sorted(step_model.checkpointed)))} recompute their forward in the backward")
+        if placement.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415 - only under torchrun
+
+            d = placement.device
+            return DDP(step_model, device_ids=[d.index] if d.type == "cuda" else None,
+                       bucket_cap_mb=DDP_BUCKET_MB, broadcast_buffers=False, gradient_as_bucket_view=True,
+                       static_graph=placement.accum == 1)  # with no_sync accumulation DDP's reducer asserts
+        return step_model
+
+    @staticmethod
+    def _warm_up(step_model: CausalLMLoss, placement: Placement, windows: np.ndarray) -> None:
+        """One forward + backward at the training micro-batch (the shapes every step uses), gradients dropped."""
+        batch = placement.to_device(windows)
+        with placement.step_context():
+            loss = step_model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        step_model.lm.zero_grad(set_to_none=True)
+
+    def count_recompiles(self, log: Callable[[str], None]) -> None:
+        """At the end of a compiled run: the graphs compiled after the warm-up into ``info.recompiles``, logged."""
+        info = self.info
+        if info.path != "compiled":
+            return
+        info.recompiles = _unique_graphs() - self._graphs_after_warmup
+        log(f"torch.compile: {info.graphs} graph(s) at warm-up ({info.warmup_s:.1f} s), {info.recompiles} "
+            f"recompile(s) after")
