@@ -92,6 +92,7 @@ def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
             out.append(f"| {lang} | {_num(v.get('nll'))} | {_num(v.get('bpc'))} | {_num(r.get('nll'))} | "
                        f"{_num(delta, '+.3f')} | {v.get('tokens', 0):,} |")
         out.append("")
+        out += _floor_section(ev)
     if int8:
         if int8.get("val_nll_delta") is None:
             out += [f"int8 (`model.int8.onnx`): {int8.get('note', 'not measured')}.", ""]
@@ -110,6 +111,25 @@ def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
                         f"{_pct(th.get('top1_agreement_min', 0))}, mean abs Δ log p ≤ "
                         f"{th.get('mean_abs_top_logprob_delta_max')} nats, for every language.", ""]
     return out
+
+
+def _floor_section(ev: dict) -> list[str]:
+    """The model's bits per character on the whole validation split, per source file and language, beside what a
+    compressor primed with the same training split needs for the same text (``train.compression``)."""
+    val, floor = ev.get("val_sources"), ev.get("compression_floor")
+    if not val or not floor:
+        return []
+    out = ["Against a compressor: bits per character on the whole validation split (lower is better) — this model "
+           "beside PPMd (order 16) and xz (-9e), each primed with the same training split (`python -m "
+           "train.compression`). A model above PPMd has learned less about this text than a 1990s compressor.", "",
+           "| validation text | characters | this model | PPMd-16 | xz | model − PPMd |", "|---|---:|---:|---:|---:|---:|"]
+    for key, f in floor.items():
+        v = val.get(key)
+        if v is None:
+            continue
+        out.append(f"| {key} | {v['chars']:,} | {_num(v['bpc'])} | {_num(f['ppmd16'])} | {_num(f['xz'])} | "
+                   f"{_num(v['bpc'] - f['ppmd16'], '+.3f')} |")
+    return out + [""]
 
 
 def _pct(x: float) -> str:

@@ -13,7 +13,9 @@ from export.source import Source
 
 
 def eval_summary(src: Source) -> dict | None:
-    """``{step, val: {lang: {nll, bpc, tokens}}, random_init: {…}}`` for the checkpoint's step, or None."""
+    """``{step, val: {lang: {nll, bpc, tokens}}, random_init: {…}}`` for the checkpoint's step, or None; with
+    ``val_sources`` (the whole validation split per source file) and ``compression_floor`` (PPMd-16 and xz on the
+    same text) when the run's final evaluation (summary.json) describes this step."""
     if src.run_dir is None:
         return None
     rows = _metrics(src.run_dir / "metrics.jsonl")
@@ -26,7 +28,10 @@ def eval_summary(src: Source) -> dict | None:
         random_init = random_init or summary.get("random_init")
     if val is None and random_init is None:
         return None
-    return {"step": src.step, "val": val, "random_init": random_init}
+    out = {"step": src.step, "val": val, "random_init": random_init}
+    if isinstance(summary, dict) and summary.get("steps") == src.step:
+        out.update({k: summary[k] for k in ("val_sources", "compression_floor") if isinstance(summary.get(k), dict)})
+    return out
 
 
 def data_summary(src: Source) -> dict | None:

@@ -128,3 +128,30 @@ def test_evaluate_sources_counts_every_character_and_matches_a_full_forward(floo
     full = evaluate_sources(m, one, tok, eot, counts, seq_len=len(ids), device=torch.device("cpu"))
     assert full[name]["nll"] == pytest.approx(nll, rel=1e-5)
     assert full[name]["tokens"] == len(ids) - 1
+
+
+def test_a_finished_run_reports_its_bits_per_char_beside_the_floor(trained_run):
+    """summary.json and train.log of a finished run carry the whole-val-split figures per source beside PPMd-16
+    and xz, and the user's samples (sampled with the bundle's defaults, and greedy) with distinct-word shares."""
+    import json as _json
+
+    s = _json.loads((trained_run / "summary.json").read_text())
+    floor, val = s["compression_floor"], s["val_sources"]
+    assert {"bn-literature", "en-literature", "bn", "en"} <= set(floor) <= set(val) | {"all"}
+    for k in floor:
+        assert 0 < floor[k]["ppmd16"] < floor[k]["xz"] and val[k]["bpc"] > 0
+    assert val["all"]["chars"] == sum(v["chars"] for k, v in val.items() if k in ("bn", "en"))
+    assert len(s["samples"]) == 5 and all(set(x) >= {"sampled", "greedy", "distinct_sampled"} for x in s["samples"])
+    log = (trained_run / "train.log").read_text()
+    assert "PPMd-16" in log and "bn-literature" in log and "distinct words" in log
+
+
+def test_the_model_card_puts_the_model_beside_the_floor(bundle, trained_run):
+    import json as _json
+
+    card = (bundle / "README.md").read_text()
+    s = _json.loads((trained_run / "summary.json").read_text())
+    assert "Against a compressor" in card and "| PPMd-16 |" in card
+    row = next(line for line in card.splitlines() if line.startswith("| bn-literature |"))
+    assert f"{s['val_sources']['bn-literature']['bpc']:.3f}" in row
+    assert f"{s['compression_floor']['bn-literature']['ppmd16']:.3f}" in row

@@ -110,6 +110,7 @@ class TrainSection:
     device: str = "auto"
     max_nonfinite: int = 5
     preflight: bool = True
+    final_eval: bool = True  # at the end: the whole val split per source file beside the compressor floor, and samples
 
 
 SECTIONS: dict[str, type] = {

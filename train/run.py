@@ -231,7 +231,10 @@ class Trainer:
         if (self.stop.requested or step == t.max_steps or step == start_step) and not self.checkpointer.holds(step):
             self.save()
         self.step_builder.count_recompiles(self.log)
-        summary = self._summary(meter)
+        final = None
+        if t.final_eval and step == t.max_steps and step > start_step:
+            final = self.evaluator.final(self.model, self.cfg, self.state)
+        summary = self._summary(meter, final)
         if self.stop.requested:
             self.log(f"stopped by signal at step {step}; resume with: python -m train.run --name "
                      f"{self.cfg.run.name} --resume")
@@ -325,7 +328,7 @@ class Trainer:
         state.tokens += total_tokens
         return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens=total_tokens, skipped=skipped, stop=stop)
 
-    def _summary(self, meter: Throughput) -> dict:
+    def _summary(self, meter: Throughput, final: dict | None = None) -> dict:
         """summary.json (docs/design.md), written with the final loss.png by rank 0; returned on every rank."""
         rows = self.run_log.metrics()
         evals = [r for r in rows if r.get("kind") == "eval"]
@@ -345,6 +348,8 @@ class Trainer:
             "attention_backend": {"name": p.sdpa[0], "detail": p.sdpa[2]},
             "plan": p.plan.to_dict() if p.plan else None,
         }
+        if final:
+            summary.update(final)
         self.run_log.write_summary(summary, title=self.cfg.run.name)
         return summary
 

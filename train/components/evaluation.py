@@ -1,15 +1,19 @@
 """The periodic evaluation of a run: validation NLL and bits per character per language (:func:`train.evaluate.
-evaluate`), at step 0 also the random-init twin's, and greedy samples of the fixed prompts; rank 0 only."""
+evaluate`), at step 0 also the random-init twin's, and greedy samples of the fixed prompts; and the final report
+(:meth:`Evaluator.final`): the whole validation split per source file beside the compressor floor
+(:mod:`train.compression`), and the samples a user would draw beside the greedy ones; rank 0 only."""
 
 from __future__ import annotations
 
 import time
 
+from train import compression
 from train.components.placement import Placement
 from train.components.run_data import RunData
 from train.components.run_log import RunLog
 from train.components.state import TrainState
-from train.evaluate import evaluate, greedy_samples
+from train.evaluate import evaluate, evaluate_sources, greedy_samples, user_samples
+from train.hf_files import SAMPLING
 from train.model import LlamaForCausalLM
 
 
@@ -53,3 +57,43 @@ class Evaluator:
             self.run_log.log(f"  sample: {s0['prompt']}{s0['text']!r}")
         self.run_log.plot(self.title)
         return row
+
+    def final(self, model: LlamaForCausalLM, cfg, state: TrainState) -> dict | None:
+        """The end-of-run report (None on ranks > 0): ``{"val_sources": evaluate_sources(...), "compression_floor":
+        {source or language: {ppmd16, xz}}, "samples": user_samples(...)}``, logged as a table and written to
+        samples.jsonl. A floor that cannot be measured (``pyppmd`` missing, unreadable inputs) is logged and left
+        out; the model's figures stay."""
+        if not self.placement.dist.is_main:
+            return None
+        t0 = time.time()
+        out: dict = {}
+        try:
+            floor = compression.measure(cfg, log=self.run_log.log)
+            sources = compression.validation_sources(cfg, log=self.run_log.log)
+        except (ImportError, OSError, ValueError) as e:
+            self.run_log.log(f"final evaluation: no compressor floor ({type(e).__name__}: {e})")
+            floor, sources = None, None
+        if sources:
+            val = evaluate_sources(model, sources, self.data.tokenizer, self.data.eot_id, self.data.char_counts,
+                                   cfg.train.seq_len, self.placement.device, self.placement.autocast,
+                                   batch_size=self.batch_size)
+            out["val_sources"] = val
+            out["compression_floor"] = {k: {c: v[c] for c in compression.COMPRESSORS}
+                                        for k, v in [*floor["sources"].items(), *floor["languages"].items()]}
+            model_bpc = {k: v["bpc"] for k, v in val.items()}
+            self.run_log.log("final evaluation, the whole validation split, bits per character (lower is better):\n"
+                             + compression.format_table(floor, model_bpc))
+        samples = user_samples(model, self.data.tokenizer, self.data.eot_id, SAMPLING, seed=cfg.run.seed)
+        out["samples"] = samples
+        self.run_log.append_samples(state.step, [{"kind": "final", **s} for s in samples])
+        for s in samples:
+            self.run_log.log(f"  [{s['lang']}, sampled] {s['prompt']}{s['sampled']!r} (distinct words "
+                             f"{_share(s['distinct_sampled'])})")
+            self.run_log.log(f"  [{s['lang']}, greedy]  {s['prompt']}{s['greedy']!r} (distinct words "
+                             f"{_share(s['distinct_greedy'])})")
+        self.run_log.log(f"final evaluation: {time.time() - t0:.1f} s")
+        return out
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
