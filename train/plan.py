@@ -1,6 +1,8 @@
-"""``python -m train.plan --config base-400m --gpu h100``: will a config fit a GPU, and how fast will it run?
+"""``python -m train.plan [--config C] [--gpu h100|h200]``: will a config fit, and how fast will it run?
 
-No GPU needed. Memory comes from running the real training step (``train.model.CausalLMLoss``, AdamW) on fake
+It plans for the device the command runs on (``train.device``: a CUDA GPU if there is one, else this CPU) unless
+``--gpu`` names one to plan for (no GPU needed then), and exits 1, naming the planned and the usable GiB, when the
+configured micro-batch does not fit. No GPU needed. Memory comes from running the real training step (``train.model.CausalLMLoss``, AdamW) on fake
 tensors (``torch._subclasses.FakeTensorMode``) under PyTorch's memory tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``), as torchtitan's ``estimation.py`` does. Four fake runs
 (2 and 3 layers × micro-batch 1 and 2) fix the bilinear law ``peak = a + b·L + c·B + d·L·B`` (parameters and
@@ -19,6 +21,20 @@ Activation checkpointing (``train.activation_checkpoint``) frees, for each check
 its inputs; the top layer's recompute, if it is checkpointed, comes back on top. The fit (seconds of CPU) is
 cached under ``data.cache_dir/plan/``, keyed by the model config, sequence length, dtype, torch's version and
 this file's and ``train/model.py``'s source.
+
+What the process holds beyond the step's tensors is counted too (``Plan.overhead``), because that is what a user
+sees in ``top`` or ``nvidia-smi``:
+
+* on a CPU, the **runtime baseline** — the resident set of a Python process that has imported torch and Shalik's
+  training modules (this process's own, measured before any fit: ≈ 0.5 GiB) — and **malloc's reserve**:
+  ``train.run`` raises glibc's mmap threshold (``train.device.setup_cpu_allocator``) so the float32 logits-sized
+  buffers of the loss ([micro-batch × seq_len × vocab]: the logits, their log-softmax and its gradient) come from
+  the heap and are reused, and the heap then keeps about ``CPU_RESERVE_LOGITS`` of them beyond the live peak
+  (measured on ``tiny`` and ``small``: 2.4–2.6; ``benchmarks/plan_accuracy.py`` checks the whole estimate against
+  the peak resident set of ``python -m train.run``). Usable memory is the machine's ``MemAvailable`` now.
+* on a GPU, the **CUDA context** (``CUDA_CONTEXT_BYTES``: driver, kernels loaded lazily, cuBLAS workspace) and the
+  **caching allocator's reserve** (``GPU_RESERVE_FRACTION`` of the tensor peak: blocks reserved but not
+  allocated, fragmentation). Usable memory is the whole GPU.
 
 Time: FLOPs per token are 6·N_matmul + 12·L·hidden·seq (``LlamaForCausalLM.flops_per_token``, PaLM appendix B);
 the step time assumes dense bf16 matmuls at ``ETA_MATMUL`` of the GPU's peak, causal attention (half of the 12·L·h·s
@@ -42,7 +58,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from train.atomic import atomic_write_json
 from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
-from train.device import autocast_ctx, resolve_dtype
+from train.device import PEAK_FLOPS, autocast_ctx, resolve_device, resolve_dtype
 from train.model import (
     CHUNK_TOKENS,
     CausalLMLoss,
@@ -54,7 +70,11 @@ from train.model import (
 )
 from train.optim import MuonAdamW, build_optimizer
 
-HEADROOM = 0.90  # plan for at most 90 % of the GPU's memory: the allocator's fragmentation, NCCL and cuBLAS buffers
+CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context, lazily loaded kernels, cuBLAS workspace (outside max_memory_allocated)
+GPU_RESERVE_FRACTION = 0.10  # the caching allocator's reserved-but-unallocated share of the tensor peak (and NCCL)
+OVERHEAD_HEADS = {"runtime_baseline": "runtime", "malloc_reserve": "malloc", "cuda_context": "CUDA ctx",
+                  "allocator_reserve": "allocator"}
+CPU_RESERVE_LOGITS = 2.5  # float32 [tokens × vocab] buffers malloc's heap keeps beyond the live peak (measured: 2.4–2.6)
 ETA_MATMUL = 0.75  # large bf16 GEMMs reach ≈ 700-750 of H100 SXM's 989 dense TFLOP/s
 ETA_ATTENTION = 0.45  # cuDNN / FlashAttention forward + backward at head_dim 64, as a share of the peak
 
@@ -67,9 +87,9 @@ class GPU:
     hbm_bytes_per_s: float
 
 
-GPUS = {  # vendors' datasheets (SXM parts)
-    "h100": GPU("H100 SXM 80GB", 80 * 10**9, 989e12, 3.35e12),
-    "h200": GPU("H200 SXM 141GB", 141 * 10**9, 989e12, 4.8e12),
+GPUS = {  # vendors' datasheets (SXM parts); the peak FLOP/s have one owner, train.device.PEAK_FLOPS
+    "h100": GPU("H100 SXM 80GB", 80 * 10**9, dict(PEAK_FLOPS)["H100"][torch.bfloat16], 3.35e12),
+    "h200": GPU("H200 SXM 141GB", 141 * 10**9, dict(PEAK_FLOPS)["H200"][torch.bfloat16], 4.8e12),
 }
 
 
@@ -91,14 +111,22 @@ class Plan:
     activation_checkpoint: str = "none"
     checkpointed_layers: int = 0  # decoder layers whose forward runs again in the backward
     activation_traffic_per_token: float = 0.0  # HBM bytes per token the activations move (written, read back)
+    overhead: dict[str, int] = dataclasses.field(default_factory=dict)  # what the process holds beyond the tensors
+
+    @property
+    def process_bytes(self) -> int:
+        """The process's peak: the tensors' (``peak_bytes``) plus :attr:`overhead`."""
+        return self.peak_bytes + sum(self.overhead.values())
 
     def summary(self) -> str:
         g = 2**30
+        extra = "".join(f", {k.replace('_', ' ')} {v / g:.2f}" for k, v in self.overhead.items())
+        head = f"process ≈ {self.process_bytes / g:.1f} GiB: " if self.overhead else "peak ≈ "
         return (
             f"micro-batch {self.micro_batch_size} × {self.seq_len}, {self.dtype}, "
-            f"{'compiled' if self.compiled else 'eager'}{self._ac()}: peak ≈ {self.peak_bytes / g:.1f} GiB (parameters "
-            f"{self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, optimizer state "
-            f"{self.optimizer_bytes / g:.2f}, activations and the rest {self.activation_bytes / g:.1f})"
+            f"{'compiled' if self.compiled else 'eager'}{self._ac()}: {head}tensors {self.peak_bytes / g:.1f} GiB "
+            f"(parameters {self.param_bytes / g:.2f}, gradients {self.grad_bytes / g:.2f}, optimizer state "
+            f"{self.optimizer_bytes / g:.2f}, activations and the rest {self.activation_bytes / g:.1f}){extra}"
         )
 
     def _ac(self) -> str:
@@ -334,59 +362,160 @@ def estimate(
     return memory_model(cfg, seq_len, dtype).plan(micro, compiled, activation_checkpoint, checkpoint_every)
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the run will happen: ``kind`` "cuda" or "cpu"; ``usable_bytes`` (a GPU's whole memory, a CPU's
+    ``MemAvailable``); ``flops`` the matmul FLOP/s in the run's dtype (a GPU's datasheet peak; on a CPU the rate a
+    float32 GEMM of the model's shape measured here); ``bandwidth`` memory bytes/s (GPU); ``baseline_bytes`` the
+    runtime's resident set before any tensor (CPU)."""
+
+    kind: str
+    name: str
+    usable_bytes: int
+    flops: float
+    bandwidth: float = 0.0
+    baseline_bytes: int = 0
+
+    def overhead(self, plan: Plan, cfg: ModelConfig) -> dict[str, int]:
+        """What the process holds beyond ``plan``'s tensors on this target (see the module doc), by name."""
+        if self.kind == "cuda":
+            return {"cuda_context": CUDA_CONTEXT_BYTES, "allocator_reserve": int(GPU_RESERVE_FRACTION * plan.peak_bytes)}
+        logits = plan.micro_batch_size * plan.seq_len * cfg.vocab_size * 4
+        return {"runtime_baseline": self.baseline_bytes, "malloc_reserve": int(CPU_RESERVE_LOGITS * logits)}
+
+    def plan(self, mm: MemoryModel, micro: int, compiled: bool, activation_checkpoint: str = "none",
+             checkpoint_every: int = 2) -> Plan:
+        """``mm``'s :class:`Plan` at ``micro`` with this target's overhead filled in."""
+        pl = mm.plan(micro, compiled, activation_checkpoint, checkpoint_every)
+        pl.overhead = self.overhead(pl, mm.cfg)
+        return pl
+
+
+def gpu_target(gpu: GPU) -> Target:
+    """A named GPU of :data:`GPUS` (planned for without one)."""
+    return Target("cuda", gpu.name, gpu.memory_bytes, gpu.bf16_flops, gpu.hbm_bytes_per_s)
+
+
+def cuda_target(device: torch.device) -> Target:
+    """The CUDA GPU this process sees: its name and whole memory; FLOP/s and bandwidth from :data:`GPUS` (H100 /
+    H200) or ``train.device.PEAK_FLOPS`` (bandwidth then H100's, an assumption the name says)."""
+    props = torch.cuda.get_device_properties(device)
+    known = next((g for k, g in GPUS.items() if k in props.name.lower()), None)
+    if known:
+        return Target("cuda", props.name, props.total_memory, known.bf16_flops, known.hbm_bytes_per_s)
+    flops = next((t[torch.bfloat16] for frag, t in PEAK_FLOPS if frag in props.name), GPUS["h100"].bf16_flops)
+    return Target("cuda", f"{props.name} (bandwidth assumed H100's)", props.total_memory, flops,
+                  GPUS["h100"].hbm_bytes_per_s)
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_matmul_flops(cfg: ModelConfig, tokens: int, seconds: float = 0.3) -> float:
+    """float32 FLOP/s of this CPU on the model's MLP GEMM (``[tokens, hidden] @ [hidden, intermediate]``, at most
+    4,096 rows), measured for about ``seconds`` with torch's threads as configured: the rate a training step's
+    matmuls run at, at best (the step also runs attention, norms, the optimizer)."""
+    import time  # noqa: PLC0415
+
+    m = min(tokens, 4096)
+    a, b = torch.randn(m, cfg.hidden_size), torch.randn(cfg.hidden_size, cfg.intermediate_size)
+    a @ b  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n < 3:
+        a @ b
+        n += 1
+    return 2.0 * m * cfg.hidden_size * cfg.intermediate_size * n / (time.perf_counter() - t0)
+
+
+def cpu_target(cfg: ModelConfig, tokens: int) -> Target:
+    """This CPU: ``MemAvailable`` (or the total memory where /proc is absent) as usable, this process's resident
+    set now as the runtime baseline (call it before any fit: torch and the training modules imported, no tensors),
+    and :func:`cpu_matmul_flops`."""
+    import os  # noqa: PLC0415
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    usable = _proc_kib("/proc/meminfo", "MemAvailable") or total
+    baseline = _proc_kib("/proc/self/status", "VmRSS") or 0
+    return Target("cpu", f"this CPU ({os.cpu_count()} cores)", usable, cpu_matmul_flops(cfg, tokens),
+                  baseline_bytes=baseline)
+
+
 def largest_micro_batch(
-    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, compiled: bool, memory_bytes: int, headroom: float = HEADROOM,
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, compiled: bool, target: Target,
     activation_checkpoint: str = "none", checkpoint_every: int = 2, mm: MemoryModel | None = None,
 ) -> int:
-    """The largest power-of-two micro-batch whose peak stays under ``headroom × memory_bytes`` (0 if none);
-    ``mm`` reuses a fitted :class:`MemoryModel` (it must be ``cfg``'s at ``seq_len`` and ``dtype``)."""
+    """The largest power-of-two micro-batch whose process peak (tensors + overhead) fits ``target``'s usable
+    memory (0 if none); ``mm`` reuses a fitted :class:`MemoryModel` (it must be ``cfg``'s at ``seq_len`` and
+    ``dtype``)."""
     mm = mm or memory_model(cfg, seq_len, dtype)
     best, b = 0, 1
-    while b <= 1024 and mm.plan(b, compiled, activation_checkpoint, checkpoint_every).peak_bytes <= headroom * memory_bytes:
+    while b <= 1024 and target.plan(mm, b, compiled, activation_checkpoint, checkpoint_every).process_bytes \
+            <= target.usable_bytes:
         best, b = b, b * 2
     return best
 
 
-def step_time(plan: Plan, cfg: ModelConfig, gpu: GPU, tokens_per_step: int) -> tuple[float, float]:
-    """(seconds per optimizer step, MFU) on ``gpu`` for ``tokens_per_step`` tokens (see the module doc).
+def step_time(plan: Plan, cfg: ModelConfig, target: Target | GPU, tokens_per_step: int) -> tuple[float, float | None]:
+    """(seconds per optimizer step, MFU) for ``tokens_per_step`` tokens on ``target`` (a :class:`Target` or a
+    :class:`GPU`; see the module doc). On a CPU: the model FLOPs at the measured matmul rate (a lower bound: the
+    rest of the step is not counted) and no MFU.
 
-    A checkpointed layer's forward runs twice: its matmuls (2 FLOPs per weight and token) and its attention forward
-    (4·hidden·seq per token, half of it real work under the causal mask) are added to the time; MFU counts model
-    FLOPs only (PaLM), so recomputation lowers it."""
+    On a GPU a checkpointed layer's forward runs twice: its matmuls (2 FLOPs per weight and token) and its attention
+    forward (4·hidden·seq per token, half of it real work under the causal mask) are added to the time; MFU counts
+    model FLOPs only (PaLM), so recomputation lowers it."""
+    if isinstance(target, GPU):
+        target = gpu_target(target)
+    if target.kind == "cpu":
+        return plan.flops_per_token * tokens_per_step / target.flops, None
     attn = 12.0 * cfg.num_hidden_layers * cfg.hidden_size * plan.seq_len
     dense = plan.flops_per_token - attn + 2.0 * cfg.hidden_size * cfg.vocab_size  # + the loss chunks' recompute
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     layer_weights = h * (2 * h + 2 * kv) + 3 * h * cfg.intermediate_size  # q, o + k, v + gate, up, down
     dense += plan.checkpointed_layers * 2.0 * layer_weights
     attn += plan.checkpointed_layers * 4.0 * h * plan.seq_len
-    compute = tokens_per_step * (dense / (gpu.bf16_flops * ETA_MATMUL) + attn / 2 / (gpu.bf16_flops * ETA_ATTENTION))
+    compute = tokens_per_step * (dense / (target.flops * ETA_MATMUL) + attn / 2 / (target.flops * ETA_ATTENTION))
     traffic = plan.activation_traffic_per_token * tokens_per_step + 4 * (plan.param_bytes * 4)
-    seconds = compute + traffic / gpu.hbm_bytes_per_s
-    return seconds, plan.flops_per_token * tokens_per_step / (seconds * gpu.bf16_flops)
+    seconds = compute + traffic / target.bandwidth
+    return seconds, plan.flops_per_token * tokens_per_step / (seconds * target.flops)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: a table of micro-batch sizes for the config on the named GPU."""
+    """Entry point: a table of micro-batch sizes for the config on this device or the named GPU; exit 1 when the
+    configured micro-batch does not fit, 2 for a bad config."""
     p = argparse.ArgumentParser(
         prog="python -m train.plan", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
     add_config_args(p)
-    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU to plan for")
+    p.add_argument("--gpu", choices=sorted(GPUS), default=None,
+                   help="plan for this GPU (default: the device this command runs on, as train.device says)")
     p.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's size (default tokenizer.vocab_size)")
     p.add_argument("--eager", action="store_true", help="plan for eager training (default: as train.compile says)")
     p.add_argument("--no-cache", action="store_true", help="fit again instead of reading data.cache_dir/plan/")
     args = p.parse_args(argv)
     try:
         cfg = config_from_args(args)
-    except ConfigError as e:
+        device = torch.device("cuda") if args.gpu else resolve_device(cfg.train.device)
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    gpu = GPUS[args.gpu]
     mcfg = ModelConfig(vocab_size=args.vocab_size or cfg.tokenizer.vocab_size, **dataclasses.asdict(cfg.model))
-    dtype = resolve_dtype(cfg.train.dtype, torch.device("cuda"))
-    compiled = cfg.train.compile is not False and not args.eager
     t = cfg.train
     global_tokens = t.micro_batch_size * t.grad_accum * t.seq_len
+    if args.gpu:
+        target = gpu_target(GPUS[args.gpu])
+    elif device.type == "cuda":
+        target = cuda_target(device)
+    else:
+        target = cpu_target(mcfg, t.micro_batch_size * t.seq_len)  # before any fit: the baseline is the runtime's
+    dtype = resolve_dtype(t.dtype, device)
+    compiled = t.compile is not False and not args.eager
     ac = (t.activation_checkpoint, t.activation_checkpoint_every)
     mm = memory_model(mcfg, t.seq_len, dtype, cache_dir=None if args.no_cache else resolve_path(cfg.data.cache_dir),
                       optimizer=t.optimizer)
@@ -394,34 +523,54 @@ def main(argv: list[str] | None = None) -> int:
     ac_text = {"none": "no activation checkpointing", "full": f"activation checkpointing of all {len(ckpt)} layers",
                "selective": f"activation checkpointing of {len(ckpt)} of {mcfg.num_hidden_layers} layers "
                             f"({', '.join(map(str, ckpt))})"}[t.activation_checkpoint]
+    g = 2**30
+    speed = (f"{target.flops / 1e12:.0f} TFLOP/s bf16" if target.kind == "cuda" else
+             f"float32 matmuls measured at {target.flops / 1e9:.0f} GFLOP/s")
     print(
         f"{args.config}: {mm.params:,} parameters, {mm.flops_per_token / 1e9:.2f} GFLOPs per token "
-        f"(6N + attention), {global_tokens:,} tokens a step; {gpu.name}: {gpu.memory_bytes / 2**30:.0f} GiB, "
-        f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16; {'compiled' if compiled else 'eager'}, "
+        f"(6N + attention), {global_tokens:,} tokens a step, optimizer {t.optimizer}; {target.name}: "
+        f"{target.usable_bytes / g:.1f} GiB usable, {speed}; {'compiled' if compiled else 'eager'}, "
         f"{str(dtype).replace('torch.', '')}, {ac_text}"
     )
+    extra = list(target.overhead(mm.plan(1, compiled, *ac), mcfg))
     print(
-        f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'optim':>6} {'activ.':>7} {'peak GiB':>8} "
-        f"{'fits':>4} {'step s':>7} {'MFU':>6}"
+        f"{'micro':>5} {'accum':>5} {'params':>7} {'grads':>6} {'optim':>6} {'activ.':>7} "
+        + "".join(f"{OVERHEAD_HEADS.get(k, k)[:9]:>10}" for k in extra)
+        + f" {'peak GiB':>8} {'fits':>4} {'step s':>7} {'MFU':>6}"
     )
-    g = 2**30
+    configured = None
     for micro in (1, 2, 4, 8, 16, 32, 64):
         if global_tokens % (micro * t.seq_len):
             continue
-        pl = mm.plan(micro, compiled, *ac)
-        secs, mfu = step_time(pl, mcfg, gpu, global_tokens)
-        fits = pl.peak_bytes <= HEADROOM * gpu.memory_bytes
+        pl = target.plan(mm, micro, compiled, *ac)
+        secs, mfu = step_time(pl, mcfg, target, global_tokens)
+        fits = pl.process_bytes <= target.usable_bytes
         mark = " ← config" if micro == t.micro_batch_size else ""
+        if micro == t.micro_batch_size:
+            configured = pl
         print(
             f"{micro:>5} {global_tokens // (micro * t.seq_len):>5} {pl.param_bytes / g:>7.2f} {pl.grad_bytes / g:>6.2f} "
-            f"{pl.optimizer_bytes / g:>6.2f} {pl.activation_bytes / g:>7.1f} {pl.peak_bytes / g:>8.1f} "
-            f"{'yes' if fits else 'NO':>4} {secs:>7.2f} {mfu:>6.1%}{mark}"
+            f"{pl.optimizer_bytes / g:>6.2f} {pl.activation_bytes / g:>7.1f} "
+            + "".join(f"{v / g:>10.2f}" for v in pl.overhead.values())
+            + f" {pl.process_bytes / g:>8.1f} {'yes' if fits else 'NO':>4} {secs:>7.2f} "
+            f"{'-' if mfu is None else f'{mfu:.1%}':>6}{mark}"
         )
-    best = largest_micro_batch(mcfg, t.seq_len, dtype, compiled, gpu.memory_bytes, HEADROOM, *ac, mm=mm)
+    best = largest_micro_batch(mcfg, t.seq_len, dtype, compiled, target, *ac, mm=mm)
     print(
-        f"largest micro-batch within {HEADROOM:.0%} of memory: {best} (× grad_accum "
+        f"largest micro-batch that fits {target.usable_bytes / g:.1f} GiB: {best} (× grad_accum "
         f"{max(1, math.ceil(global_tokens / max(best * t.seq_len, 1)))} for the same global batch)"
+        + ("; peak = tensors + " + " + ".join(k.replace("_", " ") for k in extra) + " (see python -m train.plan --help)")
     )
+    if configured is None:
+        configured = target.plan(mm, t.micro_batch_size, compiled, *ac)
+    if configured.process_bytes > target.usable_bytes:
+        print(f"error: the configured micro-batch {t.micro_batch_size} × {t.seq_len} plans {configured.process_bytes / g:.1f}"
+              f" GiB, over the {target.usable_bytes / g:.1f} GiB usable on {target.name}; try micro-batch {best} "
+              f"with grad_accum {max(1, math.ceil(global_tokens / max(best * t.seq_len, 1)))}" if best else
+              f"error: the configured micro-batch {t.micro_batch_size} × {t.seq_len} plans "
+              f"{configured.process_bytes / g:.1f} GiB, over the {target.usable_bytes / g:.1f} GiB usable on "
+              f"{target.name}, and no micro-batch fits: a smaller model or activation checkpointing", file=sys.stderr)
+        return 1
     return 0
 
 

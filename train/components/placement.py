@@ -76,22 +76,24 @@ class Placement:
         self.autocast = autocast_ctx(self.device, self.dtype)
 
     def _check_fits(self, cfg: Config, mcfg: ModelConfig, log: Callable[[str], None]) -> None:
-        """Refuse, before allocating anything on the GPU, a micro-batch the planner says cannot fit its memory."""
+        """Refuse, before allocating anything on the GPU, a micro-batch the planner says cannot fit its memory
+        (the tensors' peak plus the CUDA context and the caching allocator's reserve, against the whole GPU)."""
         t = cfg.train
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        target = P.cuda_target(self.device)
         compiled = t.compile is not False
         ac = (t.activation_checkpoint, t.activation_checkpoint_every)
         mm = P.memory_model(mcfg, t.seq_len, self.dtype, cache_dir=resolve_path(cfg.data.cache_dir),
                             optimizer=t.optimizer)
-        self.plan = mm.plan(self.micro, compiled, *ac)
-        log(f"plan: {self.plan.summary()} against {total / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
-        if self.plan.peak_bytes > P.HEADROOM * total:
-            fit = P.largest_micro_batch(mcfg, t.seq_len, self.dtype, compiled, total, P.HEADROOM, *ac, mm=mm)
+        self.plan = target.plan(mm, self.micro, compiled, *ac)
+        g = 2**30
+        log(f"plan: {self.plan.summary()} against {target.usable_bytes / g:.1f} GiB on {target.name}")
+        if self.plan.process_bytes > target.usable_bytes:
+            fit = P.largest_micro_batch(mcfg, t.seq_len, self.dtype, compiled, target, *ac, mm=mm)
             hint = (f"--set train.micro_batch_size={fit} --set train.grad_accum="
                     f"{max(1, t.micro_batch_size * t.grad_accum // fit)}" if fit else "a smaller model")
-            raise TrainError(f"the planner estimates a peak of {self.plan.peak_bytes / 2**30:.1f} GiB at micro-batch "
-                             f"{self.micro} × {t.seq_len}, over {P.HEADROOM:.0%} of this GPU's "
-                             f"{total / 2**30:.1f} GiB; try {hint} (python -m train.plan shows the table)")
+            raise TrainError(f"the planner estimates a peak of {self.plan.process_bytes / g:.1f} GiB at micro-batch "
+                             f"{self.micro} × {t.seq_len}, over this GPU's {target.usable_bytes / g:.1f} GiB; try "
+                             f"{hint} (python -m train.plan shows the table)")
 
     def step_context(self) -> contextlib.ExitStack:
         """The context a training forward runs in: autocast and the chosen SDPA backend."""
