@@ -51,6 +51,7 @@ from safetensors import safe_open
 
 from export.bundle import read_manifest
 from export.errors import ExportError, run_cli
+from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
 from train.atomic import atomic_path, clean_stale
 
 __all__ = ["TYPES", "PRE_TOKENIZER", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "LlamaCppBackend", "export_gguf", "gguf_context_length",
@@ -83,7 +84,7 @@ LAYER_TENSORS = {  # HF name inside model.layers.N → GGUF name inside blk.N
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-BUNDLE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+BUNDLE_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what the GGUF is made from
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -127,7 +128,7 @@ class GgufConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "config.json") -> GgufConfig:
+    def from_json(cls, d: dict, where: str = CONFIG) -> GgufConfig:
         """Build from config.json's dict. Raises ExportError naming a missing or bad key, a missing rope_theta
         (X6), a ``head_dim`` other than hidden/heads, a non-default rope type, biases or a non-SiLU activation
         (none of which this converter writes)."""
@@ -168,12 +169,12 @@ def check_bundle(bundle: Path) -> GgufConfig:
         raise ExportError(f"{bundle}: not a bundle ({', '.join(missing)} missing; export one with python -m export.onnx)")
     read_manifest(bundle)
     try:
-        d = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
+        d = json.loads((bundle / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ExportError(f"{bundle / 'config.json'}: unreadable ({e})") from None
+        raise ExportError(f"{bundle / CONFIG}: unreadable ({e})") from None
     if d.get("model_type", "llama") != "llama":
-        raise ExportError(f"{bundle / 'config.json'}: model_type {d.get('model_type')!r}, expected llama")
-    return GgufConfig.from_json(d, str(bundle / "config.json"))
+        raise ExportError(f"{bundle / CONFIG}: model_type {d.get('model_type')!r}, expected llama")
+    return GgufConfig.from_json(d, str(bundle / CONFIG))
 
 
 @dataclass(frozen=True)
@@ -209,13 +210,13 @@ def tensor_plan(cfg: GgufConfig, shapes: dict[str, tuple[int, ...]]) -> list[Ten
     absent = sorted(used - set(shapes))
     lost = sorted(set(shapes) - used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if absent or lost:
-        raise ExportError("model.safetensors does not match config.json: "
+        raise ExportError(f"{WEIGHTS} does not match {CONFIG}: "
                           + (f"missing {absent[:3]}{' …' if len(absent) > 3 else ''} " if absent else "")
                           + (f"unexpected {lost[:3]}{' …' if len(lost) > 3 else ''}" if lost else ""))
     for t in plan:
         if tuple(shapes[t.source]) != t.shape:
-            raise ExportError(f"model.safetensors: {t.source} has shape {tuple(shapes[t.source])}, "
-                              f"config.json implies {t.shape}")
+            raise ExportError(f"{WEIGHTS}: {t.source} has shape {tuple(shapes[t.source])}, "
+                              f"{CONFIG} implies {t.shape}")
     return plan
 
 
@@ -230,19 +231,19 @@ def vocab_arrays(bundle: Path, n_vocab: int) -> tuple[list[str], list[int]]:
     """(tokens by id, token types) from tokenizer.json: byte-level BPE strings, specials CONTROL, other added
     tokens USER_DEFINED, ids up to ``n_vocab`` that the tokenizer lacks ``[PADn]`` UNUSED. Raises ExportError for
     a tokenizer that is not byte-level BPE, has holes in its ids, or is larger than the model's vocabulary."""
-    t = json.loads((bundle / "tokenizer.json").read_text(encoding="utf-8"))
+    t = json.loads((bundle / TOKENIZER).read_text(encoding="utf-8"))
     model = t.get("model", {})
     if model.get("type") != "BPE" or model.get("byte_fallback") or (t.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ExportError(f"{bundle / 'tokenizer.json'}: not a byte-level BPE tokenizer (llama.cpp's gpt2 model)")
+        raise ExportError(f"{bundle / TOKENIZER}: not a byte-level BPE tokenizer (llama.cpp's gpt2 model)")
     by_id: dict[int, tuple[str, int]] = {i: (s, TokenType.NORMAL) for s, i in model["vocab"].items()}
     for a in t.get("added_tokens", []):
         by_id[int(a["id"])] = (a["content"], TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED)
     n = max(by_id) + 1
     if n > n_vocab:
-        raise ExportError(f"tokenizer.json has ids up to {n - 1}, the model's vocab_size is {n_vocab}")
+        raise ExportError(f"{TOKENIZER} has ids up to {n - 1}, the model's vocab_size is {n_vocab}")
     holes = [i for i in range(n) if i not in by_id]
     if holes:
-        raise ExportError(f"tokenizer.json: no token with id {holes[0]} (ids must be contiguous)")
+        raise ExportError(f"{TOKENIZER}: no token with id {holes[0]} (ids must be contiguous)")
     by_id.update({i: (f"[PAD{i}]", TokenType.UNUSED) for i in range(n, n_vocab)})
     return [by_id[i][0] for i in range(n_vocab)], [int(by_id[i][1]) for i in range(n_vocab)]
 
@@ -272,7 +273,7 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
         raise ExportError(f"--type {type!r}: expected one of {', '.join(TYPES)}")
     bundle = Path(bundle)
     cfg = check_bundle(bundle)
-    out = Path(out) if out is not None else bundle / f"model-{type}.gguf"
+    out = Path(out) if out is not None else bundle / gguf_file(type)
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; give a file name")
     if out.exists() and not force:
@@ -299,12 +300,12 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
 def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, tokens: list[str],
            toktypes: list[int]) -> list[str]:
     """Write the GGUF atomically; returns the 2-D tensors kept in f16 for q8_0. Raises OSError for a failed write."""
-    with atomic_path(out) as tmp, safe_open(str(bundle / "model.safetensors"), framework="np") as st:
+    with atomic_path(out) as tmp, safe_open(str(bundle / WEIGHTS), framework="np") as st:
         w = gguf.GGUFWriter(tmp, ARCH)
         w.add_name(bundle.resolve().parent.name if bundle.name == "bundle" else bundle.resolve().name)
         w.add_description(f"Shalik Llama-style model. Pre-tokenizer {APPROXIMATION}: llama.cpp splits text "
                           "differently from training (digits, ZWJ/ZWNJ, no NFC); feed it the token ids of the "
-                          "bundle's tokenizer.json")
+                          f"bundle's {TOKENIZER}")
         w.add_string(PRETOKENIZER_KEY, APPROXIMATION)
         w.add_file_type(int(file_type))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -324,7 +325,7 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, token
         w.add_token_types(toktypes)
         special = gguf.SpecialVocab(bundle, load_merges=True, n_vocab=cfg.vocab_size)
         if not special.merges:
-            raise ExportError(f"{bundle / 'tokenizer.json'}: no BPE merges")
+            raise ExportError(f"{bundle / TOKENIZER}: no BPE merges")
         special.add_to_gguf(w, quiet=True)
         plan = tensor_plan(cfg, {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         qtypes = [storage_type(type, t.shape) for t in plan]

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.bundle import eot_id, parse_quantize, verify_files
+from serve.bundle import TOKENIZER, backend_files, eot_id, parse_quantize, verify_files
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
 from serve.engine import (
@@ -627,10 +627,7 @@ def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
 
 def bundle_files(backend: str, quantize: str | None) -> list[str]:
     """The files of a bundle that ``backend`` reads (what :func:`load` verifies against the manifest)."""
-    if backend == "rust":  # int8 is quantized at load from the float weights
-        return ["config.json", "tokenizer.json", "model.safetensors"]
-    graph = "model.int8.onnx" if quantize == "int8" else "model.onnx"
-    return ["config.json", "tokenizer.json", graph, f"{graph}.data"]
+    return backend_files(backend, quantize)
 
 
 def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
@@ -664,8 +661,8 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     check_engine_limits(max_batch, token_budget)
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no model bundle at {path} (expected a folder with tokenizer.json and the model)")
-    tok_file = path / "tokenizer.json"
+        raise FileNotFoundError(f"no model bundle at {path} (expected a folder with {TOKENIZER} and the model)")
+    tok_file = path / TOKENIZER
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
     if verify:

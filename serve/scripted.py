@@ -23,11 +23,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from serve.backends.base import check_ids
-from serve.bundle import EOT
+from serve.bundle import EOT, PAD
 from serve.detok import bytes_to_unicode
 from serve.lm import LM
 
-PAD = "<|pad|>"
 PEAK = 40.0  # logit of the scripted token; every other logit is 0
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from serve.bundle import EOT
+from serve.bundle import EOT, PAD
 from serve.http import runs
 from serve.http.lifecycle import ServerState
 from serve.http.openapi import SSE_EVENT_SCHEMA
@@ -96,7 +96,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=err(503))
     async def tokenizer_info() -> TokenizerInfo:
         lm = state.require_lm()
-        return TokenizerInfo(eos_token=EOT, pad_token="<|pad|>", model_max_length=lm.context_length,
+        return TokenizerInfo(eos_token=EOT, pad_token=PAD, model_max_length=lm.context_length,
                              vocab_size=lm.vocab_size)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=err(400, 404, 413, 503))
