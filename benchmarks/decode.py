@@ -110,7 +110,7 @@ def load_backend(name: str, bundle: Path, threads: int, n_ctx: int, extra_bufts:
                 return TorchSequence(model)
 
         return TorchBackend()
-    from export.gguf import LlamaCppBackend
+    from serve.backends.llamacpp import LlamaCppBackend
 
     # llama.cpp's default f16 KV cache, as users run it; a context just large enough (it is allocated up front)
     return LlamaCppBackend(bundle / gguf_file(BACKENDS[name][2]), threads=threads, n_ctx=n_ctx,

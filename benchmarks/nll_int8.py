@@ -88,7 +88,8 @@ def pairs(bundle: Path, threads: int | None, which: list[str],
         try:
             import llama_cpp  # noqa: F401
 
-            from export.gguf import LlamaCppBackend, export_gguf
+            from export.gguf import export_gguf
+            from serve.backends.llamacpp import LlamaCppBackend
 
             fns = []
             for t in ("f32", "q8_0"):

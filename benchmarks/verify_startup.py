@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from serve import load  # noqa: E402
 from serve.bundle import ONNX, backend_files, external_data, sha256_file  # noqa: E402
-from serve.settings import newest_bundle  # noqa: E402
+from serve.http.settings import newest_bundle  # noqa: E402
 
 
 def time_load(bundle: Path, backend: str, rounds: int) -> dict[str, float]:

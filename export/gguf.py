@@ -31,6 +31,8 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
 
 Exit codes: 0 done, 2 bad input (not a bundle, an unknown ``--type``, an existing output without ``--force``, a
 config or weights that do not describe a plain Llama, no ``--approximate-pretokenizer``), 130 interrupted.
+
+Running a GGUF through llama.cpp (a benchmark and test peer) is :mod:`serve.backends.llamacpp`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, TokenType
+from gguf import GGMLQuantizationType, TokenType
 from safetensors import safe_open
 
 from export.bundle import read_manifest
@@ -54,7 +56,7 @@ from export.errors import ExportError, run_cli
 from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
 from train.atomic import atomic_path, clean_stale
 
-__all__ = ["TYPES", "PRE_TOKENIZER", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "LlamaCppBackend", "export_gguf", "gguf_context_length",
+__all__ = ["TYPES", "PRE_TOKENIZER", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "export_gguf",
            "permute_qk", "unpermute_qk", "main"]
 
 TYPES = ("f32", "f16", "q8_0")
@@ -343,95 +345,6 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, token
         finally:
             w.close()
     return fallbacks
-
-
-class LlamaCppSequence:
-    """llama.cpp's single KV cache behind the serving Sequence protocol (``prefill``/``decode``/``position``).
-
-    Creating one resets the backend's context: llama-cpp-python's ``Llama`` holds one sequence at a time.
-    """
-
-    def __init__(self, backend: LlamaCppBackend):
-        self._b = backend
-        backend.llm.reset()
-
-    @property
-    def position(self) -> int:
-        return int(self._b.llm.n_tokens)
-
-    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        """Append ``ids`` (ints) to the cache; float32 logits ``[len(ids), V]`` (needs ``logits_all``) or ``[V]``."""
-        llm = self._b.llm
-        start = llm.n_tokens
-        llm.eval([int(i) for i in ids])
-        if all_logits:
-            if not self._b.logits_all:
-                raise ValueError("all_logits needs a backend made with logits_all=True")
-            return np.array(llm.scores[start:llm.n_tokens], dtype=np.float32)
-        if self._b.logits_all:
-            return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(self._b.vocab_size,)).copy()
-
-    def decode(self, token_id: int) -> np.ndarray:
-        """One cached step; float32 logits ``[V]``."""
-        return self.prefill([token_id])
-
-
-class LlamaCppBackend:
-    """A GGUF file in llama.cpp through llama-cpp-python (a benchmark and test peer, never a serving backend).
-
-    ``threads``: compute threads for prefill and decode (default llama.cpp's: all cores). ``n_ctx``: KV cache
-    positions (default the model's context; llama.cpp allocates and clears all of it at load). ``logits_all`` keeps
-    every position's logits (parity checks; costs an lm_head per prefill position). ``f32_cache`` stores K/V in
-    float32 (llama.cpp's default f16 cache alone moves logits by ~3e-3, notes/rust-facts.md §8). ``extra_bufts=False``
-    (default) turns off llama.cpp's extra weight buffer types (AMX and CPU repacking): on this machine the AMX
-    path dies of SIGILL on quantized weights (rust-facts §8). Raises ImportError without llama-cpp-python and
-    ValueError when llama.cpp cannot load the file.
-    """
-
-    name = "llama.cpp"
-
-    def __init__(self, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
-                 logits_all: bool = False, f32_cache: bool = True, extra_bufts: bool = False):
-        import llama_cpp  # deferred: the optional bench extra (a source build); only benchmarks and tests use it
-        import llama_cpp.llama_cpp as C
-
-        default_params = C.llama_model_default_params
-
-        def params():
-            p = default_params()
-            p.use_extra_bufts = extra_bufts
-            return p
-
-        C.llama_model_default_params = params  # Llama() reads its model params from this function
-        try:
-            ctx = min(n_ctx, gguf_context_length(path)) if n_ctx else gguf_context_length(path)
-            f32 = int(C.GGML_TYPE_F32)
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads,
-                                       n_threads_batch=threads, logits_all=logits_all,
-                                       type_k=f32 if f32_cache else None, type_v=f32 if f32_cache else None,
-                                       verbose=False)
-        finally:
-            C.llama_model_default_params = default_params
-        self.logits_all = logits_all
-        self.vocab_size = int(self.llm.n_vocab())
-        self.max_position_embeddings = ctx
-        self.threads = threads
-
-    def new_sequence(self) -> LlamaCppSequence:
-        """Reset the context and return it as a Sequence at position 0."""
-        return LlamaCppSequence(self)
-
-    def close(self) -> None:
-        """Free llama.cpp's model and context now."""
-        self.llm.close()
-
-
-def gguf_context_length(path: str | Path) -> int:
-    """``<arch>.context_length`` of a GGUF file (memory-mapped read; tensors are not loaded). KeyError if absent."""
-    r = GGUFReader(str(path))
-    arch = r.fields["general.architecture"].contents()
-    return int(r.fields[f"{arch}.context_length"].contents())
 
 
 def main(argv: list[str] | None = None) -> int:

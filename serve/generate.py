@@ -20,7 +20,8 @@ import sys
 
 from serve.bundle import MANIFEST, QUANTIZE_CHOICES, SAMPLING_KEYS, BundleError, sampling_defaults
 from serve.errors import RequestError
-from serve.lm import BACKENDS, LM, load
+from serve.lm import LM
+from serve.loader import BACKENDS, load
 from train.textutil import distinct_word_share
 
 DEFAULT_PROMPTS = [("bn", "বাংলা ভাষা"), ("en", "The river")]

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from serve.bundle import MANIFEST, QUANTIZE_CHOICES, parse_quantize
-from serve.lm import BACKENDS, DEFAULT_MAX_NEW_TOKENS
+from serve.lm import DEFAULT_MAX_NEW_TOKENS
+from serve.loader import BACKENDS
 
 T = TypeVar("T")
 
