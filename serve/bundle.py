@@ -18,10 +18,10 @@ tests/test_bundle_contract.py checks that the two agree and that nobody else spe
   (:func:`sampling_defaults`, from ``generation_config.json``).
 
 Layering (docs/design.md): ``train/`` never imports ``serve/``, and ``serve/`` reaches ``train/`` only through
-stdlib-only leaf modules. So the two facts that training owns first — the special tokens it trains the
-tokenizer with, and the sha256 of a file that checkpoints, data caches and bundles all record — are defined in
-train's leaves (``train/byte_level.py``, ``train/atomic.py``) and re-exported here; everything else is defined
-here. This module imports no torch, no onnxruntime and nothing of ``export/``.
+leaf modules (nothing else of the project, no torch). So the two facts that training owns first — the special
+tokens it trains the tokenizer with, and the sha256 of a file that checkpoints, data caches and bundles all
+record — are defined in train's standard-library leaves (``train/byte_level.py``, ``train/atomic.py``) and
+re-exported here; everything else is defined here. This module imports no torch, no onnxruntime and nothing of ``export/``.
 """
 
 from __future__ import annotations
