@@ -1,8 +1,7 @@
 """The bundle contract (serve/bundle.py) has one owner: its facts are spelled nowhere else, the Rust mirror
-(rust_runtime/src/bundle.rs) equals it, readers check the manifest alike (a newer format_version and a missing
-manifest are refused by Python and Rust with the same rule), and the layering that lets serve/ and export/ share it
-holds (train/ imports neither serve/ nor export/; serve/ reaches train/ only through leaf modules, which import
-nothing else of the project and no torch).
+(rust_runtime/src/bundle.rs) equals it, and readers check the manifest alike (a newer format_version and a missing
+manifest are refused by Python and Rust with the same rule). The import rules that let serve/ and export/ share it
+are tests/test_import_rules.py's.
 
 ``python -m tests.test_bundle_contract [ROOT]`` prints the census of how often each bundle fact is spelled in a tree
 (string literals outside docstrings: file names, special tokens, sha256 implementations, manifest readers).
@@ -124,27 +123,6 @@ def test_the_census_sees_a_literal(tmp_path):
     assert hits == {"x.py": ["model.onnx"], "x.rs": ["config.json"]}
     counts = census(tmp_path)
     assert counts["model.onnx"] == ["serve/x.py:2", "serve/x.py:3"]
-
-
-def test_layering_train_imports_neither_serve_nor_export_and_serve_reaches_train_only_through_leaves():
-    def imports(path: Path) -> set[str]:
-        out = set()
-        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(n, ast.Import):
-                out |= {a.name for a in n.names}
-            elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
-                out.add(n.module)
-        return out
-
-    bad = [f"{p.relative_to(ROOT)}: {m}" for p in sorted((ROOT / "train").rglob("*.py"))
-           for m in imports(p) if m.split(".")[0] in ("serve", "export")]
-    assert not bad, "train/ must not import serve/ or export/: " + "; ".join(bad)
-    leaves = {m for p in sorted((ROOT / "serve").rglob("*.py")) for m in imports(p) if m.split(".")[0] == "train"}
-    assert {"train.atomic", "train.byte_level"} <= leaves, leaves  # sha256 and the special tokens (serve.bundle)
-    for leaf in leaves:  # a leaf: nothing else of the project, no torch (serve's own dependencies at most)
-        bad = {m for m in imports(ROOT / (leaf.replace(".", "/") + ".py"))
-               if m.split(".")[0] in ("train", "serve", "export", "torch")}
-        assert not bad, f"serve/ imports {leaf}, which is not a leaf module: it imports {sorted(bad)}"
 
 
 # ---------------------------------------------------------------- the manifest
