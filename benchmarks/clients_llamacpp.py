@@ -8,7 +8,7 @@ make exactly ``--new-tokens`` tokens, going on past ``<|endoftext|>`` (``ignore_
 is compared. Beside it, the teacher-forced log-probs of the prompt's own tokens are compared (max |Δ|, nats):
 greedy text from a weak model can be degenerate, the prompt's log-probs are not. A mismatch is allowed only at a near-tie — the reference's (our bundle's)
 top-2 logit gap below 1e-3 at that step (docs/design.md) — where the comparison stops and says so. The model is
-opened through ``export.gguf.LlamaCppBackend`` only for its machine-specific load settings (float32 KV cache, no
+opened through ``serve.backends.llamacpp.LlamaCppBackend`` only for its machine-specific load settings (float32 KV cache, no
 extra buffer types); generation is llama-cpp-python's ``Llama.generate``.
 
 Prints one line per prompt and exits 0 when all agree (up to near-ties), 1 on a real mismatch, 2 when
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import llama_cpp  # noqa: F401
 
-        from export.gguf import LlamaCppBackend
+        from serve.backends.llamacpp import LlamaCppBackend
     except ImportError as e:
         print(f"cannot run: {e} (pip install llama-cpp-python; the GGUF exporter is export/gguf.py)", file=sys.stderr)
         return 2

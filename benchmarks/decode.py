@@ -53,6 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
+from serve.bundle import CONFIG, ONNX_INT8, gguf_file  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 # name → (label, bytes read per matmul weight per token, GGUF type for llama.cpp or None)
@@ -109,10 +110,10 @@ def load_backend(name: str, bundle: Path, threads: int, n_ctx: int, extra_bufts:
                 return TorchSequence(model)
 
         return TorchBackend()
-    from export.gguf import LlamaCppBackend
+    from serve.backends.llamacpp import LlamaCppBackend
 
     # llama.cpp's default f16 KV cache, as users run it; a context just large enough (it is allocated up front)
-    return LlamaCppBackend(bundle / f"model-{BACKENDS[name][2]}.gguf", threads=threads, n_ctx=n_ctx,
+    return LlamaCppBackend(bundle / gguf_file(BACKENDS[name][2]), threads=threads, n_ctx=n_ctx,
                            f32_cache=False, extra_bufts=extra_bufts)
 
 
@@ -247,9 +248,9 @@ def prompt_ids(bundle: Path, n: int) -> list[int]:
     """``<|endoftext|>`` + PROMPT_TEXT's ids from the bundle's tokenizer, repeated to exactly ``n`` ids."""
     from tokenizers import Tokenizer
 
-    from serve.bundle import eot_id
+    from serve.bundle import TOKENIZER, eot_id
 
-    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(bundle / TOKENIZER))
     eot = eot_id(tok)
     text = tok.encode(PROMPT_TEXT).ids
     ids = [eot] + (text * (n // max(1, len(text)) + 1))
@@ -271,10 +272,10 @@ def prepare(bundle: Path, names: list[str], log: Callable[[str], None]) -> dict[
     skipped = {}
     for name in names:
         why = available(name)
-        if why is None and name == "ort-int8" and not (bundle / "model.int8.onnx").is_file():
-            why = f"no model.int8.onnx (python -m export.onnx RUN --quantize int8 --out {bundle} --force)"
+        if why is None and name == "ort-int8" and not (bundle / ONNX_INT8).is_file():
+            why = f"no {ONNX_INT8} (python -m export.onnx RUN --quantize int8 --out {bundle} --force)"
         if why is None and BACKENDS[name][2]:
-            path = bundle / f"model-{BACKENDS[name][2]}.gguf"
+            path = bundle / gguf_file(BACKENDS[name][2])
             if not path.is_file():
                 from export.gguf import export_gguf
 
@@ -353,7 +354,7 @@ def ratios(per: dict[str, list[dict]]) -> list[dict]:
 def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespace, skipped: dict[str, str],
               logdir: Path, log: Callable[[str], None]) -> dict:
     """All rounds for one bundle at one thread count; ``skipped`` ({backend: why}) goes into the result."""
-    cfg = json.loads((bundle / "config.json").read_text())
+    cfg = json.loads((bundle / CONFIG).read_text())
     ids = prompt_ids(bundle, a.prompt)
     load0 = os.getloadavg()
     bw0 = bandwidth_gbs(threads)
@@ -536,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"worker logs: {logdir}")
     groups = []
     for bundle in bundles:
-        if not (bundle / "config.json").is_file():
+        if not (bundle / CONFIG).is_file():
             sys.exit(f"{bundle}: not a bundle (export one with python -m export.onnx RUN --quantize int8)")
         skipped = prepare(bundle, a.backends, log)
         names = [n for n in a.backends if n not in skipped]

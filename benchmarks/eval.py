@@ -133,8 +133,9 @@ def evaluate_bundle(bundle: Path, tasks: dict[str, list[dict]], threads: int | N
                     log=print) -> dict:
     """Score every task on one bundle; returns its eval.json entry (without ``twin``)."""
     from serve import load
+    from serve.bundle import read_manifest
 
-    manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(bundle)
     lm = load(bundle, threads=threads)
     entry = {"name": bundle.resolve().parent.name, "bundle": _display(bundle), "params": manifest.get("params"),
              "source": {k: manifest.get("source", {}).get(k) for k in ("checkpoint", "step", "sha256")},
@@ -212,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-card", dest="card", action="store_false", help="do not refresh the bundles' model cards")
     a = p.parse_args(argv)
     bundle = Path(a.bundle)
-    if not (bundle / "manifest.json").is_file():
-        print(f"error: {bundle} is not a bundle (no manifest.json); export one with python -m export.onnx RUN",
+    from serve.bundle import MANIFEST
+
+    if not (bundle / MANIFEST).is_file():
+        print(f"error: {bundle} is not a bundle (no {MANIFEST}); export one with python -m export.onnx RUN",
               file=sys.stderr)
         return 2
     twin = Path(a.twin) if a.twin else default_twin(bundle)
@@ -242,11 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     if a.card:
         from export.card import refresh_card
+        from serve.bundle import CARD
 
         for m in models:
             b = ROOT / m["bundle"] if not Path(m["bundle"]).is_absolute() else Path(m["bundle"])
             if refresh_card(b, out.with_suffix(".json")):
-                print(f"refreshed the benchmark section of {b / 'README.md'}")
+                print(f"refreshed the benchmark section of {b / CARD}")
     return 0
 
 

@@ -15,7 +15,6 @@ and ``.md`` (and stdout). The parity gate, int8 quantisation and its validation 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -24,6 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from serve.bundle import ONNX_INT8, read_manifest  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -51,7 +53,7 @@ def figures(run: Path, dtype: str, int8: bool) -> dict:
         t0 = time.time()
         out = export_bundle(run, Path(td) / "bundle", dtype=dtype, quantize="int8" if int8 else None, log=log)
         wall = time.time() - t0
-        m = json.loads((out / "manifest.json").read_text())
+        m = read_manifest(out)
     steps = {k: v for k, v in ((ln.split(":")[0], ln) for ln in lines) if k in ("onnx", "int8")}
     return {
         "run": str(run), "step": m["source"]["step"], "untrained": m["source"]["step"] == 0, "params": m["params"],
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", nargs="?", default=None, help="run folder (default: runs/small, else runs/small-init)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    p.add_argument("--no-int8", dest="int8", action="store_false", help="skip model.int8.onnx")
+    p.add_argument("--no-int8", dest="int8", action="store_false", help=f"skip {ONNX_INT8}")
     p.add_argument("--json", default=str(RESULTS / "export_small.json"))
     p.add_argument("--md", default=str(RESULTS / "export_small.md"))
     a = p.parse_args(argv)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks.common import free_port  # noqa: E402
+from serve.bundle import MANIFEST, ONNX, WEIGHTS, external_data  # noqa: E402
 
 MINI = ROOT / "tests" / "data" / "mini"
 OUT_MD = ROOT / "benchmarks" / "results" / os.environ.get("BATTERY_OUT", "hostile_battery.md")
@@ -244,14 +245,14 @@ def settings_battery(bundle: Path, tmp: Path) -> None:
 def corrupt_bundle_battery(bundle: Path, tmp: Path) -> None:
     bad = tmp / "bad-bundle"
     shutil.copytree(bundle, bad)
-    data = bad / "model.onnx.data"
+    data = bad / external_data(ONNX)
     b = bytearray(data.read_bytes())
     b[len(b) // 2] ^= 0xFF
     data.write_bytes(bytes(b))
     for backend in ["onnx", "rust"]:
         counts["tried"] += 1
         if backend == "rust":
-            st = bad / "model.safetensors"
+            st = bad / WEIGHTS
             sb = bytearray(st.read_bytes())
             sb[-10] ^= 0xFF
             st.write_bytes(bytes(sb))
@@ -262,7 +263,7 @@ def corrupt_bundle_battery(bundle: Path, tmp: Path) -> None:
             fail("unclear errors", label, "server did not start")
         else:
             r = raw(port, "POST", C, b'{"prompt": "a", "max_tokens": 1}')
-            name = "model.onnx.data" if backend == "onnx" else "model.safetensors"
+            name = external_data(ONNX) if backend == "onnx" else WEIGHTS
             if r is None:
                 fail("hangs", label, "no answer")
             elif r[0] != 503 or name.encode() not in r[1]:
@@ -271,7 +272,7 @@ def corrupt_bundle_battery(bundle: Path, tmp: Path) -> None:
         text = log.read_text(errors="replace")
         if "Traceback" in text:
             fail("tracebacks", label, "traceback in server log")
-        if "sha256" not in text.lower() and "model.onnx.data" not in text and "model.safetensors" not in text:
+        if "sha256" not in text.lower() and external_data(ONNX) not in text and WEIGHTS not in text:
             fail("unclear errors", label, "cause not in the log: " + text[-200:])
 
 
@@ -458,7 +459,7 @@ def main() -> int:
     tmp = Path(reuse) if reuse else Path(tempfile.mkdtemp(prefix="hostile-"))
     cache = tmp / "cache"
     print(f"work dir {tmp}", file=sys.stderr)
-    if not (tmp / "bundle" / "manifest.json").is_file():
+    if not (tmp / "bundle" / MANIFEST).is_file():
         setup(tmp, cache)
     run = tmp / "runs" / "t"
     bundle = tmp / "bundle"

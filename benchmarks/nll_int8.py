@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from export.quantize import nll_sum  # noqa: E402
 from export.valdata import ValData, find_run_shards, from_shards, run_seq_len  # noqa: E402
+from serve.bundle import CONFIG, ONNX_INT8, TOKENIZER, gguf_file  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text, sha256_file  # noqa: E402
 
 TARGET = 0.05
@@ -40,11 +41,11 @@ def val_windows(bundle: Path, max_tokens: int) -> ValData:
     """The run's val windows for ``bundle`` (a ``runs/NAME/bundle`` folder). Exits with a message when the run
     has no shards made with the bundle's tokenizer."""
     run = bundle.resolve().parent
-    tok = bundle / "tokenizer.json"
+    tok = bundle / TOKENIZER
     shards = find_run_shards(run, tok)
     if shards is None:
         sys.exit(f"{run}: no val shards found through its config.toml for this tokenizer")
-    cfg = json.loads((bundle / "config.json").read_text())
+    cfg = json.loads((bundle / CONFIG).read_text())
     return from_shards(shards, cfg["vocab_size"], sha256_file(tok), run_seq_len(run, cfg["max_position_embeddings"]),
                        max_tokens)
 
@@ -78,20 +79,21 @@ def pairs(bundle: Path, threads: int | None, which: list[str],
     if "ort" in which:
         from serve.backends.onnx import OnnxBackend
 
-        if (bundle / "model.int8.onnx").is_file():
+        if (bundle / ONNX_INT8).is_file():
             out["onnxruntime fp32 → int8"] = tuple(OnnxBackend(bundle, quantize=q, threads=threads).logits
                                                    for q in (None, "int8"))
         else:
-            out["onnxruntime fp32 → int8"] = "no model.int8.onnx in the bundle"
+            out["onnxruntime fp32 → int8"] = f"no {ONNX_INT8} in the bundle"
     if "llama" in which:
         try:
             import llama_cpp  # noqa: F401
 
-            from export.gguf import LlamaCppBackend, export_gguf
+            from export.gguf import export_gguf
+            from serve.backends.llamacpp import LlamaCppBackend
 
             fns = []
             for t in ("f32", "q8_0"):
-                path = bundle / f"model-{t}.gguf"
+                path = bundle / gguf_file(t)
                 if not path.is_file():
                     export_gguf(bundle, path, t, approximate_pretokenizer=True)
                 lc = LlamaCppBackend(path, threads=threads, logits_all=True)

@@ -48,17 +48,18 @@ def build_bundle(out: Path, int8: bool) -> None:
     import torch
 
     from export.graph import export_graph
-    from export.quantize import INT8_FILE, quantize_int8
+    from export.quantize import quantize_int8
+    from serve.bundle import CONFIG, ONNX, ONNX_INT8
     from train.model import LlamaForCausalLM, ModelConfig
 
     cfg = ModelConfig(**SMALL, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     out.mkdir(parents=True, exist_ok=True)
-    export_graph(model, out / "model.onnx")
-    (out / "config.json").write_text(json.dumps(cfg.hf_config(), indent=2))
+    export_graph(model, out / ONNX)
+    (out / CONFIG).write_text(json.dumps(cfg.hf_config(), indent=2))
     if int8:
-        quantize_int8(out / "model.onnx", out / INT8_FILE)
+        quantize_int8(out / ONNX, out / ONNX_INT8)
 
 
 def prompts(b: int) -> list[list[int]]:

@@ -276,7 +276,9 @@ def build_inputs(rd, shape: str, folder: Path, int8: bool = False) -> tuple[Path
         rd.build_bundle(bundle, shape)
         rd.export_onnx(bundle, onnx, last_logits=True)
 
-    build_once(folder / f"{shape}.done", [bundle / "config.json", onnx], build_fp32,
+    from serve.bundle import CONFIG
+
+    build_once(folder / f"{shape}.done", [bundle / CONFIG, onnx], build_fp32,
                "bundle + ONNX export (checked against transformers)")
     if not int8:
         return bundle, onnx

@@ -70,6 +70,8 @@ def build_bundle(out: Path, shape: str) -> None:
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+    from serve.bundle import CONFIG, SPECIAL_TOKENS, TOKENIZER, write_manifest
+
     cfg = transformers.LlamaConfig(
         **SHAPES[shape],
         rms_norm_eps=1e-5,
@@ -82,9 +84,9 @@ def build_bundle(out: Path, shape: str) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(out)
-    c = json.loads((out / "config.json").read_text())
+    c = json.loads((out / CONFIG).read_text())
     c["rope_theta"] = c["rope_parameters"]["rope_theta"]
-    (out / "config.json").write_text(json.dumps(c, indent=2))
+    (out / CONFIG).write_text(json.dumps(c, indent=2))
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -100,12 +102,13 @@ def build_bundle(out: Path, shape: str) -> None:
         LINES,
         trainers.BpeTrainer(
             vocab_size=400,
-            special_tokens=["<|endoftext|>", "<|pad|>"],
+            special_tokens=list(SPECIAL_TOKENS),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         ),
     )
-    tok.save(str(out / "tokenizer.json"))
+    tok.save(str(out / TOKENIZER))
+    write_manifest(out, complete=False)  # rust_runtime.Model.load refuses a bundle without its manifest
 
 
 def export_onnx(bundle: Path, out: Path, last_logits: bool = False) -> Path:

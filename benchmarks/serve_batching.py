@@ -189,11 +189,9 @@ class LlamaServer:
 def sign_bundle(bundle: Path) -> None:
     """Give the benchmark's hand-made bundle the manifest.json that export/ writes (format, sha256 of every file),
     which the GGUF exporter requires and the Rust loader checks."""
-    from export.bundle import FORMAT_VERSION, file_table
-    from export.target import FORMAT, MANIFEST
+    from serve.bundle import write_manifest
 
-    atomic_write_json(bundle / MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION,
-                                          "files": file_table(bundle)})
+    write_manifest(bundle, complete=False)
 
 
 def export_gguf(bundle: Path, kind: str, out: Path) -> Path:

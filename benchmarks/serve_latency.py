@@ -71,9 +71,10 @@ def engines(bundle: Path, threads: int | None) -> dict:
     from tokenizers import Tokenizer
 
     from serve import LM, load
+    from serve.bundle import ONNX_INT8, TOKENIZER
 
     out = {"onnx": load(bundle, backend="onnx", threads=threads)}
-    if (bundle / "model.int8.onnx").exists():
+    if (bundle / ONNX_INT8).exists():
         out["onnx-int8"] = load(bundle, backend="onnx", quantize="int8", threads=threads)
     try:
         import rust_runtime  # noqa: F401
@@ -82,7 +83,7 @@ def engines(bundle: Path, threads: int | None) -> dict:
         out["rust-int8"] = load(bundle, backend="rust", quantize="int8", threads=threads)
     except ImportError:
         pass
-    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(bundle / TOKENIZER))
     n = threads or os.cpu_count() or 1
     torch_backend = TorchBackend(bundle, n)
     out["torch"] = LM(torch_backend, tok, name="torch")
@@ -195,7 +196,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve.settings import newest_bundle
+    from serve.http.settings import newest_bundle
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -220,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     bpc = {}
     if args.val_chars > 0:
         bpc = bits_per_char(onnx, val_documents(args.val, run_val_fraction(bundle), args.val_chars))
-    manifest = json.loads((bundle / "manifest.json").read_text()) if (bundle / "manifest.json").exists() else {}
+    from serve.bundle import MANIFEST, read_manifest
+
+    manifest = read_manifest(bundle) if (bundle / MANIFEST).exists() else {}
     result = {"meta": {"bundle": str(bundle), "params": manifest.get("params"), "context": ctx,
                        "vocab": onnx.vocab_size, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                        "rounds": args.rounds, "threads": args.threads or os.cpu_count(), "val": args.val,

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from serve.bundle import sha256_file  # noqa: E402
-from serve.lm import bundle_files, load  # noqa: E402
-from serve.settings import newest_bundle  # noqa: E402
+from serve import load  # noqa: E402
+from serve.bundle import ONNX, backend_files, external_data, sha256_file  # noqa: E402
+from serve.http.settings import newest_bundle  # noqa: E402
 
 
 def time_load(bundle: Path, backend: str, rounds: int) -> dict[str, float]:
@@ -43,7 +43,7 @@ def time_load(bundle: Path, backend: str, rounds: int) -> dict[str, float]:
 def time_synthetic(params: int, rounds: int) -> dict[str, float]:
     """Median seconds to hash a base-400m fp32 bundle's weight file (4 bytes a parameter), warm page cache."""
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
-        path = Path(tmp) / "model.onnx.data"
+        path = Path(tmp) / external_data(ONNX)
         block = os.urandom(1 << 20)
         with open(path, "wb") as f:
             for _ in range(params * 4 // len(block)):
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     bundle = Path(args.bundle) if args.bundle else newest_bundle(ROOT / "runs")
     result: dict = {"load_avg": os.getloadavg()}
     if bundle is not None:
-        files = [f for f in bundle_files(args.backend, None) if (bundle / f).is_file()]
+        files = [f for f in backend_files(args.backend, None) if (bundle / f).is_file()]
         t = time_load(bundle, args.backend, args.rounds)
         result["bundle"] = {"name": bundle.resolve().parent.name, "backend": args.backend,
                             "bytes_verified": sum((bundle / f).stat().st_size for f in files), **t,

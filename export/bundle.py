@@ -7,12 +7,12 @@
   ``torch_dtype`` float32 (the weights').
 * ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``: the checkpoint's (the sidecars
   built by ``train.hf_files`` when an older checkpoint lacks them).
-* ``manifest.json`` (written last): docs/design.md's keys, with the sha256 and size of every other file.
+* ``manifest.json`` (written last): docs/design.md's keys, with the sha256 and size of every other file. Its
+  schema, its writer and its readers are the bundle contract's (:mod:`serve.bundle`); this module fills it in.
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import shutil
 import time
@@ -21,12 +21,13 @@ from pathlib import Path
 
 from export.errors import ExportError
 from export.source import Source
-from export.target import FORMAT, MANIFEST
-from train.atomic import DIR_MODE, FILE_MODE, atomic_write_json, sha256_file
+from serve import bundle as B
+from train.atomic import DIR_MODE, FILE_MODE
 from train.hf_files import write_hf_files as write_sidecars
 
-FORMAT_VERSION = 1
-COPIED = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+NEEDED = (B.WEIGHTS, B.TOKENIZER)  # copied from the checkpoint; it cannot be exported without them
+SIDECARS = (B.TOKENIZER_CONFIG, B.GENERATION_CONFIG)  # copied, else built by train.hf_files
+COPIED = (*NEEDED, *SIDECARS)
 
 
 def write_hf_files(src: Source, out: Path) -> None:
@@ -35,16 +36,10 @@ def write_hf_files(src: Source, out: Path) -> None:
         f = src.ckpt / name
         if f.is_file():
             shutil.copyfile(f, out / name)
-        elif name in ("model.safetensors", "tokenizer.json"):
+        elif name in NEEDED:
             raise ExportError(f"{f}: missing")
-    missing = tuple(n for n in ("generation_config.json", "tokenizer_config.json") if not (out / n).is_file())
-    write_sidecars(out, src.cfg, src.eot_id, src.pad_id, ("config.json", *missing))
-
-
-def file_table(folder: Path) -> dict[str, dict]:
-    """``{name: {sha256, bytes}}`` for every file in ``folder`` except the manifest (sorted by name)."""
-    return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    missing = tuple(n for n in SIDECARS if not (out / n).is_file())
+    write_sidecars(out, src.cfg, src.eot_id, src.pad_id, (B.CONFIG, *missing))
 
 
 def versions() -> dict[str, str | None]:
@@ -69,26 +64,22 @@ def _display_path(p: Path) -> str:
 
 def write_manifest(out: Path, src: Source, *, exporter: str, opset: int, dtype: str, parity: dict, int8: dict | None,
                    eval_: dict | None, data: dict | None, export_seconds: float) -> dict:
-    """Write ``out/manifest.json`` (after every other file) and return it."""
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "params": src.model.num_params(),
-        "source": {"checkpoint": _display_path(src.ckpt), "step": src.step, "sha256": src.sha256},
-        "files": file_table(out),
-        "exporter": exporter,
-        "opset": opset,
-        "dtype": dtype,
-        "versions": versions(),
-        "parity": parity,
-        "int8": int8,
-        "eval": eval_,
-        "data": data,
-        "export_seconds": round(export_seconds, 2),
-    }
-    atomic_write_json(out / MANIFEST, manifest)
-    return manifest
+    """Write ``out/manifest.json`` (after every other file; :func:`serve.bundle.write_manifest`) and return it."""
+    return B.write_manifest(
+        out,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        params=src.model.num_params(),
+        source={"checkpoint": _display_path(src.ckpt), "step": src.step, "sha256": src.sha256},
+        exporter=exporter,
+        opset=opset,
+        dtype=dtype,
+        versions=versions(),
+        parity=parity,
+        int8=int8,
+        eval=eval_,
+        data=data,
+        export_seconds=round(export_seconds, 2),
+    )
 
 
 def make_readable(folder: Path) -> None:
@@ -100,12 +91,11 @@ def make_readable(folder: Path) -> None:
             p.chmod(FILE_MODE)
 
 
+
 def read_manifest(bundle: Path) -> dict:
-    """A bundle's manifest. Raises ExportError when it is missing or not a Shalik bundle manifest."""
+    """A bundle's manifest (:func:`serve.bundle.read_manifest`). Raises ExportError (exit code 2) when it is
+    missing or not a manifest this version reads."""
     try:
-        m = json.loads((Path(bundle) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{bundle}: no readable {MANIFEST} ({e})") from None
-    if m.get("format") != FORMAT:
-        raise ExportError(f"{bundle}/{MANIFEST}: format {m.get('format')!r}, expected {FORMAT!r}")
-    return m
+        return B.read_manifest(bundle)
+    except B.BundleError as e:
+        raise ExportError(str(e)) from None

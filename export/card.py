@@ -11,13 +11,13 @@ entry in ``manifest.json``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from export.parity import format_table
 from export.source import Source
-from train.atomic import atomic_write_json, atomic_write_text
+from serve.bundle import CARD, EOT, MANIFEST, ONNX, ONNX_INT8, PAD, WEIGHTS, external_data, read_manifest, rehash
+from train.atomic import atomic_write_text
 
 EVAL_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "eval.json"
 EVAL_BEGIN = "<!-- shalik-eval: written from benchmarks/results/eval.json -->"
@@ -46,10 +46,10 @@ def _model_section(src: Source, name: str) -> list[str]:
         f"| layers / hidden / intermediate | {c.num_hidden_layers} / {c.hidden_size} / {c.intermediate_size} |",
         f"| attention heads / KV heads / head dim | {c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim} |",
         f"| context | {c.max_position_embeddings} tokens |",
-        f"| vocabulary | {c.vocab_size} (byte-level BPE; `<|endoftext|>` = {src.eot_id}, `<|pad|>` = {src.pad_id}) |",
+        f"| vocabulary | {c.vocab_size} (byte-level BPE; `{EOT}` = {src.eot_id}, `{PAD}` = {src.pad_id}) |",
         f"| RoPE θ / RMSNorm ε | {c.rope_theta:g} / {c.rms_norm_eps:g} |",
         f"| tied embeddings | {'yes' if c.tie_word_embeddings else 'no'} |",
-        f"| source | `{src.ckpt}` (model.safetensors sha256 `{src.sha256[:16]}…`) |",
+        f"| source | `{src.ckpt}` ({WEIGHTS} sha256 `{src.sha256[:16]}…`) |",
         "",
     ]
 
@@ -95,9 +95,9 @@ def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
         out += _floor_section(ev)
     if int8:
         if int8.get("val_nll_delta") is None:
-            out += [f"int8 (`model.int8.onnx`): {int8.get('note', 'not measured')}.", ""]
+            out += [f"int8 (`{ONNX_INT8}`): {int8.get('note', 'not measured')}.", ""]
         else:
-            out += [f"int8 (`model.int8.onnx`, dynamic QInt8 per-channel MatMul weights): validation NLL "
+            out += [f"int8 (`{ONNX_INT8}`, dynamic QInt8 per-channel MatMul weights): validation NLL "
                     f"{int8['val_nll_int8']:.4f} vs {int8['val_nll_fp32']:.4f} for fp32, a change of "
                     f"{int8['val_nll_delta']:+.4f} nats/token over {int8['tokens']:,} tokens (target ≤ "
                     f"{int8['target']}).", ""]
@@ -203,9 +203,9 @@ def refresh_card(bundle: str | Path, results_path: str | Path | None = None) -> 
     ``benchmarks/results/eval.json``), and the card's sha256 and size in ``manifest.json``. Returns True when the
     card changed. A card without the section (written before it existed) gets it before "## Limits"."""
     bundle = Path(bundle)
-    manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(bundle)
     source = manifest.get("source") or {}
-    card_path = bundle / "README.md"
+    card_path = bundle / CARD
     card = card_path.read_text(encoding="utf-8")
     section = "\n".join(benchmark_section(source.get("sha256"), source.get("step"), read_eval_results(results_path)))
     if EVAL_BEGIN in card and EVAL_END in card:
@@ -220,11 +220,7 @@ def refresh_card(bundle: str | Path, results_path: str | Path | None = None) -> 
     if new == card:
         return False
     atomic_write_text(card_path, new)
-    data = new.encode("utf-8")
-    files = manifest.setdefault("files", {})
-    if "README.md" in files:
-        files["README.md"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        atomic_write_json(bundle / "manifest.json", manifest)
+    rehash(bundle, [CARD])
     return True
 
 
@@ -271,11 +267,11 @@ def _usage_section(bundle_name: str, has_int8: bool) -> list[str]:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'tok = AutoTokenizer.from_pretrained("{bundle_name}")',
         f'model = AutoModelForCausalLM.from_pretrained("{bundle_name}", dtype=torch.float32)',
-        'ids = tok("<|endoftext|>আমি বাংলায়", return_tensors="pt").input_ids',
+        f'ids = tok("{EOT}আমি বাংলায়", return_tensors="pt").input_ids',
         "print(tok.decode(model.generate(ids, max_new_tokens=32, do_sample=False)[0]))",
         "```",
         "",
-        "Every prompt starts with `<|endoftext|>`, as every training document did (`serve` adds it).",
+        f"Every prompt starts with `{EOT}`, as every training document did (`serve` adds it).",
         "",
     ]
 
@@ -294,8 +290,8 @@ def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str
     lines += _limits_section(src)
     lines += _usage_section(bundle_name, bool(manifest.get("int8")))
     lines += ["## Files and parity", "",
-              f"`model.onnx` (+ `model.onnx.data`) was exported by the {manifest.get('exporter')} exporter at opset "
-              f"{manifest.get('opset')} in {manifest.get('dtype')}; `model.safetensors` is the checkpoint's file. "
+              f"`{ONNX}` (+ `{external_data(ONNX)}`) was exported by the {manifest.get('exporter')} exporter at opset "
+              f"{manifest.get('opset')} in {manifest.get('dtype')}; `{WEIGHTS}` is the checkpoint's file. "
               "Parity against the PyTorch checkpoint (float32 logits within atol = rtol = "
               f"{parity.get('tol', 1e-4):g}; greedy continuations token for token, except at a near-tie, a top-2 "
               "gap under 1e-3):", ""]
@@ -304,7 +300,7 @@ def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str
     else:
         lines += ["The parity gate was skipped (`--no-parity`): this bundle is **unchecked**.", ""]
     lines += [f"Gate: **{'passed' if parity.get('ok') else 'skipped' if not cases else 'FAILED'}**. "
-              "`manifest.json` lists every file's sha256 and the library versions.", ""]
+              f"`{MANIFEST}` lists every file's sha256 and the library versions.", ""]
     return "\n".join(lines)
 
 

@@ -31,6 +31,8 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
 
 Exit codes: 0 done, 2 bad input (not a bundle, an unknown ``--type``, an existing output without ``--force``, a
 config or weights that do not describe a plain Llama, no ``--approximate-pretokenizer``), 130 interrupted.
+
+Running a GGUF through llama.cpp (a benchmark and test peer) is :mod:`serve.backends.llamacpp`.
 """
 
 from __future__ import annotations
@@ -46,14 +48,15 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, TokenType
+from gguf import GGMLQuantizationType, TokenType
 from safetensors import safe_open
 
 from export.bundle import read_manifest
 from export.errors import ExportError, run_cli
+from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
 from train.atomic import atomic_path, clean_stale
 
-__all__ = ["TYPES", "PRE_TOKENIZER", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "LlamaCppBackend", "export_gguf", "gguf_context_length",
+__all__ = ["TYPES", "PRE_TOKENIZER", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "export_gguf",
            "permute_qk", "unpermute_qk", "main"]
 
 TYPES = ("f32", "f16", "q8_0")
@@ -83,7 +86,7 @@ LAYER_TENSORS = {  # HF name inside model.layers.N → GGUF name inside blk.N
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-BUNDLE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+BUNDLE_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what the GGUF is made from
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -127,7 +130,7 @@ class GgufConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "config.json") -> GgufConfig:
+    def from_json(cls, d: dict, where: str = CONFIG) -> GgufConfig:
         """Build from config.json's dict. Raises ExportError naming a missing or bad key, a missing rope_theta
         (X6), a ``head_dim`` other than hidden/heads, a non-default rope type, biases or a non-SiLU activation
         (none of which this converter writes)."""
@@ -168,12 +171,12 @@ def check_bundle(bundle: Path) -> GgufConfig:
         raise ExportError(f"{bundle}: not a bundle ({', '.join(missing)} missing; export one with python -m export.onnx)")
     read_manifest(bundle)
     try:
-        d = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
+        d = json.loads((bundle / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ExportError(f"{bundle / 'config.json'}: unreadable ({e})") from None
+        raise ExportError(f"{bundle / CONFIG}: unreadable ({e})") from None
     if d.get("model_type", "llama") != "llama":
-        raise ExportError(f"{bundle / 'config.json'}: model_type {d.get('model_type')!r}, expected llama")
-    return GgufConfig.from_json(d, str(bundle / "config.json"))
+        raise ExportError(f"{bundle / CONFIG}: model_type {d.get('model_type')!r}, expected llama")
+    return GgufConfig.from_json(d, str(bundle / CONFIG))
 
 
 @dataclass(frozen=True)
@@ -209,13 +212,13 @@ def tensor_plan(cfg: GgufConfig, shapes: dict[str, tuple[int, ...]]) -> list[Ten
     absent = sorted(used - set(shapes))
     lost = sorted(set(shapes) - used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if absent or lost:
-        raise ExportError("model.safetensors does not match config.json: "
+        raise ExportError(f"{WEIGHTS} does not match {CONFIG}: "
                           + (f"missing {absent[:3]}{' …' if len(absent) > 3 else ''} " if absent else "")
                           + (f"unexpected {lost[:3]}{' …' if len(lost) > 3 else ''}" if lost else ""))
     for t in plan:
         if tuple(shapes[t.source]) != t.shape:
-            raise ExportError(f"model.safetensors: {t.source} has shape {tuple(shapes[t.source])}, "
-                              f"config.json implies {t.shape}")
+            raise ExportError(f"{WEIGHTS}: {t.source} has shape {tuple(shapes[t.source])}, "
+                              f"{CONFIG} implies {t.shape}")
     return plan
 
 
@@ -230,19 +233,19 @@ def vocab_arrays(bundle: Path, n_vocab: int) -> tuple[list[str], list[int]]:
     """(tokens by id, token types) from tokenizer.json: byte-level BPE strings, specials CONTROL, other added
     tokens USER_DEFINED, ids up to ``n_vocab`` that the tokenizer lacks ``[PADn]`` UNUSED. Raises ExportError for
     a tokenizer that is not byte-level BPE, has holes in its ids, or is larger than the model's vocabulary."""
-    t = json.loads((bundle / "tokenizer.json").read_text(encoding="utf-8"))
+    t = json.loads((bundle / TOKENIZER).read_text(encoding="utf-8"))
     model = t.get("model", {})
     if model.get("type") != "BPE" or model.get("byte_fallback") or (t.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ExportError(f"{bundle / 'tokenizer.json'}: not a byte-level BPE tokenizer (llama.cpp's gpt2 model)")
+        raise ExportError(f"{bundle / TOKENIZER}: not a byte-level BPE tokenizer (llama.cpp's gpt2 model)")
     by_id: dict[int, tuple[str, int]] = {i: (s, TokenType.NORMAL) for s, i in model["vocab"].items()}
     for a in t.get("added_tokens", []):
         by_id[int(a["id"])] = (a["content"], TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED)
     n = max(by_id) + 1
     if n > n_vocab:
-        raise ExportError(f"tokenizer.json has ids up to {n - 1}, the model's vocab_size is {n_vocab}")
+        raise ExportError(f"{TOKENIZER} has ids up to {n - 1}, the model's vocab_size is {n_vocab}")
     holes = [i for i in range(n) if i not in by_id]
     if holes:
-        raise ExportError(f"tokenizer.json: no token with id {holes[0]} (ids must be contiguous)")
+        raise ExportError(f"{TOKENIZER}: no token with id {holes[0]} (ids must be contiguous)")
     by_id.update({i: (f"[PAD{i}]", TokenType.UNUSED) for i in range(n, n_vocab)})
     return [by_id[i][0] for i in range(n_vocab)], [int(by_id[i][1]) for i in range(n_vocab)]
 
@@ -272,7 +275,7 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
         raise ExportError(f"--type {type!r}: expected one of {', '.join(TYPES)}")
     bundle = Path(bundle)
     cfg = check_bundle(bundle)
-    out = Path(out) if out is not None else bundle / f"model-{type}.gguf"
+    out = Path(out) if out is not None else bundle / gguf_file(type)
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; give a file name")
     if out.exists() and not force:
@@ -299,12 +302,12 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
 def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, tokens: list[str],
            toktypes: list[int]) -> list[str]:
     """Write the GGUF atomically; returns the 2-D tensors kept in f16 for q8_0. Raises OSError for a failed write."""
-    with atomic_path(out) as tmp, safe_open(str(bundle / "model.safetensors"), framework="np") as st:
+    with atomic_path(out) as tmp, safe_open(str(bundle / WEIGHTS), framework="np") as st:
         w = gguf.GGUFWriter(tmp, ARCH)
         w.add_name(bundle.resolve().parent.name if bundle.name == "bundle" else bundle.resolve().name)
         w.add_description(f"Shalik Llama-style model. Pre-tokenizer {APPROXIMATION}: llama.cpp splits text "
                           "differently from training (digits, ZWJ/ZWNJ, no NFC); feed it the token ids of the "
-                          "bundle's tokenizer.json")
+                          f"bundle's {TOKENIZER}")
         w.add_string(PRETOKENIZER_KEY, APPROXIMATION)
         w.add_file_type(int(file_type))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -324,7 +327,7 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, token
         w.add_token_types(toktypes)
         special = gguf.SpecialVocab(bundle, load_merges=True, n_vocab=cfg.vocab_size)
         if not special.merges:
-            raise ExportError(f"{bundle / 'tokenizer.json'}: no BPE merges")
+            raise ExportError(f"{bundle / TOKENIZER}: no BPE merges")
         special.add_to_gguf(w, quiet=True)
         plan = tensor_plan(cfg, {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         qtypes = [storage_type(type, t.shape) for t in plan]
@@ -342,95 +345,6 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, token
         finally:
             w.close()
     return fallbacks
-
-
-class LlamaCppSequence:
-    """llama.cpp's single KV cache behind the serving Sequence protocol (``prefill``/``decode``/``position``).
-
-    Creating one resets the backend's context: llama-cpp-python's ``Llama`` holds one sequence at a time.
-    """
-
-    def __init__(self, backend: LlamaCppBackend):
-        self._b = backend
-        backend.llm.reset()
-
-    @property
-    def position(self) -> int:
-        return int(self._b.llm.n_tokens)
-
-    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        """Append ``ids`` (ints) to the cache; float32 logits ``[len(ids), V]`` (needs ``logits_all``) or ``[V]``."""
-        llm = self._b.llm
-        start = llm.n_tokens
-        llm.eval([int(i) for i in ids])
-        if all_logits:
-            if not self._b.logits_all:
-                raise ValueError("all_logits needs a backend made with logits_all=True")
-            return np.array(llm.scores[start:llm.n_tokens], dtype=np.float32)
-        if self._b.logits_all:
-            return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(self._b.vocab_size,)).copy()
-
-    def decode(self, token_id: int) -> np.ndarray:
-        """One cached step; float32 logits ``[V]``."""
-        return self.prefill([token_id])
-
-
-class LlamaCppBackend:
-    """A GGUF file in llama.cpp through llama-cpp-python (a benchmark and test peer, never a serving backend).
-
-    ``threads``: compute threads for prefill and decode (default llama.cpp's: all cores). ``n_ctx``: KV cache
-    positions (default the model's context; llama.cpp allocates and clears all of it at load). ``logits_all`` keeps
-    every position's logits (parity checks; costs an lm_head per prefill position). ``f32_cache`` stores K/V in
-    float32 (llama.cpp's default f16 cache alone moves logits by ~3e-3, notes/rust-facts.md §8). ``extra_bufts=False``
-    (default) turns off llama.cpp's extra weight buffer types (AMX and CPU repacking): on this machine the AMX
-    path dies of SIGILL on quantized weights (rust-facts §8). Raises ImportError without llama-cpp-python and
-    ValueError when llama.cpp cannot load the file.
-    """
-
-    name = "llama.cpp"
-
-    def __init__(self, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
-                 logits_all: bool = False, f32_cache: bool = True, extra_bufts: bool = False):
-        import llama_cpp  # deferred: the optional bench extra (a source build); only benchmarks and tests use it
-        import llama_cpp.llama_cpp as C
-
-        default_params = C.llama_model_default_params
-
-        def params():
-            p = default_params()
-            p.use_extra_bufts = extra_bufts
-            return p
-
-        C.llama_model_default_params = params  # Llama() reads its model params from this function
-        try:
-            ctx = min(n_ctx, gguf_context_length(path)) if n_ctx else gguf_context_length(path)
-            f32 = int(C.GGML_TYPE_F32)
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads,
-                                       n_threads_batch=threads, logits_all=logits_all,
-                                       type_k=f32 if f32_cache else None, type_v=f32 if f32_cache else None,
-                                       verbose=False)
-        finally:
-            C.llama_model_default_params = default_params
-        self.logits_all = logits_all
-        self.vocab_size = int(self.llm.n_vocab())
-        self.max_position_embeddings = ctx
-        self.threads = threads
-
-    def new_sequence(self) -> LlamaCppSequence:
-        """Reset the context and return it as a Sequence at position 0."""
-        return LlamaCppSequence(self)
-
-    def close(self) -> None:
-        """Free llama.cpp's model and context now."""
-        self.llm.close()
-
-
-def gguf_context_length(path: str | Path) -> int:
-    """``<arch>.context_length`` of a GGUF file (memory-mapped read; tensors are not loaded). KeyError if absent."""
-    r = GGUFReader(str(path))
-    arch = r.fields["general.architecture"].contents()
-    return int(r.fields[f"{arch}.context_length"].contents())
 
 
 def main(argv: list[str] | None = None) -> int:

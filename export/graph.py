@@ -1,4 +1,5 @@
-"""Torch → ONNX: one decoder graph with a KV cache and docs/design.md's I/O names, by either exporter.
+"""Torch → ONNX: one decoder graph with a KV cache and docs/design.md's I/O names (:mod:`serve.bundle`), by either
+exporter.
 
 The graph takes ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
 ``[batch, kv_heads, past_sequence_length, head_dim]`` and returns ``logits`` ``[batch, sequence_length, vocab]``
@@ -23,23 +24,13 @@ import onnx
 import torch
 from torch.export import Dim
 
+from serve.bundle import onnx_input_names, onnx_output_names
 from train.model import LlamaForCausalLM
 
 OPSET = 20
 EXPORTERS = ("dynamo", "torchscript")
 EXAMPLE_SIZES = (2, 5, 3)  # batch, sequence, past
 AXES = ("batch", "sequence_length", "past_sequence_length", "total_sequence_length")
-
-
-def input_names(num_layers: int) -> list[str]:
-    """Graph input names in order: ids, mask, positions, then key/value of every layer."""
-    return ["input_ids", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-
-
-def output_names(num_layers: int) -> list[str]:
-    """Graph output names in order: logits, then present key/value of every layer."""
-    return ["logits"] + [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
 
 
 class FlatDecoder(torch.nn.Module):
@@ -102,7 +93,7 @@ def export_graph(model: LlamaForCausalLM, path: Path, exporter: str = "dynamo", 
     L = model.config.num_hidden_layers
     ctx = model.config.max_position_embeddings
     ex = example_inputs(model, sizes or EXAMPLE_SIZES, tdtype)
-    ins, outs = input_names(L), output_names(L)
+    ins, outs = onnx_input_names(L), onnx_output_names(L)
     path = Path(path)
     for stale in (path, path.with_name(path.name + ".data")):  # onnx.save appends to an existing .data file
         stale.unlink(missing_ok=True)
@@ -120,8 +111,9 @@ def export_graph(model: LlamaForCausalLM, path: Path, exporter: str = "dynamo", 
             prog.save(str(path), external_data=True)
             _rename_total_axis(path)
         else:
-            axes = {"input_ids": {0: AXES[0], 1: AXES[1]}, "attention_mask": {0: AXES[0], 1: AXES[3]},
-                    "position_ids": {0: AXES[0], 1: AXES[1]}, "logits": {0: AXES[0], 1: AXES[1]}}
+            ids, mask, pos = ins[:3]
+            axes = {ids: {0: AXES[0], 1: AXES[1]}, mask: {0: AXES[0], 1: AXES[3]},
+                    pos: {0: AXES[0], 1: AXES[1]}, outs[0]: {0: AXES[0], 1: AXES[1]}}
             axes.update({n: {0: AXES[0], 2: AXES[2]} for n in ins[3:]})
             axes.update({n: {0: AXES[0], 2: AXES[3]} for n in outs[1:]})
             tmp = path.with_name(path.name + ".inline")

@@ -22,6 +22,7 @@ import sys
 from export.errors import ExportError, ParityError, run_cli
 from export.graph import EXPORTERS
 from export.pipeline import DTYPES, export_bundle
+from serve.bundle import ONNX_INT8
 
 __all__ = ["ExportError", "ParityError", "export_bundle", "main"]
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="bundle folder (default: <run dir>/bundle)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="ONNX weights and KV cache (default: float32; safetensors stay float32)")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="also write model.int8.onnx (default: no)")
+    p.add_argument("--quantize", choices=["int8"], default=None, help=f"also write {ONNX_INT8} (default: no)")
     p.add_argument("--no-parity", dest="parity", action="store_false", help="skip the parity gate (not advised)")
     p.add_argument("--val-data", default=None, metavar="PATH",
                    help="validation shards folder or text for the int8 NLL change (default: the run's val shards)")

@@ -15,7 +15,6 @@ parity cases, TorchScript; the manifest records which.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -34,6 +33,7 @@ from export.runinfo import data_summary, eval_summary
 from export.source import Source, load_source
 from export.target import check_target, os_error_in, write_error
 from export.valdata import find_run_shards, from_shards, load_val_data, run_seq_len
+from serve.bundle import CARD, ONNX, ONNX_INT8, TOKENIZER, BundleError, read_manifest
 from train.atomic import atomic_dir, clean_stale, sha256_file
 
 __all__ = ["DTYPES", "ExportError", "ParityError", "export_bundle"]
@@ -47,10 +47,10 @@ def _up_to_date(src: Source, out: Path, dtype: str, quantize: str | None, parity
     is asked for (an extra one does no harm), and a passed gate: re-running the README's main job then skips
     the export instead of failing."""
     try:
-        m = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
+        m = read_manifest(out)
+    except BundleError:
         return False
-    return (m.get("format") == "shalik-bundle" and m.get("source", {}).get("sha256") == src.sha256
+    return (m.get("source", {}).get("sha256") == src.sha256
             and m.get("dtype", "float32") == dtype and (quantize != "int8" or bool(m.get("int8")))
             and (not parity or bool(m.get("parity", {}).get("ok"))))
 
@@ -72,7 +72,7 @@ def _check_out(src: Source, out: Path, force: bool) -> None:
 
 def _val_data(src: Source, val_data: str | Path | None, log: Callable[[str], None]):
     """Validation windows for the int8 measurement (ExportError for a bad --val-data; None when none found)."""
-    tok = src.ckpt / "tokenizer.json"
+    tok = src.ckpt / TOKENIZER
     seq = run_seq_len(src.run_dir, src.cfg.max_position_embeddings)
     if val_data is not None:
         return load_val_data(Path(val_data), src.cfg.vocab_size, tok, src.eot_id, seq)
@@ -93,7 +93,7 @@ def _build_graph(src: Source, tmp: Path, dtype: str, exporter: str, greedy_ref, 
     for ex in order:
         t = time.time()
         try:
-            export_graph(src.model, tmp / "model.onnx", ex, dtype)
+            export_graph(src.model, tmp / ONNX, ex, dtype)
         except Exception as e:  # noqa: BLE001 - any exporter failure means: try the next exporter
             if os_error_in(e) is not None:   # a full disk or a vanished folder is not the exporter's failure
                 raise os_error_in(e) from e
@@ -180,11 +180,11 @@ def _build(source: Source, out: Path, force: bool, dtype: str, quantize: str | N
     a failed write (the caller names it), ExportError / ParityError as :func:`export_bundle` documents."""
     with atomic_dir(out, overwrite=force) as tmp:
         B.write_hf_files(source, tmp)
-        greedy_ref = P.greedy_reference(source.model, tmp / "tokenizer.json", source.eot_id) if parity else None
+        greedy_ref = P.greedy_reference(source.model, tmp / TOKENIZER, source.eot_id) if parity else None
         chosen, rows = _build_graph(source, tmp, dtype, exporter, greedy_ref, log)
         if parity:
             rows += P.safetensors_cases(tmp, source.ckpt, source.model)
-            rows += P.transformers_cases(tmp, source.model, tmp / "tokenizer.json")
+            rows += P.transformers_cases(tmp, source.model, tmp / TOKENIZER)
             if P.rust_available():
                 rows += P.rust_cases(tmp, source.model, greedy_ref)
             else:
@@ -192,12 +192,12 @@ def _build(source: Source, out: Path, force: bool, dtype: str, quantize: str | N
         int8 = None
         if quantize:
             t = time.time()
-            fp32_graph = tmp / "model.onnx"
+            fp32_graph = tmp / ONNX
             if dtype != "float32":  # quantize from float32 weights, not from the float16 graph
-                fp32_graph = tmp / ".fp32" / "model.onnx"
+                fp32_graph = tmp / ".fp32" / ONNX
                 fp32_graph.parent.mkdir()
                 export_graph(source.model, fp32_graph, chosen, "float32")
-            quantize_int8(fp32_graph, tmp / "model.int8.onnx")
+            quantize_int8(fp32_graph, tmp / ONNX_INT8)
             shutil.rmtree(tmp / ".fp32", ignore_errors=True)
             int8 = int8_report(tmp, val)
             log(f"int8: quantized in {time.time() - t:.1f} s; val NLL change "
@@ -218,7 +218,7 @@ def _build(source: Source, out: Path, force: bool, dtype: str, quantize: str | N
                 bad = [r for r in rows if not r.ok]
                 raise ParityError(f"parity gate failed on {len(bad)} of {len(rows)} cases (first: {bad[0].runtime}, "
                                   f"{bad[0].case}); no bundle was written", [r.as_dict() for r in rows], table)
-        write_card(tmp / "README.md", render_card(source, str(out), info))
+        write_card(tmp / CARD, render_card(source, str(out), info))
         manifest = B.write_manifest(tmp, source, exporter=chosen, opset=OPSET, dtype=dtype, parity=info["parity"],
                                     int8=int8, eval_=info["eval"], data=info["data"],
                                     export_seconds=time.time() - t0)

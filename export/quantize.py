@@ -34,7 +34,6 @@ from serve.backends.onnx import OnnxBackend
 TARGET = 0.05         # val NLL change, nats/token
 TOP1_MIN = 0.85       # top-1 agreement with fp32, per language (measured 0.92 at worst: module doc)
 LOGPROB_MAX = 0.1     # mean |log p_int8(t) - log p_fp32(t)| for fp32's top token t, nats, per language (0.034)
-INT8_FILE = "model.int8.onnx"
 BATCH = 4
 ROWS = 256            # positions per block when comparing logits (bounds the float64 copies)
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from export.errors import ExportError
-from train.atomic import TMP_PREFIX, sha256_file
+from serve.bundle import CONFIG, EOT, PAD, TOKENIZER, WEIGHTS, sha256_file
+from train.atomic import TMP_PREFIX
 from train.checkpoint import SUMS, CheckpointError, load_model, read_latest_name, verify_sums
 from train.model import LlamaForCausalLM, ModelConfig
-from train.tokenizer import EOT, PAD
 
-REQUIRED = ("model.safetensors", "config.json", "tokenizer.json")
+REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)  # the bundle's Hugging Face files come from the checkpoint's
 
 
 @dataclass
@@ -55,7 +55,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise ExportError(f"{p}: no such file or directory (expected a checkpoint, a checkpoints/ folder or a run)")
     if not p.is_dir():
         raise ExportError(f"{p}: not a checkpoint (a checkpoint is a folder holding {', '.join(REQUIRED)} and {SUMS})")
-    if (p / SUMS).is_file() or (p / "model.safetensors").is_file():
+    if (p / SUMS).is_file() or (p / WEIGHTS).is_file():
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     try:
@@ -69,7 +69,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     steps = sorted(q for q in root.glob("step-*") if q.is_dir() and not q.name.startswith(TMP_PREFIX))
     if not steps:
         raise ExportError(f"{p}: not a checkpoint, a checkpoints/ folder or a run folder (no {SUMS}, no "
-                          "model.safetensors, no step-* folders)")
+                          f"{WEIGHTS}, no step-* folders)")
     return steps[-1]
 
 
@@ -99,18 +99,18 @@ def load_source(path: str | Path) -> Source:
             step = None
     eot_id, pad_id = _special_ids(ckpt)
     if not 0 <= eot_id < cfg.vocab_size:
-        raise ExportError(f"{ckpt}/tokenizer.json: {EOT} has id {eot_id}, outside the model's vocabulary "
+        raise ExportError(f"{ckpt}/{TOKENIZER}: {EOT} has id {eot_id}, outside the model's vocabulary "
                           f"({cfg.vocab_size}); the tokenizer does not belong to these weights")
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
     return Source(ckpt=ckpt, run_dir=run_dir, model=model, cfg=cfg, step=step,
-                  sha256=sha256_file(ckpt / "model.safetensors"), eot_id=eot_id, pad_id=pad_id)
+                  sha256=sha256_file(ckpt / WEIGHTS), eot_id=eot_id, pad_id=pad_id)
 
 
 def _check_config(ckpt: Path) -> None:
     """Refuse a config.json whose head counts cannot describe a model (before building one)."""
-    d = _read_json(ckpt / "config.json")
+    d = _read_json(ckpt / CONFIG)
     if not isinstance(d, dict):
-        raise ExportError(f"{ckpt}/config.json: not a JSON object")
+        raise ExportError(f"{ckpt}/{CONFIG}: not a JSON object")
     try:
         cfg = ModelConfig.from_dict(d)
         ok = (min(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
@@ -118,9 +118,9 @@ def _check_config(ckpt: Path) -> None:
               and cfg.hidden_size % cfg.num_attention_heads == 0
               and cfg.num_attention_heads % cfg.num_key_value_heads == 0 and cfg.head_dim % 2 == 0)
     except (TypeError, ValueError) as e:
-        raise ExportError(f"{ckpt}/config.json: cannot build a model config from it ({e})") from None
+        raise ExportError(f"{ckpt}/{CONFIG}: cannot build a model config from it ({e})") from None
     if not ok:
-        raise ExportError(f"{ckpt}/config.json: inconsistent sizes (hidden_size {cfg.hidden_size}, heads "
+        raise ExportError(f"{ckpt}/{CONFIG}: inconsistent sizes (hidden_size {cfg.hidden_size}, heads "
                           f"{cfg.num_attention_heads}, kv heads {cfg.num_key_value_heads}); it does not describe "
                           "a model these weights could belong to")
 
@@ -134,11 +134,11 @@ def _read_json(path: Path) -> dict | None:
 
 def _special_ids(ckpt: Path) -> tuple[int, int]:
     """Ids of ``<|endoftext|>`` and ``<|pad|>`` from tokenizer.json (0 and 1 in Shalik's tokenizers)."""
-    tok = _read_json(ckpt / "tokenizer.json")
+    tok = _read_json(ckpt / TOKENIZER)
     if tok is None:
-        raise ExportError(f"{ckpt}/tokenizer.json: not valid JSON")
+        raise ExportError(f"{ckpt}/{TOKENIZER}: not valid JSON")
     ids = {t.get("content"): t.get("id") for t in tok.get("added_tokens", []) if isinstance(t, dict)}
     if not isinstance(ids.get(EOT), int):
-        raise ExportError(f"{ckpt}/tokenizer.json: no {EOT} special token")
+        raise ExportError(f"{ckpt}/{TOKENIZER}: no {EOT} special token")
     pad = ids.get(PAD)
     return ids[EOT], pad if isinstance(pad, int) else ids[EOT]

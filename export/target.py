@@ -10,24 +10,13 @@ failure.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import tempfile
 from pathlib import Path
 
 from export.errors import ExportError
+from serve.bundle import FORMAT, MANIFEST, is_bundle
 from train.atomic import tmp_prefix
-
-FORMAT = "shalik-bundle"
-MANIFEST = "manifest.json"
-
-
-def is_bundle(folder: Path) -> bool:
-    """True when ``folder`` holds a ``manifest.json`` whose ``format`` is ``"shalik-bundle"``."""
-    try:
-        return json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8")).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def write_error(out: Path, e: OSError) -> ExportError:

@@ -4,11 +4,15 @@
     lm = load("runs/small/bundle", backend="onnx")          # or backend="rust", quantize="int8"
     print(lm.generate("আমি বাংলায়", max_new_tokens=32, temperature=0.8, seed=1))
 
-HTTP: ``uvicorn serve.app:app`` (see serve/app.py). Command line: ``python -m serve.generate BUNDLE``.
+HTTP: ``uvicorn serve.app:app`` (serve/http/). Command line: ``python -m serve.generate BUNDLE``. The bundle
+contract — file names, manifest, ONNX I/O names, special tokens — is :mod:`serve.bundle`.
 """
 
 from serve.errors import ContextLengthError, ModelOutputError, RequestError
-from serve.lm import LM, Completion, Generation, Score, TokenLogprobs, load
+from serve.generation import Generation
+from serve.lm import LM
+from serve.loader import load
+from serve.results import Completion, Score, TokenLogprobs
 from serve.sampling import SamplingParams
 
 __all__ = ["LM", "Completion", "ContextLengthError", "Generation", "ModelOutputError", "RequestError",

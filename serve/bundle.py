@@ -1,34 +1,269 @@
-"""Facts about a bundle that serving needs, each with one owner: the quantization setting, the end-of-text id,
-and the manifest's integrity check.
+"""The bundle contract: what a Shalik bundle folder holds and how a reader checks it (docs/design.md "The bundle").
 
-* :func:`parse_quantize`: ``None`` / ``"none"`` / ``"int8"`` (any case) → ``None`` or ``"int8"``; used by
-  :func:`serve.load`, the backends, the server's settings and the command lines.
-* :func:`eot_id`: ``<|endoftext|>``'s id in a ``tokenizers.Tokenizer``; a :class:`BundleError` when it has none
-  (every prompt starts with it, so there is no safe default).
-* :func:`verify_files`: the sha256 of each file a backend reads against ``manifest.json``'s ``files`` table
-  (``{name: {"sha256", "bytes"}}``, written by ``export``), hashed in 1 MiB blocks; a :class:`BundleError` that
-  names the first file that differs. ``verify=False`` / ``SHALIK_VERIFY=0`` skip it (for those who verify the
-  bundle elsewhere, e.g. a content-addressed store). Layout: docs/design.md "Bundle".
+``export/`` writes a bundle, ``serve/``, ``rust_runtime`` and ``benchmarks/`` read it; every fact they share is
+spelled here once and imported from here (``rust_runtime/src/bundle.rs`` mirrors the ones Rust reads, and
+tests/test_bundle_contract.py checks that the two agree and that nobody else spells them):
+
+* **file names**: :data:`CONFIG`, :data:`WEIGHTS`, :data:`TOKENIZER`, ..., the ONNX graph of each quantization
+  (:data:`ONNX_GRAPHS`: a new quantized graph is one entry there), its external data (:func:`external_data`), the
+  GGUF files (:func:`gguf_file`), and the files each serving backend reads (:func:`backend_files`);
+* **the manifest** (:data:`MANIFEST`, written last by the exporter): :data:`MANIFEST_FIELDS` is its schema,
+  :func:`check_manifest` the one check, :func:`read_manifest` the one reader, :func:`write_manifest` the one
+  writer, :func:`verify_files` the sha256 check at load. A reader refuses a manifest whose ``format_version`` is
+  newer than :data:`FORMAT_VERSION` (the major version), naming both;
+* **the ONNX graph's I/O names** (Optimum's decoder naming): :func:`onnx_input_names`, :func:`onnx_output_names`;
+* **the special tokens** :data:`EOT` and :data:`PAD` and :func:`eot_id`;
+* **hashing**: :func:`sha256_file`;
+* the quantization setting of a serving request (:func:`parse_quantize`) and the bundle's default sampling
+  (:func:`sampling_defaults`, from ``generation_config.json``).
+
+Layering (docs/design.md): ``train/`` never imports ``serve/``, and ``serve/`` reaches ``train/`` only through
+leaf modules (nothing else of the project, no torch). So the two facts that training owns first — the special
+tokens it trains the tokenizer with, and the sha256 of a file that checkpoints, data caches and bundles all
+record — are defined in train's standard-library leaves (``train/byte_level.py``, ``train/atomic.py``) and
+re-exported here; everything else is defined here. This module imports no torch, no onnxruntime and nothing of ``export/``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-EOT = "<|endoftext|>"
-MANIFEST = "manifest.json"
+from train.atomic import atomic_write_json, sha256_file
+from train.byte_level import EOT, PAD, SPECIAL_TOKENS
+
+__all__ = ["BACKEND_FILES", "CARD", "CONFIG", "EOT", "FORMAT", "FORMAT_VERSION", "GENERATION_CONFIG", "MANIFEST",
+           "MANIFEST_FIELDS", "ONNX", "ONNX_GRAPHS", "ONNX_INT8", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
+           "TOKENIZER", "TOKENIZER_CONFIG", "WEIGHTS", "BundleError", "backend_files", "check_manifest", "eot_id",
+           "external_data", "file_entry", "file_table", "gguf_file", "is_bundle", "onnx_input_names",
+           "onnx_output_names", "parse_quantize", "read_manifest", "rehash", "sampling_defaults", "sha256_file",
+           "verify_files", "write_manifest"]
+
+# ---------------------------------------------------------------------------------------------- file names
+
+CONFIG = "config.json"  # Hugging Face LlamaConfig
+WEIGHTS = "model.safetensors"  # Hugging Face Llama names; a tied lm_head is not stored
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")
+CARD = "README.md"  # the model card
+MANIFEST = "manifest.json"  # written last: its files table vouches for every other file
+#: The ONNX graph of each quantization (``None``: the float graph). A new quantized graph is one entry here.
+ONNX_GRAPHS: dict[str | None, str] = {None: "model.onnx", "int8": "model.int8.onnx"}
+ONNX = ONNX_GRAPHS[None]
+ONNX_INT8 = ONNX_GRAPHS["int8"]
+EXTERNAL_DATA_SUFFIX = ".data"  # a graph's weights, beside it (ONNX external data)
+GGUF_PATTERN = "model-{type}.gguf"  # export.gguf's default output, one per GGUF type
+#: The files each serving backend reads besides the ONNX graph: what :func:`backend_files` lists and
+#: ``rust_runtime`` checks (its ``CHECKED_FILES``). The rust backend quantizes at load from the float weights.
+BACKEND_FILES: dict[str, tuple[str, ...]] = {"onnx": (CONFIG, TOKENIZER), "rust": (CONFIG, TOKENIZER, WEIGHTS)}
+
 QUANTIZE_CHOICES = ("none", "int8")
-HASH_BLOCK = 1 << 20
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")  # generation_config.json's sampling
+
+
+def external_data(graph: str) -> str:
+    """The file holding ``graph``'s weights (``model.onnx`` → ``model.onnx.data``)."""
+    return graph + EXTERNAL_DATA_SUFFIX
+
+
+def gguf_file(type_: str) -> str:
+    """The default GGUF file name for a GGUF type (``"q8_0"`` → ``model-q8_0.gguf``)."""
+    return GGUF_PATTERN.format(type=type_)
+
+
+def backend_files(backend: str, quantize: str | None) -> list[str]:
+    """The bundle files ``backend`` (``"onnx"`` or ``"rust"``) reads with ``quantize`` (None or a key of
+    :data:`ONNX_GRAPHS`): what :func:`serve.load` verifies against the manifest. KeyError for an unknown one."""
+    files = list(BACKEND_FILES[backend])
+    if backend == "onnx":
+        graph = ONNX_GRAPHS[quantize]
+        files += [graph, external_data(graph)]
+    return files
+
+
+# ---------------------------------------------------------------------------------------------- ONNX I/O
+
+
+def onnx_input_names(num_layers: int) -> list[str]:
+    """The graph's inputs in order: ``input_ids``, ``attention_mask``, ``position_ids`` (int64), then
+    ``past_key_values.{i}.key`` / ``.value`` for every layer ``i < num_layers`` (docs/design.md's table)."""
+    return ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def onnx_output_names(num_layers: int) -> list[str]:
+    """The graph's outputs in order: ``logits``, then ``present.{i}.key`` / ``.value`` for every layer."""
+    return ["logits"] + [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+# ---------------------------------------------------------------------------------------------- the manifest
+
+FORMAT = "shalik-bundle"
+#: The manifest's major version. Adding a key or a file keeps it; a change that an older reader would misread
+#: (a renamed file, another weight layout) raises it, and readers refuse a version newer than theirs.
+FORMAT_VERSION = 1
+_NONE = type(None)
+#: The manifest's keys and their JSON types (docs/design.md "The bundle"). The first three are what every
+#: reader needs; the exporter writes them all. A new key is one entry here.
+MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "format": (str,),  # FORMAT
+    "format_version": (int,),  # FORMAT_VERSION when written
+    "files": (dict,),  # {name: {"sha256": hex, "bytes": int}} of every other file
+    "created": (str,),  # UTC, ISO 8601
+    "params": (int,),
+    "source": (dict,),  # {checkpoint, step, sha256}
+    "exporter": (str,),
+    "opset": (int,),
+    "dtype": (str,),
+    "versions": (dict,),  # library versions that made and checked the bundle
+    "parity": (dict,),  # {ok, tol, near_tie, cases}
+    "int8": (dict, _NONE),  # the int8 graph's validation NLL change, when there is one
+    "eval": (dict, _NONE),
+    "data": (dict, _NONE),  # the training data's sources and licences
+    "export_seconds": (float, int),
+}
+REQUIRED_FIELDS = ("format", "format_version", "files")
 
 
 class BundleError(ValueError):
     """A bundle that cannot be served as it is: a file differs from its manifest, a fact is missing, ..."""
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is _NONE else t.__name__ for t in types)
+
+
+def check_manifest(manifest: Any, where: str | Path = MANIFEST, complete: bool = False) -> dict:
+    """Check a manifest's shape against :data:`MANIFEST_FIELDS` and return it.
+
+    ``where`` names it in messages (its path). Every reader needs ``format`` = :data:`FORMAT`, an integer
+    ``format_version`` from 1 to :data:`FORMAT_VERSION` and a ``files`` table of ``{name: {"sha256": 64 hex
+    digits, "bytes": int}}``; a known key present must have its type, an unknown one is ignored (a writer of the
+    same major version may have added it); ``complete`` (the exporter's manifest) also requires every key of
+    :data:`MANIFEST_FIELDS`. Raises :class:`BundleError` naming the key, what it holds and what was expected — for a
+    newer ``format_version``, both versions."""
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{where}: expected a JSON object, got {type(manifest).__name__}")
+    wanted = MANIFEST_FIELDS if complete else REQUIRED_FIELDS
+    missing = [k for k in wanted if k not in manifest]
+    if missing:
+        raise BundleError(f"{where}: no {', '.join(repr(k) for k in missing)} (not a manifest that export writes)")
+    if manifest["format"] != FORMAT:
+        raise BundleError(f"{where}: format is {manifest['format']!r}, expected {FORMAT!r}")
+    version = manifest["format_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise BundleError(f"{where}: format_version is {version!r}, expected an integer >= 1")
+    if version > FORMAT_VERSION:
+        raise BundleError(f"{where}: format_version {version} is newer than this reader's {FORMAT_VERSION}; "
+                          "upgrade Shalik to read this bundle")
+    for key, types in MANIFEST_FIELDS.items():
+        value = manifest.get(key)
+        if key in manifest and (isinstance(value, bool) or not isinstance(value, types)):
+            raise BundleError(f"{where}: {key} is {type(value).__name__}, expected {_type_names(types)}")
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
+                and isinstance(entry.get("bytes"), int) and not isinstance(entry["bytes"], bool)):
+            raise BundleError(f"{where}: files[{name!r}] is {entry!r}, expected {{\"sha256\": 64 hex digits, "
+                              "\"bytes\": int}")
+    return manifest
+
+
+def _manifest_json(bundle: str | Path) -> tuple[Path, Any]:
+    """(path, parsed JSON) of ``bundle``'s manifest. BundleError when it is missing or not JSON."""
+    path = Path(bundle) / MANIFEST
+    try:
+        return path, json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BundleError(f"{path} is missing: not an exported bundle, or its export did not finish (the manifest "
+                          "is written last); export it with python -m export.onnx, or load with verify=False / "
+                          "SHALIK_VERIFY=0 to skip the check") from None
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{path}: not a readable manifest ({e})") from None
+
+
+def read_manifest(bundle: str | Path) -> dict:
+    """``bundle/manifest.json``, checked (:func:`check_manifest`). BundleError when it is missing, not JSON or
+    not a manifest this reader understands (a newer ``format_version`` included)."""
+    path, m = _manifest_json(bundle)
+    return check_manifest(m, path)
+
+
+def is_bundle(folder: str | Path) -> bool:
+    """True when ``folder`` holds a manifest whose ``format`` is :data:`FORMAT`, whatever its version: a folder
+    that a Shalik exporter wrote (so ``export.onnx --force`` may replace it), even one this version cannot read."""
+    try:
+        _, m = _manifest_json(folder)
+    except BundleError:
+        return False
+    return isinstance(m, dict) and m.get("format") == FORMAT
+
+
+def file_entry(path: str | Path) -> dict[str, Any]:
+    """A manifest ``files`` entry: ``{"sha256": hex digest, "bytes": size}`` of the file at ``path``."""
+    return {"sha256": sha256_file(path), "bytes": Path(path).stat().st_size}
+
+
+def file_table(folder: str | Path) -> dict[str, dict]:
+    """``{name: file_entry}`` for every file in ``folder`` except the manifest, sorted by name."""
+    return {p.name: file_entry(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def write_manifest(folder: str | Path, complete: bool = True, **fields: Any) -> dict:
+    """Write ``folder/manifest.json`` atomically — after every other file, whose sha256 and size it lists — and
+    return it: ``format``, ``format_version``, ``files`` and ``fields`` (keys of :data:`MANIFEST_FIELDS`).
+    ``complete=False`` writes only what is given (a hand-made bundle of a test or benchmark). Raises BundleError
+    (:func:`check_manifest`) before writing anything for a missing, unknown or mistyped field."""
+    path = Path(folder) / MANIFEST
+    if unknown := sorted(set(fields) - set(MANIFEST_FIELDS)):
+        raise BundleError(f"{path}: unknown keys {unknown}; add them to serve.bundle.MANIFEST_FIELDS first")
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": file_table(folder), **fields}
+    check_manifest(manifest, path, complete=complete)
+    atomic_write_json(path, manifest)
+    return manifest
+
+
+def rehash(bundle: str | Path, names: Iterable[str]) -> dict:
+    """Update the manifest's entries of ``names`` after those files were rewritten in place (the model card's
+    benchmark section) and write it back atomically; returns it. Names the manifest does not list stay unlisted.
+    BundleError as :func:`read_manifest`."""
+    manifest = read_manifest(bundle)
+    for name in names:
+        if name in manifest["files"]:
+            manifest["files"][name] = file_entry(Path(bundle) / name)
+    atomic_write_json(Path(bundle) / MANIFEST, manifest)
+    return manifest
+
+
+def verify_files(bundle: str | Path, names: Iterable[str]) -> None:
+    """Check each of ``names`` (files in ``bundle`` that exist) against the manifest's sha256 and size.
+
+    Raises BundleError: the manifest is missing or unreadable (:func:`read_manifest`), a file's size or sha256
+    differs (naming the file), or a file is not listed (it cannot be vouched for). Files are hashed in 1 MiB
+    blocks. Missing files are left to the loader (it names them)."""
+    bundle = Path(bundle)
+    table = read_manifest(bundle)["files"]
+    for name in names:
+        path = bundle / name
+        if not path.is_file():
+            continue
+        entry = table.get(name)
+        if entry is None:
+            raise BundleError(f"{path}: not listed in {MANIFEST}, so it cannot be verified "
+                              "(re-export the bundle, or load with verify=False / SHALIK_VERIFY=0)")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise BundleError(f"{path} is corrupt: {size} bytes, the manifest says {entry['bytes']} "
+                              "(re-export or re-download the bundle)")
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            raise BundleError(f"{path} is corrupt: sha256 {digest[:16]}…, the manifest says {entry['sha256'][:16]}… "
+                              "(re-export or re-download the bundle)")
+
+
+# ---------------------------------------------------------------------------------------------- serving facts
 
 
 def parse_quantize(value: Any, name: str = "quantize") -> str | None:
@@ -43,60 +278,12 @@ def parse_quantize(value: Any, name: str = "quantize") -> str | None:
 
 
 def eot_id(tokenizer: Any) -> int:
-    """The id of ``<|endoftext|>`` in ``tokenizer`` (a ``tokenizers.Tokenizer``). BundleError when absent."""
+    """The id of ``<|endoftext|>`` in ``tokenizer`` (a ``tokenizers.Tokenizer``). BundleError when absent (every
+    prompt starts with it, so there is no safe default)."""
     i = tokenizer.token_to_id(EOT)
     if i is None:
         raise BundleError(f"the tokenizer has no {EOT} token: not a Shalik tokenizer (every prompt starts with it)")
     return int(i)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in :data:`HASH_BLOCK` blocks (memory stays flat for multi-GB weights)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def read_manifest(bundle: Path) -> dict:
-    """``bundle/manifest.json`` as a dict. BundleError when missing, not JSON, or without a ``files`` table."""
-    path = Path(bundle) / MANIFEST
-    try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BundleError(f"{path} is missing: cannot verify the bundle (export it with python -m export.onnx, "
-                          "or load with verify=False / SHALIK_VERIFY=0)") from None
-    except (OSError, ValueError) as e:
-        raise BundleError(f"{path}: not a readable manifest ({e})") from None
-    if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
-        raise BundleError(f"{path}: no 'files' table of sha256 sums")
-    return m
-
-
-def verify_files(bundle: Path, names: Iterable[str]) -> None:
-    """Check each of ``names`` (files in ``bundle`` that exist) against the manifest's sha256 and size.
-
-    Raises BundleError naming the file for a size or sha256 that differs, or a file the manifest does not list
-    (it cannot be vouched for). Missing files are left to the loader (it names them)."""
-    bundle = Path(bundle)
-    table = read_manifest(bundle)["files"]
-    for name in names:
-        path = bundle / name
-        if not path.is_file():
-            continue
-        entry = table.get(name)
-        if not isinstance(entry, dict) or "sha256" not in entry:
-            raise BundleError(f"{path}: not listed in {MANIFEST}, so it cannot be verified "
-                              "(re-export the bundle, or load with verify=False / SHALIK_VERIFY=0)")
-        size = path.stat().st_size
-        if "bytes" in entry and size != entry["bytes"]:
-            raise BundleError(f"{path} is corrupt: {size} bytes, the manifest says {entry['bytes']} "
-                              "(re-export or re-download the bundle)")
-        digest = sha256_file(path)
-        if digest != entry["sha256"]:
-            raise BundleError(f"{path} is corrupt: sha256 {digest[:16]}…, the manifest says {entry['sha256'][:16]}… "
-                              "(re-export or re-download the bundle)")
 
 
 def sampling_defaults(bundle: str | Path) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Every generation goes through an engine: one scheduler that steps all running sequences together.
 
 An engine takes requests (``<|endoftext|>`` + prompt ids, a token budget, sampling parameters, ``n`` choices)
-and gives back, per choice, a stream of :class:`TokenEvent` s. Python (:mod:`serve.lm`) keeps detokenising and
+and gives back, per choice, a stream of :class:`TokenEvent` s. Python (:mod:`serve.generation`) keeps detokenising and
 stop strings. Two engines implement it:
 
 * :class:`RustEngine` wraps ``rust_runtime.Engine``: continuous batching in Rust, outside the GIL, with

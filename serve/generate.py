@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serve.bundle import QUANTIZE_CHOICES, BundleError, sampling_defaults
+from serve.bundle import MANIFEST, QUANTIZE_CHOICES, SAMPLING_KEYS, BundleError, sampling_defaults
 from serve.errors import RequestError
-from serve.lm import BACKENDS, LM, load
+from serve.lm import LM
+from serve.loader import BACKENDS, load
 from train.textutil import distinct_word_share
 
 DEFAULT_PROMPTS = [("bn", "বাংলা ভাষা"), ("en", "The river")]
@@ -40,12 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-greedy", action="store_true", help="do not follow a sampled continuation by the greedy one")
     p.add_argument("--backend", choices=BACKENDS, default="onnx")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none")
-    p.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256 against manifest.json")
+    p.add_argument("--no-verify", action="store_true", help=f"skip checking the files' sha256 against {MANIFEST}")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     return p.parse_args(argv)
 
 
-SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")
+SETTINGS = SAMPLING_KEYS  # the options that override the bundle's sampling
 
 
 def sampling_settings(args: argparse.Namespace) -> dict:

@@ -1,8 +1,10 @@
 """The Python API: ``LM`` (generate, stream, complete, score, tokenize, detokenize) over any backend.
 
 A backend implements the small protocol of :mod:`serve.backends.base` (``new_sequence()``, then ``prefill``
-and ``decode`` on the sequence); everything else — tokenizing, sampling (:mod:`serve.sampling`),
-incremental detokenizing (:mod:`serve.detok`), stop strings (:mod:`serve.stops`) — lives here, in numpy.
+and ``decode`` on the sequence); every generation runs through the LM's engine (:mod:`serve.engine`), and the
+rest — tokenizing, request checks, scoring — lives here, in numpy. A running generation is
+:mod:`serve.generation` (detokenizing, stop strings), its results are :mod:`serve.results`, and loading a bundle
+is :mod:`serve.loader`.
 
 Conventions (docs/design.md "Serving"):
 
@@ -20,307 +22,30 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import unicodedata
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from serve.bundle import eot_id, parse_quantize, verify_files
+from serve.bundle import eot_id
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
-from serve.engine import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_TOKEN_BUDGET,
-    Submission,
-    TokenEvent,
-    check_engine_limits,
-    make_engine,
-)
+from serve.engine import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits, make_engine
 from serve.errors import RequestError
+from serve.generation import ChoiceGroup, Generation
+from serve.results import Chunk, Completion, Score, TokenLogprobs
 from serve.sampling import SamplingParams, log_softmax, top_logprobs
-from serve.stops import StopMatcher
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "LM", "MAX_CHOICES", "MAX_TOP_LOGPROBS", "PREFILL_BLOCK", "Chunk", "Completion",
+           "Generation", "Prompt", "Score", "TokenLogprobs", "is_prompt_list", "normalize_stop"]
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_CHOICES = 1024  # n per prompt in one call: each choice is a Generation object, created up front
 MAX_TOP_LOGPROBS = 1000  # alternatives per token (rust_runtime.Engine's own limit)
 PREFILL_BLOCK = 256  # positions per prefill call when every position's logits are needed (memory bound)
-BACKENDS = ("onnx", "rust")
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class TokenLogprobs:
-    """Tokens with their log-probs (nats), e.g. an echoed prompt.
-
-    ``top_logprobs[i]`` maps display strings of the N most likely tokens at position i to their log-probs
-    (None when no alternatives were asked for); ``text_offset[i]`` is the character offset of token i in
-    ``text``.
-    """
-
-    text: str
-    token_ids: list[int]
-    tokens: list[str]
-    logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-@dataclass
-class Completion:
-    """One generated continuation.
-
-    text: the output (stop string and end-of-text excluded); token_ids / tokens (display strings) /
-    logprobs (nats, raw distribution) / text_offset (char offset in ``text``): one entry per output token;
-    top_logprobs: per token a dict of the N most likely alternatives, or None; prompt_tokens: positions
-    used by the prompt incl. the leading ``<|endoftext|>``; completion_tokens: ``len(token_ids)``;
-    finish_reason: ``"stop"`` (end-of-text or stop string) or ``"length"`` (``"cancelled"`` only after
-    :meth:`Generation.cancel`); prompt: the prompt's own
-    :class:`TokenLogprobs` when ``echo=True`` was asked (else None).
-    """
-
-    text: str
-    token_ids: list[int]
-    tokens: list[str]
-    logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    text_offset: list[int] = field(default_factory=list)
-    prompt: TokenLogprobs | None = None
-
-
-@dataclass
-class Score:
-    """Negative log-likelihood of a text under the model.
-
-    token_nll: nats, one per token of ``token_ids`` (the first predicted from ``<|endoftext|>``);
-    nll_sum / nll_mean: their sum / mean (nats); chars: NFC code points of the text; bits_per_char:
-    ``nll_sum / ln 2 / chars``.
-    """
-
-    text: str
-    token_ids: list[int]
-    token_nll: list[float]
-    nll_sum: float
-    nll_mean: float
-    chars: int
-    bits_per_char: float
-
-
-@dataclass
-class Chunk:
-    """A piece of a running generation: newly released text and the output tokens released with it."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-class ChoiceGroup:
-    """The ``n`` choices of one prompt: submitted to the LM's engine together (one prefill) on first use, so a
-    request can be validated and queued before any work is spent on it. Thread-safe."""
-
-    def __init__(self, lm: LM, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                 top_n: int | None, ignore_eos: bool, n: int, first_index: int = 0):
-        self.lm, self.prompt_ids, self.max_new_tokens, self.params = lm, prompt_ids, max_new_tokens, params
-        self.top_n, self.ignore_eos, self.n, self.first_index = top_n, ignore_eos, n, first_index
-        self._lock = threading.Lock()
-        self._submission: Submission | None = None
-        self._cancelled: set[int] = set()
-
-    def submission(self) -> Submission:
-        """The engine's :class:`serve.engine.Submission` (submitted now if it was not yet)."""
-        with self._lock:
-            if self._submission is None:
-                engine = self.lm.engine
-                while True:
-                    try:
-                        self._submission = self._submit(engine)
-                        break
-                    except Exception:
-                        if self.lm._engine is engine and not getattr(engine, "closed", False):
-                            raise  # a refusal by the running engine
-                    # The engine stopped between reading lm.engine and submitting (lm.close(), its own close(),
-                    # or its scheduler thread died): queue in its replacement, which lm.engine starts. Never
-                    # "the engine is closed" (docs/design.md); each pass needs one more engine to have stopped.
-                    engine = self.lm.engine
-                if self._cancelled:  # choices cancelled before the submission existed
-                    self._forward_cancels(self._submission, sorted(self._cancelled))
-            return self._submission
-
-    def _submit(self, engine: Any) -> Submission:
-        return engine.submit([self.lm.eot_id, *self.prompt_ids], self.max_new_tokens, self.params, n=self.n,
-                             top_logprobs=self.top_n or 0, ignore_eos=self.ignore_eos,
-                             first_index=self.first_index)
-
-    def cancel(self, index: int) -> None:
-        """End choice ``index`` in the engine (the whole request once every choice is cancelled)."""
-        with self._lock:
-            self._cancelled.add(index)
-            if self._submission is not None:
-                self._forward_cancels(self._submission, [index])
-
-    def _forward_cancels(self, sub: Submission, indices: list[int]) -> None:
-        """Tell the engine: the whole request once every choice is cancelled, else each of ``indices``."""
-        if len(self._cancelled) == self.n:
-            sub.cancel()
-        else:
-            for i in indices:
-                sub.cancel_choice(i)
-
-
-class Generation:
-    """A running generation: iterate it for :class:`Chunk` s (only non-empty ones); afterwards
-    ``finish_reason`` is set. Built by :meth:`LM.start` / :meth:`LM.start_choices`; its tokens come from the
-    LM's engine (:mod:`serve.engine`, which steps every running generation together); detokenising, stop
-    strings and chunking happen in whichever thread iterates it.
-
-    Live attributes (readable from another thread): ``tokens_generated`` (model steps that produced a
-    token, end-of-text included), ``completion_tokens`` (output tokens released in chunks so far),
-    ``first_token_at`` / ``finished_at`` (``time.perf_counter()`` stamps, or None). ``cancel()``
-    (thread-safe) ends the generation in the engine before its next step, with finish_reason ``"cancelled"``
-    — as does closing the iterator before the end (``close()`` / leaving a ``for`` loop over it).
-    """
-
-    def __init__(self, group: ChoiceGroup, index: int, stop: Sequence[str], echo: bool):
-        self.lm = group.lm
-        self.group = group
-        self.index = index
-        self.prompt_ids = group.prompt_ids
-        self.prompt_tokens = len(group.prompt_ids) + 1
-        self.max_new_tokens = group.max_new_tokens
-        self.params = group.params
-        self.top_n = group.top_n
-        self.echo = echo
-        self.ignore_eos = group.ignore_eos
-        self._stops = StopMatcher(stop)
-        self._cancel = threading.Event()
-        self.finish_reason: str | None = None
-        self.prompt: TokenLogprobs | None = None
-        #: (log-prob, top-N dict or None) of the end-of-text the generation stopped at, else None
-        self.end_of_text: tuple[float, dict[str, float] | None] | None = None
-        self.tokens_generated = 0
-        self.completion_tokens = 0
-        self.started_at: float | None = None
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-        self._settled = False  # the engine's events have ended (finish_reason is final)
-        self._iter = self._run()
-
-    def __iter__(self) -> Iterator[Chunk]:
-        return self._iter
-
-    def __next__(self) -> Chunk:
-        return next(self._iter)
-
-    def submit(self) -> None:
-        """Queue this generation's request in the engine now (iterating does it otherwise), so that the
-        generations of one HTTP request or one batch run in the same steps. No-op when there is nothing to
-        generate or it was cancelled."""
-        if self.max_new_tokens > 0 and not self._cancel.is_set():
-            self.group.submission()
-
-    def cancel(self) -> None:
-        """End the generation before its next model step (thread-safe)."""
-        self._cancel.set()
-        self.group.cancel(self.index)
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether :meth:`cancel` was called."""
-        return self._cancel.is_set()
-
-    def _run(self) -> Iterator[Chunk]:
-        lm = self.lm
-        self.started_at = time.perf_counter()
-        ended = False
-        try:
-            if self._cancel.is_set():
-                self.finish_reason = "cancelled"
-                return
-            if self.echo:  # the prompt's own log-probs, the first predicted from <|endoftext|>
-                full = [lm.eot_id, *self.prompt_ids]
-                lp, tops, _ = lm.prefill_logprobs(lm.backend.new_sequence(), full, self.prompt_ids, self.top_n)
-                self.prompt = lm.describe(self.prompt_ids, lp, None if self.top_n is None else tops)
-            if self.max_new_tokens == 0:
-                self.finish_reason = "length"
-                ended = True
-                return
-            yield from self._decode_loop(self.group.submission().events(self.index))
-            ended = True
-        except GeneratorExit:  # the consumer closed it before the engine ended it: it did not reach "length"
-            if not self._settled:
-                self.finish_reason = "cancelled"
-            raise
-        finally:
-            if not ended:  # closed early (the consumer stopped iterating) or failed: free its engine slot
-                self.group.cancel(self.index)
-            self.finished_at = time.perf_counter()
-
-    def _decode_loop(self, events: Iterator[TokenEvent]) -> Iterator[Chunk]:
-        lm, stops = self.lm, self._stops
-        detok = StreamDecoder(lm.table)
-        pending: list[tuple[int, float, dict[str, float] | None, int]] = []  # (id, logprob, top, offset)
-        self.finish_reason = "length"
-        tail = ""
-        for ev in events:
-            if ev.token is None:  # the end: length, cancelled, timeout, or an error to raise
-                if ev.error is not None:
-                    raise ev.error
-                self.finish_reason = ev.finish
-                break
-            if self._cancel.is_set():
-                self.finish_reason = "cancelled"
-                break
-            self.tokens_generated += 1
-            if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
-            top = self._top(ev.top)
-            if ev.finish == "stop":  # end-of-text (not part of the output)
-                self.finish_reason = "stop"
-                self.end_of_text = (ev.logprob, top)
-                break
-            offset = len(detok.text)
-            pending.append((ev.token, ev.logprob, top, offset))
-            released = stops.push(detok.push(ev.token))
-            if stops.stop_at is not None:
-                tail = released
-                self.group.cancel(self.index)
-                break
-            if released:
-                yield self._chunk(released, pending, stops.released)
-        self._settled = True
-        if stops.stop_at is None:
-            tail = stops.push(detok.flush())
-            tail += stops.finish()
-        if stops.stop_at is not None:
-            self.finish_reason = "stop"
-        final = self._chunk(tail, pending, stops.released)
-        if final.text or final.token_ids:
-            yield final
-
-    def _top(self, top: list[tuple[int, float]]) -> dict[str, float] | None:
-        if self.top_n is None:
-            return None
-        return {self.lm.table.display(i): p for i, p in top}
-
-    def _chunk(self, text: str, pending: list, released_chars: int) -> Chunk:
-        """Pop the pending tokens that start before ``released_chars`` into a chunk with ``text``."""
-        n = 0
-        while n < len(pending) and pending[n][3] < released_chars:
-            n += 1
-        out, pending[:] = pending[:n], pending[n:]
-        self.completion_tokens += n
-        return Chunk(text=text, token_ids=[t[0] for t in out], logprobs=[t[1] for t in out],
-                     top_logprobs=None if self.top_n is None else [t[2] for t in out],
-                     text_offset=[t[3] for t in out])
 
 
 class LM:
@@ -623,61 +348,3 @@ def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
         if not isinstance(s, str) or not s:
             raise RequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
     return stops
-
-
-def bundle_files(backend: str, quantize: str | None) -> list[str]:
-    """The files of a bundle that ``backend`` reads (what :func:`load` verifies against the manifest)."""
-    if backend == "rust":  # int8 is quantized at load from the float weights
-        return ["config.json", "tokenizer.json", "model.safetensors"]
-    graph = "model.int8.onnx" if quantize == "int8" else "model.onnx"
-    return ["config.json", "tokenizer.json", graph, f"{graph}.data"]
-
-
-def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
-         name: str | None = None, verify: bool = True, max_batch: int = DEFAULT_MAX_BATCH,
-         token_budget: int = DEFAULT_TOKEN_BUDGET) -> LM:
-    """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors) for serving.
-
-    backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
-    ``"none"`` or ``"int8"``; threads: compute threads, an int >= 1 (None = all cores); name: the model's label
-    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``); verify: check the sha256
-    of every file the backend reads against ``manifest.json`` first (:func:`serve.bundle.verify_files`; False for
-    those who verify the bundle elsewhere); max_batch / token_budget: the engine's sequences per step and tokens
-    per step (:mod:`serve.engine`).
-    Raises BundleError (a ValueError) naming a corrupt or unlisted file, or a missing manifest; TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
-    FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
-    threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
-    anything is read.
-    """
-    from tokenizers import Tokenizer  # its Rust extension loads in ~50 ms; only load() needs it
-
-    if not isinstance(path, str | Path):
-        raise TypeError(f"path must be a bundle folder (str or pathlib.Path), got {type(path).__name__}")
-    if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int | np.integer):
-            raise TypeError(f"threads must be an int >= 1 or None (all cores), got {threads!r}")
-        if threads < 1:
-            raise ValueError(f"threads must be an int >= 1 or None (all cores), got {threads}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
-    quantize = parse_quantize(quantize)
-    check_engine_limits(max_batch, token_budget)
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no model bundle at {path} (expected a folder with tokenizer.json and the model)")
-    tok_file = path / "tokenizer.json"
-    if not tok_file.is_file():
-        raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
-    if verify:
-        verify_files(path, bundle_files(backend, quantize))
-    if backend == "onnx":
-        from serve.backends.onnx import OnnxBackend  # onnxruntime loads only when this backend is asked for
-
-        model = OnnxBackend(path, quantize=quantize, threads=threads)
-    else:
-        from serve.backends.rust import RustBackend  # the optional Rust extension, likewise
-
-        model = RustBackend(path, quantize=quantize, threads=threads)
-    label = name or path.resolve().parent.name or path.name
-    return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path, max_batch=max_batch,
-              token_budget=token_budget)

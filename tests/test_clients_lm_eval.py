@@ -99,9 +99,9 @@ def test_echo_ending_at_end_of_text_keeps_every_prompt_token():
     from fastapi.testclient import TestClient
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    from serve.app import create_app
-    from serve.scripted import scripted_lm
-    from serve.settings import Settings
+    from serve.http.app import create_app
+    from serve.http.settings import Settings
+    from tests.scripted import scripted_lm
 
     lm = scripted_lm(["ab", "cd"], context=64, eos_after=0)
     ctx, cont = lm.tokenize("ab"), lm.tokenize("cdab")

@@ -75,11 +75,12 @@ def test_wilson_interval(bench):
 
 
 def fake_bundle(folder: Path, sha: str, step: int) -> Path:
+    from serve.bundle import write_manifest
+
     folder.mkdir()
     card = "# m — Shalik bundle\n\n## Evaluation\n\nNLL.\n\n## Limits\n\n- small.\n"
     (folder / "README.md").write_text(card, encoding="utf-8")
-    files = {"README.md": {"sha256": hashlib.sha256(card.encode()).hexdigest(), "bytes": len(card.encode())}}
-    (folder / "manifest.json").write_text(json.dumps({"source": {"sha256": sha, "step": step}, "files": files}))
+    write_manifest(folder, complete=False, source={"sha256": sha, "step": step})
     return folder
 
 

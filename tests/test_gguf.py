@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from export import gguf as G
 from export.errors import ExportError
+from serve.backends.llamacpp import LlamaCppBackend
 
 THETA = 50000.0
 
@@ -275,7 +276,7 @@ def test_llama_cpp_logits_match_torch(gguf_files, theta_bundle, bundle):
     ids = probe_ids(mcfg.vocab_size, 32, seed=1)
     with torch.no_grad():
         ref = reference_logits(model.eval(), ids)
-    lc = G.LlamaCppBackend(gguf_files["f32"], threads=1, logits_all=True)
+    lc = LlamaCppBackend(gguf_files["f32"], threads=1, logits_all=True)
     try:
         got = lc.new_sequence().prefill(ids, all_logits=True)
     finally:
@@ -298,7 +299,7 @@ def test_llama_cpp_greedy_matches_onnx(bundle, tmp_path):
 
     path = G.export_gguf(bundle, tmp_path / "m.gguf", log=lambda m: None, approximate_pretokenizer=True)
     onnx = OnnxBackend(bundle, threads=1)
-    lc = G.LlamaCppBackend(path, threads=1)
+    lc = LlamaCppBackend(path, threads=1)
     tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
     compared = 0
     try:

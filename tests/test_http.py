@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.app import create_app
+from serve.http.app import create_app
+from serve.http.settings import Settings, SettingsError
 from serve.sampling import log_softmax
-from serve.scripted import scripted_lm
-from serve.settings import Settings, SettingsError
+from tests.scripted import scripted_lm
 
 PIECES = ["ABC", "DEF", "G", "HI", "J", "KL"]
 
@@ -453,8 +453,8 @@ def test_unsampleable_logits_are_a_clear_server_error_not_a_hang():
 def test_too_many_choices_in_one_request_is_a_400():
     from fastapi.testclient import TestClient
 
-    from serve.app import MAX_CHOICES, create_app
-    from serve.scripted import scripted_lm
+    from serve.http.app import MAX_CHOICES, create_app
+    from tests.scripted import scripted_lm
 
     with TestClient(create_app(lm=scripted_lm())) as c:
         r = c.post("/v1/completions", json={"prompt": ["a"] * 3, "n": MAX_CHOICES // 2, "max_tokens": 1})

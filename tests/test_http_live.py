@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = """
 import json, sys
 import uvicorn
-from serve.app import create_app
-from serve.scripted import scripted_lm
-from serve.settings import Settings
+from serve.http.app import create_app
+from tests.scripted import scripted_lm
+from serve.http.settings import Settings
 cfg = json.loads(sys.argv[1])
 lm = scripted_lm(cfg["pieces"], **cfg["lm"])
 uvicorn.run(create_app(Settings(**cfg["settings"]), lm), host="127.0.0.1", port=cfg["port"], log_level="info")

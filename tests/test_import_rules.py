@@ -1,5 +1,6 @@
-"""docs/design.md's import rule for train/: no module under ``train/`` imports ``serve`` or ``export`` (each stage
-reads only the files the previous one wrote). Checked statically: every ``.py`` file under ``train/`` is parsed
+"""docs/design.md's import rules: no module under ``train/`` imports ``serve`` or ``export`` (each stage reads only
+the files the previous one wrote), and ``serve/`` reaches ``train/`` only through leaf modules — ones that import
+nothing else of the project and no torch (the special tokens, sha256, text helpers). Checked statically: every ``.py`` file under ``train/`` is parsed
 with ``ast`` and every import in it — at the top, inside a function or a ``try``, relative ones resolved, and
 ``importlib.import_module`` / ``__import__`` of a string literal — is compared with the forbidden packages, so an
 import on a path no test happens to run is caught too. (``serve/`` never importing torch is checked at run time by
@@ -67,6 +68,18 @@ def test_train_imports_neither_serve_nor_export():
     bad = violations(ROOT, "train", FORBIDDEN["train"])
     assert not bad, ("docs/design.md: train/ never imports serve/ or export/ (export may use train, not the other "
                      "way round); move the shared piece into train/ or a leaf module: " + "; ".join(bad))
+
+
+def test_serve_reaches_train_only_through_leaf_modules():
+    """serve/ may use a train/ module only when that module imports nothing of the project and no torch (so serving
+    never loads the trainer, the corpus reader or torch); serve.bundle re-exports train's sha256 and special tokens."""
+    reached = {name for f in sorted((ROOT / "serve").rglob("*.py")) for _, name in imports(f, ROOT)
+               if name.startswith("train.") and (ROOT / (name.replace(".", "/") + ".py")).is_file()}
+    assert {"train.atomic", "train.byte_level"} <= reached, reached
+    bad = {f"{leaf} imports {name}" for leaf in sorted(reached)
+           for _, name in imports(ROOT / (leaf.replace(".", "/") + ".py"), ROOT)
+           if name.split(".")[0] in ("train", "serve", "export", "torch")}
+    assert not bad, "serve/ reaches train/ through a module that is not a leaf: " + "; ".join(sorted(bad))
 
 
 def test_the_check_finds_every_kind_of_import(tmp_path):

@@ -7,7 +7,7 @@ One declared exception: a schema-valid prompt whose tokens, with ``max_tokens``,
 400 ``context_length_exceeded`` (a JSON schema cannot count tokens). Only that answer, and only when the
 prompt really overflows, is excused from schemathesis' "valid data is accepted" check; every other check still
 runs on it. ``max_tokens`` itself is bounded by the schema (``maximum`` = context − 1). Likewise a request whose
-prompts × ``n`` exceed ``serve.app.MAX_CHOICES`` (400 ``too_many_completions``): each bound is in the schema, their
+prompts × ``n`` exceed ``serve.http.app.MAX_CHOICES`` (400 ``too_many_completions``): each bound is in the schema, their
 product cannot be.
 """
 
@@ -24,9 +24,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import CHECKS  # noqa: E402
 
-from serve.app import create_app  # noqa: E402
-from serve.scripted import scripted_lm  # noqa: E402
-from serve.settings import Settings  # noqa: E402
+from serve.http.app import create_app  # noqa: E402
+from serve.http.settings import Settings  # noqa: E402
+from tests.scripted import scripted_lm  # noqa: E402
 
 CONTEXT = 32  # small: schema-valid requests (up to 64 choices of many prompts) stay cheap
 TIMEOUT_S = 60  # per request: generous for a loaded 2-core machine (schemathesis' default is 10 s)
@@ -71,7 +71,7 @@ def check(case, app, headers=None) -> None:
             assert f"context length {CONTEXT}" in error["message"]
             excluded = [POSITIVE_DATA_ACCEPTANCE]
         if error["code"] == "too_many_completions":  # prompts × n > MAX_CHOICES: a product no schema can bound
-            from serve.app import MAX_CHOICES
+            from serve.http.app import MAX_CHOICES
 
             prompt = case.body["prompt"]
             single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int | float))  # 0.0 is a JSON integer

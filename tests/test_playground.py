@@ -34,9 +34,9 @@ WAIT_MS = 60_000  # for anything the page does; generous for a loaded 2-core mac
 SCRIPTED = """
 import json, sys
 import uvicorn
-from serve.app import create_app
-from serve.scripted import scripted_lm
-from serve.settings import Settings
+from serve.http.app import create_app
+from tests.scripted import scripted_lm
+from serve.http.settings import Settings
 cfg = json.loads(sys.argv[1])
 app = create_app(Settings(**cfg["settings"]), scripted_lm(cfg["pieces"], **cfg["lm"]))
 uvicorn.run(app, host="127.0.0.1", port=cfg["port"], log_level="warning")
@@ -138,9 +138,9 @@ def test_page_is_self_contained_and_never_stale():
     and the page and its files are revalidated on every load (Cache-Control: no-cache, then 304)."""
     from fastapi.testclient import TestClient
 
-    from serve.app import create_app
-    from serve.scripted import scripted_lm
-    from serve.settings import Settings
+    from serve.http.app import create_app
+    from serve.http.settings import Settings
+    from tests.scripted import scripted_lm
 
     html, js, css = ((STATIC / name).read_text(encoding="utf-8") for name in ("index.html", "app.js", "style.css"))
     ids = set(re.findall(r'\bid="([^"]+)"', html))

@@ -12,7 +12,6 @@ The extension is built by pip install -e ".[all]" (or pip install ./rust_runtime
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import math
 import re
@@ -199,7 +198,16 @@ def build_bundle(
     c["rope_theta"] = theta
     cfg_path.write_text(json.dumps(c, indent=2))
     shutil.copy(tokenizer_json, out / "tokenizer.json")
+    sign(out)
     return model
+
+
+def sign(bundle: Path) -> None:
+    """Give a hand-made bundle the manifest export/ writes (format, version, every file's sha256 and size), which
+    rust_runtime.Model.load checks by default; again after a test changes a file on purpose."""
+    from serve.bundle import write_manifest
+
+    write_manifest(bundle, complete=False)
 
 
 def hf_logits(model, ids: list[int]) -> np.ndarray:
@@ -253,6 +261,7 @@ def rewrite_tensors(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     tensors = safetensors_torch.load_file(str(src / "model.safetensors"))
     safetensors_torch.save_file(edit(dict(tensors)), str(dst / "model.safetensors"))
+    sign(dst)  # the loader's own checks are under test, not the manifest's
     return dst
 
 
@@ -540,21 +549,10 @@ def test_sampler_replays_generate(model, kw):
         assert sampler(logits) == model.eot_id
 
 
-def write_manifest(bundle: Path) -> None:
-    """A manifest.json as export/ writes it: files: {name: {sha256, bytes}}."""
-    files = {
-        f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
-        for f in sorted(bundle.iterdir())
-        if f.is_file() and f.name != "manifest.json"
-    }
-    (bundle / "manifest.json").write_text(json.dumps({"format": "shalik-bundle", "format_version": 1, "files": files}))
-
-
 def test_bundle_integrity_is_verified_at_load(tiny, tmp_path):
     """Issue 18: a tampered model.safetensors loaded silently; now the sha256 of manifest.json is checked."""
     d = tmp_path / "signed"
     shutil.copytree(tiny[0], d)
-    write_manifest(d)
     ref = rust_runtime.Model.load(str(d), threads=1).logits([3, 4, 5])
     st = d / "model.safetensors"
     data = bytearray(st.read_bytes())
@@ -663,6 +661,7 @@ def test_errors_are_exceptions_and_the_model_stays_usable(model, tiny, tmp_path)
     bad_tok = tmp_path / "bad_tok"
     shutil.copytree(d, bad_tok)
     (bad_tok / "tokenizer.json").write_text('{"model": 3}')
+    sign(bad_tok)
     expect_error(lambda: rust_runtime.Model.load(str(bad_tok)), RuntimeError, r"tokenizer\.json")
     # malformed weights
     missing = rewrite_tensors(
@@ -691,6 +690,7 @@ def test_errors_are_exceptions_and_the_model_stays_usable(model, tiny, tmp_path)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(d, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all")
+    sign(corrupt)
     expect_error(lambda: rust_runtime.Model.load(str(corrupt)), RuntimeError, r"model\.safetensors")
     no_weights = tmp_path / "no_weights"
     shutil.copytree(d, no_weights)
@@ -715,6 +715,7 @@ def test_errors_are_exceptions_and_the_model_stays_usable(model, tiny, tmp_path)
         shutil.copytree(d, dd)
         cfg = json.loads((dd / "config.json").read_text())
         (dd / "config.json").write_text(json.dumps(edit(cfg)))
+        sign(dd)
         expect_error(lambda dd=dd: rust_runtime.Model.load(str(dd)), RuntimeError, pat)
     expect_error(lambda: rust_runtime.Model.load(str(d), quantize="int4"), ValueError, r"int4")
     expect_error(lambda: rust_runtime.Model.load(str(d), threads=0), ValueError, r"threads")

@@ -15,7 +15,7 @@ import pytest
 from serve import ContextLengthError, RequestError, load
 from serve.lm import LM
 from serve.sampling import log_softmax
-from serve.scripted import scripted_lm
+from tests.scripted import scripted_lm
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["আমি বাংলায়", "The river"]
@@ -241,7 +241,7 @@ def test_cancel_stops_before_next_step():
 NO_TORCH = textwrap.dedent("""
     import sys
     import serve, serve.app
-    from serve.scripted import scripted_lm
+    from tests.scripted import scripted_lm
     lm = scripted_lm(None) if len(sys.argv) < 2 else serve.load(sys.argv[1], backend=sys.argv[2])
     text = lm.generate("আমি", 5, temperature=0.7, seed=1)
     "".join(lm.stream("hi", 5, temperature=0))

@@ -13,7 +13,7 @@ from serve.backends.base import BackendError
 from serve.engine import StepEngine, TokenEvent, engine_stats_keys
 from serve.lm import LM
 from serve.sampling import SamplingParams
-from serve.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
+from tests.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
 
 
 class CountingBackend(ScriptedBackend):
@@ -191,7 +191,7 @@ rust_runtime = pytest.importorskip("rust_runtime", reason="rust_runtime is not b
 def load_rust_lm(tmp_path_factory, max_batch: int) -> LM:
     """A random-init Rust bundle (hidden 64, 4 heads / 2 KV heads, context 256, vocabulary 512) loaded for serving
     with ``max_batch`` sequences a step and 16 tokens a step."""
-    from serve.lm import load
+    from serve import load
     from tests.test_rust_runtime import build_bundle, corpus_lines, train_tokenizer
 
     tok = train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", r" ?\p{L}+| ?\p{N}+|\s+|.",
@@ -248,7 +248,7 @@ def test_rust_lm_stop_string_in_one_choice_leaves_the_other(rust_lm):
 def test_onnx_engine_batches_fp32_and_forks_choices(bundle):
     """The onnx backend behind the Python engine: a batch of greedy prompts gives each one's tokens alone (fp32
     rows are independent up to float noise), decoded in batched steps; n = 3 shares one prefill."""
-    from serve.lm import load
+    from serve import load
 
     lm = load(bundle, backend="onnx", threads=1, verify=False)
     calls = []

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.app import create_app
 from serve.backends.base import BackendError
 from serve.errors import ContextLengthError, RequestError
+from serve.http.app import create_app
+from serve.http.settings import Settings
 from serve.lm import LM, MAX_CHOICES, MAX_TOP_LOGPROBS
-from serve.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
-from serve.settings import Settings
+from tests.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
 
 
 def wait_until(pred, limit_s: float = 5.0) -> bool:
@@ -547,7 +547,7 @@ def test_http_disconnect_mid_stream_with_several_choices_drops_them_all():
 def test_onnx_threads_early_closes_and_close_mid_run(bundle):
     """Twelve threads over a batch of 4 get each request's greedy tokens alone (fp32 rows are independent, up to
     float noise: token ids compared), streams closed early free their places, and ``close()`` mid-run cancels."""
-    from serve.lm import load
+    from serve import load
 
     lm = load(bundle, backend="onnx", threads=1, verify=False, max_batch=4)
     prompts = ["আমি বাংলায়", "The river", "নদী", "x"] * 3

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve.detok import StreamDecoder, TokenTable, bytes_to_unicode, display_token
-from serve.scripted import scripted_lm, scripted_tokenizer
 from serve.stops import StopMatcher
+from tests.scripted import scripted_lm, scripted_tokenizer
 
 S6_TEXT = "আমি বাংলায় গান গাই 😀 ক্ষমা"
 

@@ -1,12 +1,18 @@
-"""GPT-2's byte ↔ printable-character table that byte-level BPE vocabularies spell their tokens with.
+"""The facts of Shalik's byte-level BPE that readers of its tokens need: GPT-2's byte ↔ printable-character table
+that the vocabulary spells its tokens with, and the special tokens.
 
 A leaf module (standard library only) so that ``serve/`` can decode tokens without loading the corpus reader or
-the BPE trainer.
+the BPE trainer; ``train.tokenizer`` builds tokenizers from these facts and ``serve.bundle`` re-exports the
+special tokens as part of the bundle contract.
 """
 
 from __future__ import annotations
 
 import functools
+
+EOT = "<|endoftext|>"  # id 0: before every training document and every prompt; generation stops at it
+PAD = "<|pad|>"  # id 1
+SPECIAL_TOKENS = (EOT, PAD)  # in id order
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,6 +3,7 @@
 //! `engine`, `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
 //! (feature `python`, turned on by maturin) wraps it.
 
+pub mod bundle;
 pub mod cache;
 pub mod config;
 pub mod engine;

@@ -87,8 +87,8 @@ impl Model {
                 std::io::Error::from(std::io::ErrorKind::NotADirectory),
             ));
         }
-        let cfg = Config::from_file(&dir.join("config.json"))?;
-        let ld = Loader::open(&dir.join("model.safetensors"), &cfg)?;
+        let cfg = Config::from_file(&dir.join(crate::bundle::CONFIG))?;
+        let ld = Loader::open(&dir.join(crate::bundle::WEIGHTS), &cfg)?;
         let (h, hd, nh, nkv, inter, vocab) = (
             cfg.hidden_size,
             cfg.head_dim,

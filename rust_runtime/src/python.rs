@@ -125,7 +125,7 @@ impl PyModel {
     /// quantize: None / "none" (f32) or "int8" (q8_0 for every linear incl. lm_head).
     /// threads: compute threads (default: the process-wide pool size, see README).
     /// verify: check config.json, model.safetensors and tokenizer.json against the sha256 sums
-    /// of the bundle's manifest.json (skipped when the bundle has no manifest.json).
+    /// of the bundle's manifest.json, refusing a bundle without one (False: skip the manifest).
     #[staticmethod]
     #[pyo3(signature = (path, threads=None, quantize=None, verify=true))]
     fn load(
@@ -144,7 +144,7 @@ impl PyModel {
         let n = req.unwrap_or_else(default_threads);
         let inner = detach(py, move || {
             let dir: &Path = &path;
-            let tok_path = dir.join("tokenizer.json");
+            let tok_path = dir.join(crate::bundle::TOKENIZER);
             if !dir.is_dir() {
                 return Err(Error::io(
                     dir,
@@ -157,7 +157,7 @@ impl PyModel {
             }
             let tok = Tok::from_file(&tok_path)?;
             let model = Model::load(dir, q, n)?;
-            let eot = tok.token_to_id("<|endoftext|>").or(model.cfg.eos_token_id);
+            let eot = tok.token_to_id(crate::bundle::EOT).or(model.cfg.eos_token_id);
             Ok(Inner { model: Arc::new(model), tok, eot, dir: path.clone() })
         })?;
         Ok(PyModel { inner: Arc::new(inner) })

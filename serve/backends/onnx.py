@@ -1,6 +1,7 @@
 """The ONNX backend: a Shalik bundle's ``model.onnx`` (or ``model.int8.onnx``) run by onnxruntime on CPU.
 
-numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming):
+numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming,
+:func:`serve.bundle.onnx_input_names` / :func:`serve.bundle.onnx_output_names`):
 ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
 ``[batch, kv_heads, past, head_dim]`` → ``logits`` ``[batch, seq, vocab]`` and ``present.{i}.key/.value``
 ``[batch, kv_heads, past + seq, head_dim]``. One graph serves prefill (past length 0) and decode.
@@ -28,9 +29,8 @@ import numpy as np
 import onnxruntime as ort
 
 from serve.backends.base import BackendError, check_ids
-from serve.bundle import eot_id, parse_quantize
+from serve.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names, parse_quantize
 
-MODEL_FILES = {None: "model.onnx", "int8": "model.int8.onnx"}
 BATCH_PAYS_FROM = 2  # smallest batch at which decode_batch beats one-at-a-time decode (benchmarks/onnx_batching.py)
 
 Past = list[tuple[np.ndarray, np.ndarray]]
@@ -150,7 +150,7 @@ class OnnxBackend:
             self.quantize = parse_quantize(quantize)
         except ValueError as e:
             raise BackendError(str(e)) from None
-        cfg_path = self.path / "config.json"
+        cfg_path = self.path / CONFIG
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
@@ -163,7 +163,7 @@ class OnnxBackend:
             self.head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         except (KeyError, TypeError, ValueError) as e:
             raise BackendError(f"{cfg_path}: missing or invalid key {e}") from None
-        self.model_path = self.path / (model_file or MODEL_FILES[self.quantize])
+        self.model_path = self.path / (model_file or ONNX_GRAPHS[self.quantize])
         if not self.model_path.is_file():
             hint = " (export with --quantize int8)" if self.quantize == "int8" and model_file is None else ""
             raise BackendError(f"{self.model_path}: no such ONNX graph in the bundle{hint}")
@@ -177,23 +177,23 @@ class OnnxBackend:
             self.session = ort.InferenceSession(str(self.model_path), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception classes
             raise BackendError(f"{self.model_path}: onnxruntime cannot load it ({e})") from None
-        self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
+        self._in_names = onnx_input_names(self.num_layers)  # ids, mask, positions, then (key, value) per layer
+        self._past_names = list(zip(self._in_names[3::2], self._in_names[4::2], strict=True))
         inputs = {i.name: i for i in self.session.get_inputs()}
-        expected = ["input_ids", "attention_mask", "position_ids"] + [n for kv in self._past_names for n in kv]
-        missing = [n for n in expected if n not in inputs]
+        missing = [n for n in self._in_names if n not in inputs]
         if missing:
             raise BackendError(f"{self.model_path}: graph inputs {missing[:4]} missing (got {sorted(inputs)[:6]} …); "
-                               "not a Shalik bundle graph for this config.json")
+                               f"not a Shalik bundle graph for this {CONFIG}")
         # fp16 bundles keep the cache in float16; logits always come back as float32
-        self.kv_dtype = np.float16 if inputs["past_key_values.0.key"].type == "tensor(float16)" else np.float32
-        self._out_names = ["logits"] + [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
+        self.kv_dtype = np.float16 if inputs[self._in_names[3]].type == "tensor(float16)" else np.float32
+        self._out_names = onnx_output_names(self.num_layers)
 
     @functools.cached_property
     def eot_id(self) -> int:
         """``<|endoftext|>``'s id, from the bundle's tokenizer.json (:func:`serve.bundle.eot_id`)."""
         from tokenizers import Tokenizer  # only for callers of this property (serve.lm holds its own tokenizer)
 
-        return eot_id(Tokenizer.from_file(str(self.path / "tokenizer.json")))
+        return eot_id(Tokenizer.from_file(str(self.path / TOKENIZER)))
 
     def new_sequence(self) -> OnnxSequence:
         """An empty KV cache at position 0."""
@@ -218,9 +218,10 @@ class OnnxBackend:
             past = self.empty_past(input_ids.shape[0])
         elif len(past) != self.num_layers:
             raise BackendError(f"past: {len(past)} layers of (key, value), the model has {self.num_layers}")
-        feed = {"input_ids": input_ids,
-                "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
-                "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
+        ids_name, mask_name, pos_name = self._in_names[:3]
+        feed = {ids_name: input_ids,
+                mask_name: np.ascontiguousarray(attention_mask, dtype=np.int64),
+                pos_name: np.ascontiguousarray(position_ids, dtype=np.int64)}
         for (kn, vn), (k, v) in zip(self._past_names, past, strict=False):
             feed[kn] = np.asarray(k, dtype=self.kv_dtype)
             feed[vn] = np.asarray(v, dtype=self.kv_dtype)

@@ -43,6 +43,12 @@ class HTTPError(HTTPException):
         self.code = code
 
 
+def timeout_error(request_timeout_s: float) -> HTTPError:
+    """504 naming the setting (SHALIK_REQUEST_TIMEOUT_S)."""
+    return HTTPError(504, f"the request took longer than {request_timeout_s:g} s (SHALIK_REQUEST_TIMEOUT_S)",
+                     code="timeout")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON body for an error (``type`` from :data:`ERROR_TYPES`, ``invalid_request_error`` for 4xx)."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")

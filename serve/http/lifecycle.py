@@ -7,12 +7,13 @@ import logging
 import threading
 import time
 
+from serve.http.admission import Admission
 from serve.http.errors import HTTPError
-from serve.lm import LM, load
-from serve.metrics import Metrics
-from serve.runner import Admission
-from serve.schemas import Health
-from serve.settings import Settings
+from serve.http.metrics import Metrics
+from serve.http.schemas import Health
+from serve.http.settings import Settings
+from serve.lm import LM
+from serve.loader import load
 
 log = logging.getLogger("shalik.serve")
 

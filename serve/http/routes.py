@@ -1,6 +1,6 @@
-"""The transport: each endpoint parses its request (pydantic, :mod:`serve.schemas`), asks the model lifecycle for
-the model, takes a generation slot and hands the work to :mod:`serve.http.runs`; bodies are built by
-:mod:`serve.http.translate`. Also the playground page and its static files."""
+"""The transport: each endpoint parses its request (pydantic, :mod:`serve.http.schemas`), asks the model lifecycle
+for the model, takes a generation slot (:mod:`serve.http.admission`) and hands the work to :mod:`serve.http.runs`;
+bodies are built by :mod:`serve.http.translate`. Also the playground page and its static files."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from serve.bundle import EOT
-from serve.http import runs
+from serve.bundle import EOT, PAD
+from serve.http import admission, runs
 from serve.http.lifecycle import ServerState
+from serve.http.metrics import CONTENT_TYPE
 from serve.http.openapi import SSE_EVENT_SCHEMA
-from serve.http.translate import prompt_usage, score_body, start_generations
-from serve.metrics import CONTENT_TYPE
-from serve.runner import ThreadedRun
-from serve.schemas import (
+from serve.http.schemas import (
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -35,6 +33,7 @@ from serve.schemas import (
     TokenizeResponse,
     TokenizerInfo,
 )
+from serve.http.translate import prompt_usage, score_body, start_generations
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -65,7 +64,7 @@ def is_open_path(path: str) -> bool:
 
 
 def register_routes(app: FastAPI, state: ServerState) -> None:
-    """Add every endpoint (see serve/app.py's module doc) and the static files to ``app``."""
+    """Add every endpoint (see :mod:`serve.http.app`'s module doc) and the static files to ``app``."""
     settings = state.settings
     app.mount("/static", OptionalStaticFiles(directory=STATIC_DIR, check_dir=False), name="static")
 
@@ -96,7 +95,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=err(503))
     async def tokenizer_info() -> TokenizerInfo:
         lm = state.require_lm()
-        return TokenizerInfo(eos_token=EOT, pad_token="<|pad|>", model_max_length=lm.context_length,
+        return TokenizerInfo(eos_token=EOT, pad_token=PAD, model_max_length=lm.context_length,
                              vocab_size=lm.vocab_size)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=err(400, 404, 413, 503))
@@ -122,9 +121,9 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         lm = state.require_lm()
         state.check_model(req.model)
         deadline = arrived + settings.request_timeout_s
-        runs.refuse_early(state)
-        await runs.admit(state, deadline)
-        s = await runs.wait(runs.in_slot_thread(state, lm.score, req.text), request, deadline,
+        admission.refuse_early(state)
+        await admission.admit(state, deadline)
+        s = await runs.wait(admission.in_slot_thread(state, lm.score, req.text), request, deadline,
                             on_abandon=lambda: None)
         state.metrics.prompt_tokens.inc(len(s.token_ids))
         return score_body(lm, state.name, s)
@@ -139,13 +138,13 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         arrived = time.perf_counter()
         lm = state.require_lm()
         state.check_model(req.model)
-        runs.refuse_early(state)
+        admission.refuse_early(state)
         gens = await run_in_threadpool(start_generations, lm, req, settings.default_max_tokens)
         deadline = arrived + settings.request_timeout_s
-        await runs.admit(state, deadline)
+        await admission.admit(state, deadline)
         state.metrics.prompt_tokens.inc(prompt_usage(gens, req.n))
         try:
-            run = ThreadedRun(gens, on_end=state.admission.release, metrics=state.metrics, arrived_at=arrived)
+            run = runs.ThreadedRun(gens, on_end=state.admission.release, metrics=state.metrics, arrived_at=arrived)
             run.start()
         except BaseException:
             state.admission.release()

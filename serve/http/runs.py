@@ -1,20 +1,32 @@
-"""Running a request's work off the event loop within its limits: a generation slot (429 when the server is
-full), the request deadline (504), the client going away (499, or the stream simply ends), and the run's
-events turned into a response body or into server-sent events."""
+"""Running an admitted request: its generations in a worker thread, their chunks back on the event loop, collected
+into one response body or streamed as server-sent events — within the request's deadline (504) and while the
+client stays (a disconnect cancels the generations before their next step: 499, or the stream simply ends).
+
+* :class:`ThreadedRun`: one request's generations, all queued in the LM's engine at once (so its prompts and
+  choices are stepped together with every other request's; :mod:`serve.engine`), read in a thread of its own;
+  chunks come back to the event loop through an ``asyncio.Queue``. ``cancel()`` (client gone, timeout) takes
+  them out of the engine before its next step; the slot (:mod:`serve.http.admission`) is released when the
+  thread ends.
+* :func:`wait`, :func:`complete`, :func:`stream`: awaiting a run against the deadline and the client.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
-from serve.http.errors import HTTPError, error_body, stream_error
-from serve.http.lifecycle import ServerState
+from serve.generation import Generation
+from serve.http.errors import HTTPError, error_body, stream_error, timeout_error
+from serve.http.metrics import Metrics
+from serve.http.schemas import CompletionRequest
 from serve.http.translate import (
     choice_dict,
     completion_body,
@@ -25,57 +37,94 @@ from serve.http.translate import (
     sse,
     usage_dict,
 )
-from serve.lm import LM, Chunk, Generation
-from serve.runner import Overloaded, ThreadedRun
-from serve.schemas import CompletionRequest
+from serve.lm import LM
+from serve.results import Chunk
 
 log = logging.getLogger("shalik.serve")
 DISCONNECT_POLL_S = 0.05
 
 
-def overloaded(e: Overloaded) -> HTTPError:
-    """429 with Retry-After."""
-    return HTTPError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)})
+@dataclass
+class Event:
+    """What a run reports: ``kind`` "chunk" (``chunk`` set), "done" (choice ``index`` finished) or "error"."""
+
+    kind: str
+    index: int = 0
+    chunk: Chunk | None = None
+    error: BaseException | None = None
 
 
-def timeout_error(request_timeout_s: float) -> HTTPError:
-    """504 naming the setting."""
-    return HTTPError(504, f"the request took longer than {request_timeout_s:g} s (SHALIK_REQUEST_TIMEOUT_S)",
-                     code="timeout")
+class ThreadedRun:
+    """Iterate ``generations`` in a new thread; ``events()`` yields :class:`Event` s on the event loop.
 
+    ``on_end`` runs (in the worker thread) when the thread finishes, whatever happened — release the slot
+    there. ``metrics`` (optional) gets completion tokens counted as they are made, and each finished
+    generation's time to first token (from ``arrived_at``, a ``time.perf_counter()`` stamp) and decode speed.
+    """
 
-def refuse_early(state: ServerState) -> None:
-    """429 before any work (tokenizing, validating ids) when the server is already full."""
-    try:
-        state.admission.check()
-    except Overloaded as e:
-        raise overloaded(e) from None
+    def __init__(self, generations: Sequence[Generation], on_end: Callable[[], None],
+                 metrics: Metrics | None = None, arrived_at: float | None = None):
+        self.generations = list(generations)
+        self.arrived_at = time.perf_counter() if arrived_at is None else arrived_at
+        self._on_end = on_end
+        self._metrics = metrics
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="shalik-generation", daemon=True)
 
+    def start(self) -> ThreadedRun:
+        self._thread.start()
+        return self
 
-async def admit(state: ServerState, deadline: float) -> None:
-    """Take a generation slot: 429 when slots and queue are full, 504 when the wait outlasts the deadline."""
-    try:
-        await state.admission.acquire(deadline - time.perf_counter())
-    except Overloaded as e:
-        raise overloaded(e) from None
-    except asyncio.TimeoutError:  # (an alias of TimeoutError from Python 3.11)
-        raise timeout_error(state.settings.request_timeout_s) from None
+    def cancel(self) -> None:
+        """Stop every generation of this run before its next model step (thread-safe, idempotent)."""
+        self._cancelled.set()
+        for g in self.generations:
+            g.cancel()
 
-
-def in_slot_thread(state: ServerState, fn: Callable, *args) -> asyncio.Future:
-    """Run ``fn(*args)`` in a worker thread that holds the caller's generation slot and gives it back when
-    ``fn`` returns — even if the caller stopped waiting (timeout, disconnect)."""
-    def work():
+    def _post(self, ev: Event | None) -> None:
         try:
-            return fn(*args)
-        finally:
-            state.admission.release()
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            self.cancel()
 
-    try:
-        return asyncio.get_running_loop().run_in_executor(None, work)
-    except BaseException:
-        state.admission.release()
-        raise
+    def _work(self) -> None:
+        try:
+            for gen in self.generations:  # queue them all in the engine first: they run in the same steps
+                gen.submit()
+            for i, gen in enumerate(self.generations):
+                if self._cancelled.is_set():
+                    break
+                counted = 0
+                for chunk in gen:
+                    counted = self._count(gen, counted)
+                    self._post(Event("chunk", i, chunk=chunk))
+                self._count(gen, counted)
+                if self._metrics is not None:
+                    self._metrics.observe_generation(self.arrived_at, gen.first_token_at, gen.finished_at,
+                                                     gen.tokens_generated)
+                self._post(Event("done", i))
+        except Exception as e:  # reported to the client by the event loop side
+            self._post(Event("error", error=e))
+        finally:
+            self._on_end()
+            self._post(None)
+
+    def _count(self, gen: Generation, counted: int) -> int:
+        if self._metrics is not None and gen.tokens_generated > counted:
+            self._metrics.completion_tokens.inc(gen.tokens_generated - counted)
+        return gen.tokens_generated
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The run's events in order, ending when the thread ends. An "error" event is raised instead."""
+        while True:
+            ev = await self._queue.get()
+            if ev is None:
+                return
+            if ev.kind == "error":
+                raise ev.error  # type: ignore[misc]
+            yield ev
 
 
 async def wait(task: asyncio.Future, request: Request, deadline: float, on_abandon: Callable[[], None]) -> Any:

@@ -14,8 +14,10 @@ from typing import Any
 
 from serve.bundle import EOT
 from serve.errors import RequestError
-from serve.lm import LM, Chunk, Completion, Generation, Score
-from serve.schemas import CompletionRequest, ScoreResponse
+from serve.generation import Generation
+from serve.http.schemas import CompletionRequest, ScoreResponse
+from serve.lm import LM
+from serve.results import Chunk, Completion, Score
 
 MAX_CHOICES = 128  # prompts × n in one request: they all run in one concurrency slot
 EMPTY_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")

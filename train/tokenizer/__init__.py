@@ -29,11 +29,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from train.atomic import atomic_dir, sha256_file
-from train.byte_level import bytes_to_unicode
+from train.byte_level import EOT, PAD, SPECIAL_TOKENS, bytes_to_unicode  # noqa: F401 - re-exported
 
-EOT = "<|endoftext|>"
-PAD = "<|pad|>"
-SPECIAL_TOKENS = [EOT, PAD]
 _WORD = "\\p{L}\\p{M}\u200c\u200d"
 MAX_PRETOKEN_CHARS = 128  # longest pre-token (code points); real words are far shorter (Bangla rarely > 30)
 _N = MAX_PRETOKEN_CHARS
@@ -78,7 +75,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequency
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

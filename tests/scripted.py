@@ -1,4 +1,4 @@
-"""A scripted model for tests and benchmarks: emits fixed pieces (or seeded random logits) at a set pace.
+"""A scripted model for tests (a test double of a serving backend): emits fixed pieces (or seeded random logits) at a set pace.
 
 ``scripted_lm(["ABC", "DEF", "G"], delay_s=0.01)`` is an :class:`serve.lm.LM` whose tokenizer has each piece
 as one token and whose backend, at every step, puts nearly all probability on the next piece of the script
@@ -23,11 +23,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from serve.backends.base import check_ids
-from serve.bundle import EOT
+from serve.bundle import EOT, PAD
 from serve.detok import bytes_to_unicode
 from serve.lm import LM
 
-PAD = "<|pad|>"
 PEAK = 40.0  # logit of the scripted token; every other logit is 0
 
 

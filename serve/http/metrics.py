@@ -31,6 +31,8 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from serve.bundle import EOT
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -41,7 +43,7 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("shalik_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("shalik_prompt_tokens", "Prompt tokens read (incl. the leading <|endoftext|>)",
+        self.prompt_tokens = Counter("shalik_prompt_tokens", f"Prompt tokens read (incl. the leading {EOT})",
                                      registry=r)
         self.completion_tokens = Counter("shalik_completion_tokens", "Tokens generated, counted as they are made",
                                          registry=r)

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
+from serve.bundle import EOT
+
 MAX_N = 64
 MAX_LOGPROBS = 20
 
@@ -46,7 +48,7 @@ class CompletionRequest(_Request):
 
     model: str | None = Field(None, description="Must equal the served model's id when given.")
     prompt: str | Texts | TokenIds | TokenIdLists = Field(
-        ..., description="Text, texts, token ids, or lists of token ids; `<|endoftext|>` is prepended internally.")
+        ..., description=f"Text, texts, token ids, or lists of token ids; `{EOT}` is prepended internally.")
     max_tokens: integer(ge=0) | None = Field(None, description="null/absent: SHALIK_DEFAULT_MAX_TOKENS capped by the "
                                                            "context. 0 with echo: score the prompt only.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
@@ -97,7 +99,7 @@ class Choice(BaseModel):
 
 
 class Usage(BaseModel):
-    prompt_tokens: int = Field(..., description="Incl. the leading <|endoftext|> of each prompt.")
+    prompt_tokens: int = Field(..., description=f"Incl. the leading {EOT} of each prompt.")
     completion_tokens: int
     total_tokens: int
 
@@ -124,7 +126,7 @@ class ScoreResponse(BaseModel):
     text: str
     token_ids: list[int]
     tokens: list[str]
-    token_nll: list[float] = Field(..., description="Nats, one per token; the first predicted from <|endoftext|>.")
+    token_nll: list[float] = Field(..., description=f"Nats, one per token; the first predicted from {EOT}.")
     nll_sum: float
     nll_mean: float
     chars: int = Field(..., description="NFC code points.")

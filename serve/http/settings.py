@@ -28,8 +28,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
-from serve.bundle import QUANTIZE_CHOICES, parse_quantize
-from serve.lm import BACKENDS, DEFAULT_MAX_NEW_TOKENS
+from serve.bundle import MANIFEST, QUANTIZE_CHOICES, parse_quantize
+from serve.lm import DEFAULT_MAX_NEW_TOKENS
+from serve.loader import BACKENDS
 
 T = TypeVar("T")
 
@@ -51,7 +52,7 @@ def parse_bool(raw: str) -> bool:
 def newest_bundle(runs_dir: str | Path = "runs") -> Path | None:
     """The most recently written ``runs_dir/*/bundle`` (by manifest.json's, else the folder's, mtime)."""
     def stamp(p: Path) -> float:
-        m = p / "manifest.json"
+        m = p / MANIFEST
         return (m if m.exists() else p).stat().st_mtime
 
     found = [p for p in Path(runs_dir).glob("*/bundle") if p.is_dir()]

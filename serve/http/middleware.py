@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.http.errors import HTTPError, error_response
-from serve.metrics import Metrics
+from serve.http.metrics import Metrics
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -1,0 +1,70 @@
+"""Loading a bundle for serving: :func:`load` checks its arguments, verifies the files the chosen backend reads
+against the manifest (:mod:`serve.bundle`), opens the backend and returns an :class:`serve.lm.LM`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from serve.bundle import TOKENIZER, backend_files, parse_quantize, verify_files
+from serve.engine import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
+from serve.lm import LM
+
+__all__ = ["BACKENDS", "load"]
+
+BACKENDS = ("onnx", "rust")
+
+
+def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
+         name: str | None = None, verify: bool = True, max_batch: int = DEFAULT_MAX_BATCH,
+         token_budget: int = DEFAULT_TOKEN_BUDGET) -> LM:
+    """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors, manifest.json) for
+    serving.
+
+    backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
+    ``"none"`` or ``"int8"``; threads: compute threads, an int >= 1 (None = all cores); name: the model's label
+    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``); verify: read the
+    manifest and check the sha256 of every file the backend reads against it first
+    (:func:`serve.bundle.verify_files`; False skips the manifest altogether, for those who verify the bundle
+    elsewhere or serve a hand-made folder); max_batch / token_budget: the engine's sequences per step and tokens
+    per step (:mod:`serve.engine`).
+    Raises BundleError (a ValueError) naming a corrupt or unlisted file, a missing manifest or one of a newer
+    format_version; TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
+    FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
+    threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
+    anything is read.
+    """
+    from tokenizers import Tokenizer  # its Rust extension loads in ~50 ms; only load() needs it
+
+    if not isinstance(path, str | Path):
+        raise TypeError(f"path must be a bundle folder (str or pathlib.Path), got {type(path).__name__}")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int | np.integer):
+            raise TypeError(f"threads must be an int >= 1 or None (all cores), got {threads!r}")
+        if threads < 1:
+            raise ValueError(f"threads must be an int >= 1 or None (all cores), got {threads}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    quantize = parse_quantize(quantize)
+    check_engine_limits(max_batch, token_budget)
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no model bundle at {path} (expected a folder with {TOKENIZER} and the model)")
+    tok_file = path / TOKENIZER
+    if not tok_file.is_file():
+        raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
+    if verify:
+        verify_files(path, backend_files(backend, quantize))
+    if backend == "onnx":
+        from serve.backends.onnx import OnnxBackend  # onnxruntime loads only when this backend is asked for
+
+        model = OnnxBackend(path, quantize=quantize, threads=threads)
+    else:
+        from serve.backends.rust import RustBackend  # the optional Rust extension, likewise
+
+        model = RustBackend(path, quantize=quantize, threads=threads)
+    label = name or path.resolve().parent.name or path.name
+    return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path, max_batch=max_batch,
+              token_budget=token_budget)
