@@ -51,7 +51,10 @@ def compare_greedy(reference: list[int], ours: list[int], logits: torch.Tensor) 
 def test_pipeline_greedy_equals_serve_token_for_token(pipe, lm, prompt):
     ids = [lm.eot_id, *lm.tokenize(prompt)]
     assert pipe.tokenizer(EOT + prompt, add_special_tokens=False).input_ids == ids  # the same ids go in
-    out = pipe(EOT + prompt, max_new_tokens=NEW_TOKENS, do_sample=False, return_tensors=True)[0]
+    # plain greedy: the bundle's generation_config.json samples with a repetition penalty (train.hf_files.SAMPLING),
+    # which transformers applies even with do_sample=False, so greedy is asked for whole, as serve's temperature=0
+    plain = {"do_sample": False, "repetition_penalty": 1.0}
+    out = pipe(EOT + prompt, max_new_tokens=NEW_TOKENS, return_tensors=True, **plain)[0]
     full = [int(t) for t in out["generated_token_ids"]]
     assert full[:len(ids)] == ids
     reference = full[len(ids):]
@@ -61,7 +64,7 @@ def test_pipeline_greedy_equals_serve_token_for_token(pipe, lm, prompt):
     with torch.no_grad():  # transformers' logits at each generated step (positions after the prompt)
         logits = pipe.model(torch.tensor([full])).logits[0, len(ids) - 1:]
     tie = compare_greedy(reference, ours.token_ids, logits)
-    text = pipe(EOT + prompt, max_new_tokens=NEW_TOKENS, do_sample=False, return_full_text=False)[0]["generated_text"]
+    text = pipe(EOT + prompt, max_new_tokens=NEW_TOKENS, return_full_text=False, **plain)[0]["generated_text"]
     if tie is not None:
         warnings.warn(f"greedy outputs agree for {tie} tokens, then part at a near-tie (gap < {NEAR_TIE})", stacklevel=1)
         return

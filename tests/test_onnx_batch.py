@@ -10,11 +10,13 @@ from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
 
 # fp32: float noise (a padded row's softmax runs over more slots, the masked ones exactly zero). int8: the graph's
-# DynamicQuantizeLinear takes ONE activation scale per tensor, i.e. over every row of the batch, so a row's logits
-# move with its companions' activations. That movement is bounded against the int8 model's own error: a quarter of
-# the largest int8-vs-fp32 logit gap of the same prompts decoded one at a time (on the tiny bundle the gap is ~0.46,
-# the batch movement ~0.05-0.07; a fixed 5e-2 failed whenever the fixture's weights moved).
-FP32_TOL, INT8_SHARE = 2e-5, 0.25
+# DynamicQuantizeLinear takes ONE activation scale per tensor, i.e. over every row of the batch, so a row's
+# activations are quantized on its companions' (coarser) grid and its logits move by quantization noise of the same
+# kind as int8's own error against fp32, scaled by how much wider the batch's range is than the row's. The bound is
+# twice the int8 model's own largest logit error on the same prompts decoded one at a time, measured in this module
+# (the fixture's gap has been 0.013-0.46 as its weights moved; the batch movement 0.006-0.07, up to 1.5x the gap):
+# padding or a cache that leaked between rows moves logits by O(1), far past it.
+FP32_TOL, INT8_SHARE = 2e-5, 2.0
 PROMPTS = ([0], [0, 5, 9], [0, 17, 33, 4, 81, 250, 7], [0] + list(range(40, 52)))
 
 
