@@ -216,3 +216,19 @@ def test_estimate_matches_the_measured_cpu_peak(name):
     target = P.Target("cpu", "this CPU", 2**40, 1e11, baseline_bytes=baseline)
     est = target.plan(mm, cfg.train.micro_batch_size, compiled=False).process_bytes
     assert 0.75 * measured <= est <= 1.25 * measured, (est / 2**30, measured / 2**30)
+
+
+def test_newton_schulz_flops_equal_torch_muons_own_count():
+    """The planner's Muon cost equals what torch.utils.flop_counter counts for torch.optim.Muon's own Newton–Schulz
+    on every hidden matrix of the model."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.optim import is_muon_matrix
+
+    model = P._meta_model(FIXTURE)
+    with FlopCounterMode(display=False) as counter:
+        for name, p in model.named_parameters():
+            if is_muon_matrix(name, p):
+                _zeropower_via_newtonschulz(torch.zeros(p.shape), (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert P.newton_schulz_flops(FIXTURE) == counter.get_total_flops() > 0

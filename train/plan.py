@@ -462,7 +462,18 @@ def largest_micro_batch(
     return best
 
 
-def step_time(plan: Plan, cfg: ModelConfig, target: Target | GPU, tokens_per_step: int) -> tuple[float, float | None]:
+def newton_schulz_flops(cfg: ModelConfig, steps: int = 5) -> float:
+    """FLOPs of Muon's orthogonalisation in one optimizer step (torch.optim.Muon: ``steps`` quintic Newton–Schulz
+    iterations per hidden matrix, Jordan et al. 2024): for an ``m × n`` matrix with ``m ≤ n`` each iteration forms
+    ``A = X Xᵀ`` (2m²n), ``A·A`` (2m³) and ``B·X`` (2m²n). Independent of the batch: amortised over the step's tokens."""
+    h, kv, i = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # q, k, v, o, gate, up, down
+    per_layer = sum(steps * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for a, b in shapes)
+    return float(cfg.num_hidden_layers * per_layer)
+
+
+def step_time(plan: Plan, cfg: ModelConfig, target: Target | GPU, tokens_per_step: int,
+              optimizer: str = "adamw") -> tuple[float, float | None]:
     """(seconds per optimizer step, MFU) for ``tokens_per_step`` tokens on ``target`` (a :class:`Target` or a
     :class:`GPU`; see the module doc). On a CPU: the model FLOPs at the measured matmul rate (a lower bound: the
     rest of the step is not counted) and no MFU.
@@ -472,8 +483,9 @@ def step_time(plan: Plan, cfg: ModelConfig, target: Target | GPU, tokens_per_ste
     model FLOPs only (PaLM), so recomputation lowers it."""
     if isinstance(target, GPU):
         target = gpu_target(target)
+    ns = newton_schulz_flops(cfg) if optimizer == "muon" else 0.0  # Muon: in bf16, at the matmul efficiency
     if target.kind == "cpu":
-        return plan.flops_per_token * tokens_per_step / target.flops, None
+        return (plan.flops_per_token * tokens_per_step + ns) / target.flops, None
     attn = 12.0 * cfg.num_hidden_layers * cfg.hidden_size * plan.seq_len
     dense = plan.flops_per_token - attn + 2.0 * cfg.hidden_size * cfg.vocab_size  # + the loss chunks' recompute
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
@@ -481,6 +493,7 @@ def step_time(plan: Plan, cfg: ModelConfig, target: Target | GPU, tokens_per_ste
     dense += plan.checkpointed_layers * 2.0 * layer_weights
     attn += plan.checkpointed_layers * 4.0 * h * plan.seq_len
     compute = tokens_per_step * (dense / (target.flops * ETA_MATMUL) + attn / 2 / (target.flops * ETA_ATTENTION))
+    compute += ns / (target.flops * ETA_MATMUL)
     traffic = plan.activation_traffic_per_token * tokens_per_step + 4 * (plan.param_bytes * 4)
     seconds = compute + traffic / target.bandwidth
     return seconds, plan.flops_per_token * tokens_per_step / (seconds * target.flops)
@@ -543,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         if global_tokens % (micro * t.seq_len):
             continue
         pl = target.plan(mm, micro, compiled, *ac)
-        secs, mfu = step_time(pl, mcfg, target, global_tokens)
+        secs, mfu = step_time(pl, mcfg, target, global_tokens, t.optimizer)
         fits = pl.process_bytes <= target.usable_bytes
         mark = " ← config" if micro == t.micro_batch_size else ""
         if micro == t.micro_batch_size:
@@ -561,6 +574,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{max(1, math.ceil(global_tokens / max(best * t.seq_len, 1)))} for the same global batch)"
         + ("; peak = tensors + " + " + ".join(k.replace("_", " ") for k in extra) + " (see python -m train.plan --help)")
     )
+    if t.optimizer == "muon":
+        ns = newton_schulz_flops(mcfg)
+        eta = ETA_MATMUL if target.kind == "cuda" else 1.0
+        print(f"Muon: Newton–Schulz {ns / 1e12:.2f} TFLOP an optimizer step, ≈ {ns / (target.flops * eta):.3f} s of "
+              f"the step time above; its state is one momentum buffer per hidden matrix (AdamW's: two moments)")
     if configured is None:
         configured = target.plan(mm, t.micro_batch_size, compiled, *ac)
     if configured.process_bytes > target.usable_bytes:
