@@ -53,22 +53,24 @@ def prepared_cache(tmp_path_factory):
     return tmp, cache
 
 
-def test_two_ranks_match_one_process(prepared_cache):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_ranks_match_one_process(prepared_cache, optimizer):
     tmp, cache = prepared_cache
-    one = _run(_args(tmp, cache, "one", **{"train.max_steps": 4}), nproc=1)
+    kw = {"train.max_steps": 4, "train.optimizer": optimizer}
+    one = _run(_args(tmp, cache, f"one-{optimizer}", **kw), nproc=1)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _run(_args(tmp, cache, "two", **{"train.max_steps": 4}), nproc=2)
+    two = _run(_args(tmp, cache, f"two-{optimizer}", **kw), nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "× 1 accum × 2 ranks" in two.stderr  # grad_accum 2 split across 2 ranks: the global batch is kept
-    wa, wb = _weights(tmp / "runs" / "one"), _weights(tmp / "runs" / "two")
+    wa, wb = _weights(tmp / "runs" / f"one-{optimizer}"), _weights(tmp / "runs" / f"two-{optimizer}")
     moved = max(float((wa[k] - _weights_init(tmp, cache)[k]).abs().max()) for k in wa)
     assert moved > 1e-3  # the weights did move, so agreement means something
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert worst < 1e-5, f"max |Δw| {worst}"
     # only rank 0 wrote: one metrics file, one set of rows per step
-    rows = (tmp / "runs" / "two" / "metrics.jsonl").read_text().splitlines()
+    rows = (tmp / "runs" / f"two-{optimizer}" / "metrics.jsonl").read_text().splitlines()
     assert sum('"kind": "train"' in r for r in rows) == 4
-    assert '"world_size": 2' in (tmp / "runs" / "two" / "summary.json").read_text()
+    assert '"world_size": 2' in (tmp / "runs" / f"two-{optimizer}" / "summary.json").read_text()
 
 
 _INIT: dict = {}

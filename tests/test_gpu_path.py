@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.conftest import fast_config
 from train.device import choose_sdpa_backend
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, causal_lm_loss, chunked_lm_loss
+from train.optim import build_optimizer
 from train.run import Trainer, TrainError
 
 QUIET = {"log": lambda m: None}
@@ -50,7 +51,7 @@ def gloo_one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
-def _training_run(backend: str, activation_checkpoint: str = "none"):
+def _training_run(backend: str, activation_checkpoint: str = "none", optimizer: str = "adamw"):
     """Compile + bf16 autocast + fused AdamW + DDP(gloo, the run's settings), accumulation with no_sync, over steps
     whose last micro-batch is short; returns (graphs at warm-up, graphs after, losses)."""
     torch._dynamo.reset()
@@ -59,7 +60,8 @@ def _training_run(backend: str, activation_checkpoint: str = "none"):
     step_model.compile_blocks(4, backend=backend)
     # static_graph stays off with no_sync accumulation (the reducer asserts: expect_autograd_hooks_), as in train.run
     ddp = DDP(step_model, bucket_cap_mb=100, broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if optimizer == "adamw" else
+           build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), optimizer=optimizer))
     data = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(1))
     g0 = counters["stats"]["unique_graphs"]
     with torch.autocast(**BF16):  # warm-up at the training micro-batch, on the unwrapped module
@@ -98,6 +100,13 @@ def test_compiled_step_with_selective_activation_checkpointing(gloo_one_rank):
     assert (warm, after) == (3, 0)  # plain layer, checkpointed layer, head + loss
     _, _, plain = _training_run("aot_eager")
     assert losses == pytest.approx(plain, rel=1e-3)
+
+
+def test_compiled_step_with_muon_no_recompiles(gloo_one_rank):
+    """Muon steps outside the compiled graphs: the same 2 graphs, 0 recompiles, finite losses that fall."""
+    warm, after, losses = _training_run("aot_eager", optimizer="muon")
+    assert (warm, after) == (2, 0)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
 @pytest.mark.slow
