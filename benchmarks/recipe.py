@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from train import compression  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.data import prepare  # noqa: E402
@@ -59,12 +60,16 @@ def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_ev
         if trainer.step != steps:  # stopped by a signal: a partial run must not enter the comparison
             raise SystemExit(f"recipe: the {recipe} run at lr {lr:g} stopped at step {trainer.step} of {steps}")
         rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((trainer.run_dir / "summary.json").read_text())
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     evals = [{"step": r["step"], "tokens": r["tokens"], "val": r["val"]} for r in rows if r["kind"] == "eval"]
     tps = [r["tokens_per_s"] for r in rows if r["kind"] == "train"][1:]  # the first window holds the warm-up
+    shares = [x["distinct_sampled"] for x in summary.get("samples", []) if x.get("distinct_sampled") is not None]
     return {"recipe": recipe, "lr": lr, "seed": seed, "evals": evals, "wall_s": wall,
-            "tokens_per_s": statistics.median(tps) if tps else None}
+            "tokens_per_s": statistics.median(tps) if tps else None,
+            "final_bpc": {k: v["bpc"] for k, v in (summary.get("val_sources") or {}).items()},
+            "distinct_sampled": statistics.mean(shares) if shares else None}
 
 
 def run_side_by_side(preset: str, recipes: list[str], lr: float, seed: int, steps: int, eval_every: int) -> list[dict]:
@@ -212,8 +217,10 @@ def main(argv=None) -> int:
     partial = out / f"recipe-{args.preset}.partial.json"  # every finished run, so an interrupted grid resumes
     runs = json.loads(partial.read_text())["runs"] if args.resume and partial.exists() else []
     done = {(r["seed"], r["lr"], r["recipe"]) for r in runs}
-    # tokenizer and shards once, here, so the side-by-side children only read the cache
-    prepare(load_config(args.preset, [f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"]))
+    # tokenizer, shards and the compressor floor once, here, so the side-by-side children only read the cache
+    base_cfg = load_config(args.preset, [f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"])
+    prepare(base_cfg)
+    floor = compression.measure(base_cfg)
     t0, n_new = time.time(), 0
 
     def run(todo: list[tuple[int, float, str]]) -> None:
@@ -238,7 +245,7 @@ def main(argv=None) -> int:
     best = best_lrs(runs, args.seeds[0])
     run([(seed, best[rec], rec) for seed in args.seeds[1:] for rec in RECIPES])
     res = {"preset": args.preset, "steps": args.steps, "lrs": args.lrs, "seeds": args.seeds,
-           "date": time.strftime("%Y-%m-%d"), "runs": runs}
+           "date": time.strftime("%Y-%m-%d"), "runs": runs, "floor": floor}
     res["summary"] = summarise(runs, args.seeds[0])
     atomic_write_json(out / f"recipe-{args.preset}.json", res)
     plot(res, out / f"recipe-{args.preset}.png")
