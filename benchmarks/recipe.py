@@ -200,6 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1337, 7],
                    help="the grid runs on the first; the best lr of each recipe is confirmed on the others")
     p.add_argument("--resume", action="store_true", help="keep the finished runs of an interrupted grid")
+    p.add_argument("--pairs", type=int, default=None,
+                   help="stop after this many new side-by-side pairs (run a long grid in pieces with --resume)")
     p.add_argument("--one", choices=list(RECIPES), help=argparse.SUPPRESS)  # a child of run_side_by_side
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -230,6 +232,8 @@ def main(argv=None) -> int:
             if (seed, lr, rec) not in done:
                 pairs.setdefault((seed, lr), []).append(rec)
         for i, ((seed, lr), recs) in enumerate(pairs.items()):
+            if args.pairs is not None and n_new >= args.pairs:
+                raise SystemExit(f"recipe: stopped after {n_new} new pair(s) (--pairs); continue with --resume")
             for r in run_side_by_side(args.preset, recs, lr, seed, args.steps, args.eval_every):
                 runs.append(r)
                 done.add((seed, lr, r["recipe"]))
