@@ -63,6 +63,7 @@ from export.errors import ExportError, run_cli
 from export.modelfile import MODELFILE, write_modelfile
 from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
 from train.atomic import atomic_path, clean_stale
+from train.tokenizer import PRETOKENIZER
 from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, identify
 
 __all__ = ["TYPES", "APPROXIMATE_PRE", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "export_gguf",
@@ -96,7 +97,7 @@ def llama_cpp_pre(tokenizer_json: Path, approximate: bool = False) -> tuple[str,
             raise PretokenizerError(
                 f"{tokenizer_json}: made with Shalik's tokenizer format 2, whose split llama.cpp has no name for "
                 f"(the nearest, {APPROXIMATE_PRE!r}, splits digits one per token and breaks words at ZWJ/ZWNJ). "
-                "Retrain (tokenizer format 3 splits as llama.cpp's deepseek-v3), or pass "
+                f"Retrain (tokenizer format 3 splits as llama.cpp's {PRETOKENIZER.name}), or pass "
                 "--approximate-pretokenizer and feed llama.cpp the token ids of the bundle's tokenizer.json")
         return APPROXIMATE_PRE, f"approximate:{APPROXIMATE_PRE}"
     if split is None:
