@@ -290,15 +290,17 @@ def _usage_section(bundle_name: str, has_int8: bool) -> list[str]:
     ]
 
 
-def _runtimes_section(bundle_name: str, tokenizer_json: dict | None) -> list[str]:
-    """Sampling defaults and how to run the bundle in llama.cpp, Ollama and LM Studio (GGUF)."""
-    d = sampling_defaults()
-    out = ["## Sampling defaults and other runtimes", "",
-           f"Shalik's server samples with temperature {d['temperature']:g}, top-k "
-           f"{d['top_k'] or 'off'}, top-p {d['top_p']:g}, repetition penalty {d['repetition_penalty']:g} "
-           f"(off), presence and frequency penalties {d['presence_penalty']:g} and at most "
-           f"{d['max_new_tokens']} new tokens unless a request says otherwise (temperature 0 is greedy). The "
-           f"`{MODELFILE}` that `python -m export.gguf` writes gives Ollama the same defaults.", ""]
+def _runtimes_section(bundle_name: str, src: Source) -> list[str]:
+    """Default sampling and how to run the bundle in llama.cpp, Ollama and LM Studio (GGUF)."""
+    d = sampling_defaults(src.ckpt)
+    how = ("greedy (temperature 0)" if d["temperature"] == 0 else
+           f"temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p']:g}, repetition "
+           f"penalty {d['repetition_penalty']:g}")
+    out = ["## Default sampling and other runtimes", "",
+           f"Default sampling (`generation_config.json`; `python -m serve.generate` uses it): {how}, at most "
+           f"{d['max_new_tokens']} new tokens. The `{MODELFILE}` that `python -m export.gguf` writes gives Ollama "
+           "the same.", ""]
+    tokenizer_json = src.read_json(TOKENIZER)
     split = identify(tokenizer_json) if tokenizer_json else None
     if split is None or not split.name:
         return out + ["This bundle's tokenizer splits text in a way llama.cpp has no name for (Shalik tokenizer "
@@ -336,7 +338,7 @@ def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str
     lines += benchmark_section(src.sha256, src.step, read_eval_results(eval_results))
     lines += _limits_section(src)
     lines += _usage_section(bundle_name, bool(manifest.get("int8")))
-    lines += _runtimes_section(bundle_name, src.read_json(TOKENIZER))
+    lines += _runtimes_section(bundle_name, src)
     lines += ["## Files and parity", "",
               f"`{ONNX}` (+ `{external_data(ONNX)}`) was exported by the {manifest.get('exporter')} exporter at opset "
               f"{manifest.get('opset')} in {manifest.get('dtype')}; `{WEIGHTS}` is the checkpoint's file. "

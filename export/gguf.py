@@ -30,7 +30,7 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   ZWJ/ZWNJ), recorded as ``shalik.pretokenizer`` = ``approximate:qwen35``; users must then feed llama.cpp the
   token ids of the bundle's tokenizer.json. A split or normalizer llama.cpp has no name for is refused.
 * beside the GGUF, an Ollama ``Modelfile`` (``export.modelfile``: ``FROM`` it, a raw template, the ``<|endoftext|>``
-  stop, Shalik's server's sampling defaults, the context length) when the tokenizer is exact; an existing
+  stop, the bundle's default sampling from generation_config.json, the context length) when the tokenizer is exact; an existing
   Modelfile Shalik did not write is left alone.
 * :func:`write_vocab_gguf` writes the tokenizer alone (llama.cpp loads it with ``vocab_only``), to check llama.cpp's
   tokenization without a model.
@@ -332,7 +332,7 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
                                          else "an approximation: feed llama.cpp our token ids)"))
     if exact:
         try:
-            mf = write_modelfile(out, cfg.max_position_embeddings, log)
+            mf = write_modelfile(out, bundle, cfg.max_position_embeddings, log)
         except OSError as e:
             raise ExportError(f"wrote {out}, but cannot write its {MODELFILE}: {e.strerror or e}") from None
         if mf is not None:

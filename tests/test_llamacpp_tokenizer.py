@@ -126,10 +126,14 @@ def test_gguf_names_the_split_without_flags_and_writes_a_modelfile(bundle, tmp_p
     lines = text.splitlines()
     assert lines[0] == HEADER and "FROM ./model-f32.gguf" in lines
     assert 'TEMPLATE """{{ .Prompt }}"""' in lines and 'PARAMETER stop "<|endoftext|>"' in lines
-    d = sampling_defaults()
+    d = sampling_defaults(b)   # the bundle's generation_config.json
+    gc = json.loads((b / "generation_config.json").read_text())
+    assert d["max_new_tokens"] == gc["max_new_tokens"]
+    assert (d["temperature"], d["top_p"]) == ((gc["temperature"], gc["top_p"]) if gc.get("do_sample") else (0.0, 1.0))
     ctx = json.loads((b / "config.json").read_text())["max_position_embeddings"]
     assert f"PARAMETER num_ctx {ctx}" in lines and f"PARAMETER num_predict {d['max_new_tokens']}" in lines
-    assert f"PARAMETER temperature {d['temperature']:g}" in lines and "PARAMETER top_k 0" in lines
+    assert f"PARAMETER temperature {d['temperature']:g}" in lines and f"PARAMETER top_k {d['top_k']}" in lines
+    assert f"PARAMETER repeat_penalty {d['repetition_penalty']:g}" in lines
     assert "ollama create" in capsys.readouterr().out
     # a Modelfile Shalik did not write is never overwritten
     (b / MODELFILE).write_text("FROM llama3\n")
