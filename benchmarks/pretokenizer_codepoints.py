@@ -50,7 +50,7 @@ static bool record(std::string & out) {  // "<n>\n<n bytes>"
     out.resize(n);
     return fread(&out[0], 1, n, stdin) == n;
 }
-int main() {  // first record: the regexes, separated by \x1f; then texts; prints pieces (\x1f) per text (\x1e)
+int main() {  // first record: the regexes, separated by \x1f; then texts; prints "<pieces>\n" then each piece as a record
     std::string r, t;
     if (!record(r)) return 1;
     std::vector<std::string> regs;
@@ -59,11 +59,11 @@ int main() {  // first record: the regexes, separated by \x1f; then texts; print
     regs.push_back(r.substr(p));
     while (record(t)) {
         auto pieces = unicode_regex_split(t, regs, false);
-        for (size_t i = 0; i < pieces.size(); i++) {
-            if (i) fputc('\x1f', stdout);
-            fwrite(pieces[i].data(), 1, pieces[i].size(), stdout);
+        printf("%zu\n", pieces.size());
+        for (const auto & piece : pieces) {
+            printf("%zu\n", piece.size());
+            fwrite(piece.data(), 1, piece.size(), stdout);
         }
-        fputc('\x1e', stdout);
     }
     return 0;
 }
@@ -72,6 +72,22 @@ int main() {  // first record: the regexes, separated by \x1f; then texts; print
 
 def context(c: str) -> str:
     return f"a{c}b {c}{c}1{c} {c}\nক{c}।{c}~{c}  {c}"
+
+
+def parse(out: bytes) -> list[list[bytes]]:
+    """The shim's output: per text, a count line, then each piece as ``<length>\\n<bytes>``."""
+    texts, pos = [], 0
+    while pos < len(out):
+        nl = out.index(b"\n", pos)
+        n, pos = int(out[pos:nl]), nl + 1
+        pieces = []
+        for _ in range(n):
+            nl = out.index(b"\n", pos)
+            size, pos = int(out[pos:nl]), nl + 1
+            pieces.append(out[pos:pos + size])
+            pos += size
+        texts.append(pieces)
+    return texts
 
 
 def build_shim(folder: Path) -> Path:
@@ -106,11 +122,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="codepoints-") as tmp:
         shim = build_shim(Path(tmp))
         out = subprocess.run([str(shim)], input=bytes(payload), capture_output=True, check=True).stdout
-    theirs = out.split(b"\x1e")[:-1]
+    theirs = parse(out)
     print(f"llama.cpp split {len(theirs):,} strings in {time.time() - t0:.0f} s", flush=True)
     bad = []
     for i, (t, th) in enumerate(zip(texts, theirs, strict=True)):
-        if [t[a:b].encode() for _, (a, b) in ours.pre_tokenize_str(t)] != th.split(b"\x1f"):
+        if [t[a:b].encode() for _, (a, b) in ours.pre_tokenize_str(t)] != th:
             bad.append(cps[i])
         if i % 200_000 == 0:
             print(f"compared {i:,} / {len(texts):,}", flush=True)

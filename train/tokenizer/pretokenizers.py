@@ -12,10 +12,10 @@ engine of ``tokenizers``' ``Split``) where the two engines read the same text di
   matches is a piece of its own. That is a ``Sequence`` of ``Split(regex, behavior="isolated")``.
 * A regex with ``\\p{..}`` runs on a copy of the text where each non-ASCII code point is replaced by one byte
   for its class (whitespace, letter, number, punctuation, mark, symbol, other) from llama.cpp's own Unicode
-  tables; ASCII stays as is and ``\\p{..}`` covers, for ASCII, only: L ``A-Za-z``, N ``0-9``, P
-  ``!"#%&'()*,-./:;?@[\\]_{}``, S ``$+<=>^`|``. ``~`` (U+007E, Unicode Sm) is in none of them, so llama.cpp's
-  ``\\p{S}`` is written ``[\\p{S}&&[^~]]`` here. ``\\p{Lu}``, ``\\p{Ll}``, ``\\p{Lo}`` … all mean "any letter"
-  there (one class byte for all letters), so they are written ``\\p{L}``.
+  tables; ASCII stays as is and ``\\p{..}`` covers, for ASCII: L ``A-Za-z``, N ``0-9``, P
+  ``!"#%&'()*,-./:;?@[\\]_{}``, S ``$+<=>^`|~``, as Unicode does. (``~`` joined S in llama.cpp PR 26972, August
+  2026; an older llama.cpp splits ``~`` next to a non-ASCII letter differently.) ``\\p{Lu}``, ``\\p{Ll}``,
+  ``\\p{Lo}`` … all mean "any letter" there (one class byte for all letters), so they are written ``\\p{L}``.
 * ``\\s`` is C's ``isspace`` on ASCII (tab, LF, VT, FF, CR, space) plus every non-ASCII code point llama.cpp's
   table calls whitespace: Oniguruma's ``\\s`` (Unicode White_Space) is the same set.
 * Case-insensitive groups are spelled out (``'[sS]``), as llama.cpp does (``(?i:'s)`` would also match
@@ -26,7 +26,8 @@ engine of ``tokenizers``' ``Split``) where the two engines read the same text di
 ``clean_spaces`` is what llama.cpp sets for the name: True means its ``llama_detokenize`` removes a space before
 ``? ! . ,`` and around apostrophes, which Shalik's decoder never does (text out would differ). ``ignore_merges``
 is llama.cpp's flag of the same name (a piece that is itself a token is not merged), which ``tokenizers``' BPE
-model has too. Where the table and llama.cpp disagree, ``tests/test_llamacpp_tokenizer.py`` (slow) says so.
+model has too. ``tests/test_llamacpp_tokenizer.py`` (slow) compares llama.cpp's ids with each entry's;
+``benchmarks/pretokenizer_codepoints.py`` compares Shalik's split with llama.cpp's pieces for every code point.
 """
 
 from __future__ import annotations
@@ -65,10 +66,9 @@ class Pretokenizer:
 
 
 _C = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"   # English contractions, as llama.cpp spells them
-_S = "[\\p{S}&&[^~]]"   # llama.cpp's \p{S} (no '~')
 _ASCII_PUNCT = "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~]"
 _DEEPSEEK_CJK = "[\\x{4E00}-\\x{9FA5}\\x{3040}-\\x{309F}\\x{30A0}-\\x{30FF}]+"
-_DEEPSEEK_MAIN = (f"{_ASCII_PUNCT}[A-Za-z]+|[^\\r\\n\\p{{L}}\\p{{P}}{_S}]?[\\p{{L}}\\p{{M}}]+| ?[\\p{{P}}{_S}]+[\\r\\n]*"
+_DEEPSEEK_MAIN = (f"{_ASCII_PUNCT}[A-Za-z]+|[^\\r\\n\\p{{L}}\\p{{P}}\\p{{S}}]?[\\p{{L}}\\p{{M}}]+| ?[\\p{{P}}\\p{{S}}]+[\\r\\n]*"
                   "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 _BLOOM = " ?[^(\\s|.,!?\\x{2026}\\x{3002}\\x{FF0C}\\x{3001}\\x{964}\\x{6D4}\\x{60C})]+"
 
@@ -87,7 +87,7 @@ PRETOKENIZERS: dict[str, Pretokenizer] = {p.name: p for p in [
     Pretokenizer(
         "spark2_5",
         ("\\p{N}{1,3}", _DEEPSEEK_CJK,
-         f"{_ASCII_PUNCT}[A-Za-z]+|[^\\r\\n\\p{{L}}\\p{{P}}{_S}]?[\\p{{L}}\\p{{M}}]+| ?[\\p{{P}}{_S}]+|[\\r\\n]"
+         f"{_ASCII_PUNCT}[A-Za-z]+|[^\\r\\n\\p{{L}}\\p{{P}}\\p{{S}}]?[\\p{{L}}\\p{{M}}]+| ?[\\p{{P}}\\p{{S}}]+|[\\r\\n]"
          "|\\s+(?!\\S)|\\s+", "\\p{N}"),
         digits="1", note="deepseek-v3's split, then every digit alone"),
     Pretokenizer(
@@ -190,5 +190,5 @@ SCRIPT_EDGES: dict[str, str] = {
     "emoji": "ভালো 🙂👍🏽 লাগল ❤️ 🇧🇩 ok👌",
     "spaces and newlines": "এক  দুই   তিন\n\n\nচার \t পাঁচ\r\n\r\n   \n   ছয়    ",
     "<|endoftext|> in text": "প্রথম<|endoftext|>দ্বিতীয় <|endoftext|> third<|pad|>end",
-    "punctuation": "“উদ্ধৃতি” — ‘single’ … (বন্ধনী) [x] {y} ~ ^_^ ~~ a~b",
+    "punctuation": "“উদ্ধৃতি” — ‘single’ … (বন্ধনী) [x] {y} ~ ^_^ ~~ a~b ~কথা $১০",
 }
