@@ -308,7 +308,8 @@ def _runtimes_section(bundle_name: str, src: Source) -> list[str]:
                       "be fed the token ids of `tokenizer.json`, not text.", ""]
     return out + [
         f"The tokenizer splits text exactly as llama.cpp's `{split.name}` pre-tokenizer, so a GGUF of this bundle "
-        "tokenizes text as training did in llama.cpp, Ollama and LM Studio:",
+        "tokenizes text as training did in llama.cpp, Ollama and LM Studio (a llama.cpp older than August 2026 "
+        "differs only where `~` touches a non-ASCII letter):",
         "",
         "```sh",
         f"python -m export.gguf {bundle_name} --type q8_0        # model-q8_0.gguf and a {MODELFILE}",

@@ -98,7 +98,8 @@ def test_train_tokenizer_saves_the_exact_split():
 
 def test_digits_and_joiners_split_as_llama_cpp_names_it(fixture_tok):
     """deepseek-v3: numbers in pieces of at most three digits (no leading space), ZWJ/ZWNJ start the next piece
-    (kept with the virama after them, never dropped), a word keeps its marks."""
+    (kept with the virama after them, never dropped), a word keeps its marks, punctuation and symbols take one
+    leading space."""
     tok = load_tokenizer(fixture_tok)
 
     def pieces(t):
@@ -109,6 +110,8 @@ def test_digits_and_joiners_split_as_llama_cpp_names_it(fixture_tok):
     assert pieces("র\u200d্যাব") == ["র", "\u200d্যাব"]
     assert pieces("ক্\u200cষ") == ["ক্", "\u200cষ"]
     assert pieces("বাংলায় গান") == ["বাংলায়", " গান"]
+    # '~' is a symbol, as in llama.cpp since PR 26972 (Aug 2026; measured with llama.cpp's own split)
+    assert pieces("a~~b ~কথা $১০") == ["a", "~~", "b", " ~", "কথা", " $", "১০"]
 
 
 # ---------------------------------------------------------------- the GGUF: name, BOS, refusals, Modelfile
