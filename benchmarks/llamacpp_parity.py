@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.pretokenizers import not_nfc  # noqa: E402
 from export.gguf import export_gguf  # noqa: E402
 from export.llamacpp_check import GREEDY_PROMPTS, greedy_text_agreement, token_agreement  # noqa: E402
+from serve.bundle import TOKENIZER  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
 from train.fertility import split_docs  # noqa: E402
 from train.tokenizer.pretokenizers import SCRIPT_EDGES  # noqa: E402
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     val = [d.text for d in split_docs(files, "val", args.val_fraction)]
     counts, raw_val = not_nfc(files, args.val_fraction)
     edges = list(SCRIPT_EDGES.values())
-    tj = bundle / "tokenizer.json"
+    tj = bundle / TOKENIZER
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="llamacpp-parity-") as tmp:
         gguf = export_gguf(bundle, Path(tmp) / "model-f32.gguf", "f32", log=lambda m: None)

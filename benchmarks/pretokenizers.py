@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from serve.bundle import TOKENIZER  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
 from train.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
@@ -86,33 +87,17 @@ def not_nfc(files: list[str], val_fraction: float) -> tuple[dict, list[str]]:
 
 
 def llama_cpp_agreement(tok_dir: Path, texts: list[str], approximate: bool, nfc: bool = True) -> dict | None:
-    """{"equal": n, "total": n, "tokens": ours, "tokens_llama_cpp": theirs, "first_difference": text or None} of
-    llama.cpp's ids (vocabulary-only GGUF, ``parse_special``) against tokenizers' on ``texts`` (NFC-normalised
-    first when ``nfc``; tokenizers normalises either way); None without llama-cpp-python."""
+    """:func:`export.llamacpp_check.token_agreement` of a tokenizer folder's vocabulary-only GGUF (as a dict), or
+    None without llama-cpp-python."""
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: F401
     except ImportError:
         return None
-    from tokenizers import Tokenizer
-
     from export.gguf import write_vocab_gguf
+    from export.llamacpp_check import token_agreement
 
     path = write_vocab_gguf(tok_dir, tok_dir / "vocab.gguf", approximate_pretokenizer=approximate)
-    lc = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    ours = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    equal, first, n_ours, n_theirs = 0, None, 0, 0
-    for t in texts:
-        t = unicodedata.normalize("NFC", t) if nfc else t
-        theirs = lc.tokenize(t.encode("utf-8"), add_bos=False, special=True)
-        mine = ours.encode(t, add_special_tokens=False).ids
-        n_ours, n_theirs = n_ours + len(mine), n_theirs + len(theirs)
-        if theirs == mine:
-            equal += 1
-        elif first is None:
-            first = t[:80]
-    lc.close()
-    return {"equal": equal, "total": len(texts), "tokens": n_ours, "tokens_llama_cpp": n_theirs,
-            "first_difference": first}
+    return token_agreement(path, tok_dir / TOKENIZER, texts, nfc=nfc).as_dict()
 
 
 def split_throughput(splits: list, texts: list[str], rounds: int = 5) -> list[float]:

@@ -116,8 +116,8 @@ def greedy_text_agreement(gguf_path: str | Path, bundle: str | Path, prompts: li
                           max_new_tokens: int = 32, near_tie: float = 1e-3) -> list[GreedyResult]:
     """Greedy text-in/text-out for ``prompts`` (``(lang, text)``) through llama.cpp (f32 KV cache, one thread)
     and through ``serve.load(bundle)`` (onnx, fp32). Raises ImportError without llama-cpp-python."""
-    from export.gguf import LlamaCppBackend
     from serve import load
+    from serve.backends.llamacpp import LlamaCppBackend
 
     lm = load(bundle, backend="onnx", threads=1)
     lc = LlamaCppBackend(gguf_path, threads=1)
