@@ -448,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="exit codes: 0 done, 2 bad input, 130 interrupted")
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle folder written by python -m export.onnx")
     p.add_argument("--out", default=None, help="output file (default: BUNDLE/model-<type>.gguf)")
-    p.add_argument("--type", default="f32", choices=TYPES, help="2-D weight type (default: f32; norms stay f32)")
+    p.add_argument("--type", default="f32", metavar="|".join(TYPES),  # checked by export_gguf: a one-line error
+                   help="2-D weight type (default: f32; norms stay f32)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.add_argument("--approximate-pretokenizer", action="store_true",
                    help=f"only for a bundle made with tokenizer format 2, which llama.cpp cannot split exactly: write "
