@@ -32,7 +32,8 @@ from train.corpus import list_input_files  # noqa: E402
 from train.data import build_shards, ensure_tokenizer  # noqa: E402
 from train.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
 from train.inputs import scan_inputs  # noqa: E402
-from train.tokenizer import BASELINE_PATTERN, save_tokenizer, train_tokenizer  # noqa: E402
+from train.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+from train.tokenizer.pretokenizers import BASELINE  # noqa: E402
 from train.tokenizer_sample import sample_texts  # noqa: E402
 
 ANCHORS = ["gpt2", "llama2", "mistral-v0.3", "gpt-neox-20b", "bnlp-bangla-spm", "bangla-bert-base"]
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.time()
         make_iter, stats = sample_texts(files, ["bn", "en"], {"bn": 0.5, "en": 0.5}, 14_000_000, cfg.data.val_fraction)
-        base = train_tokenizer(make_iter(), 32000, 2, pattern=BASELINE_PATTERN)
+        base = train_tokenizer(make_iter(), 32000, 2, split=BASELINE)
         save_tokenizer(base, work / "baseline")
         base_s = time.time() - t0
         print(f"baseline trained in {base_s:.1f} s on {stats}", flush=True)

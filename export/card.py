@@ -14,10 +14,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from export.modelfile import MODELFILE, sampling_defaults
 from export.parity import format_table
 from export.source import Source
-from serve.bundle import CARD, EOT, MANIFEST, ONNX, ONNX_INT8, PAD, WEIGHTS, external_data, read_manifest, rehash
+from serve.bundle import (
+    CARD,
+    EOT,
+    MANIFEST,
+    ONNX,
+    ONNX_INT8,
+    PAD,
+    TOKENIZER,
+    WEIGHTS,
+    external_data,
+    read_manifest,
+    rehash,
+)
 from train.atomic import atomic_write_text
+from train.tokenizer.pretokenizers import identify
 
 EVAL_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "eval.json"
 EVAL_BEGIN = "<!-- shalik-eval: written from benchmarks/results/eval.json -->"
@@ -276,6 +290,42 @@ def _usage_section(bundle_name: str, has_int8: bool) -> list[str]:
     ]
 
 
+def _runtimes_section(bundle_name: str, src: Source) -> list[str]:
+    """Default sampling and how to run the bundle in llama.cpp, Ollama and LM Studio (GGUF)."""
+    d = sampling_defaults(src.ckpt)
+    how = ("greedy (temperature 0)" if d["temperature"] == 0 else
+           f"temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p']:g}, repetition "
+           f"penalty {d['repetition_penalty']:g}")
+    out = ["## Default sampling and other runtimes", "",
+           f"Default sampling (`generation_config.json`; `python -m serve.generate` uses it): {how}, at most "
+           f"{d['max_new_tokens']} new tokens. The `{MODELFILE}` that `python -m export.gguf` writes gives Ollama "
+           "the same.", ""]
+    tokenizer_json = src.read_json(TOKENIZER)
+    split = identify(tokenizer_json) if tokenizer_json else None
+    if split is None or not split.name:
+        return out + ["This bundle's tokenizer splits text in a way llama.cpp has no name for (Shalik tokenizer "
+                      "format 2), so its GGUF (`python -m export.gguf BUNDLE --approximate-pretokenizer`) must "
+                      "be fed the token ids of `tokenizer.json`, not text.", ""]
+    return out + [
+        f"The tokenizer splits text exactly as llama.cpp's `{split.name}` pre-tokenizer, so a GGUF of this bundle "
+        "tokenizes text as training did in llama.cpp, Ollama and LM Studio (a llama.cpp older than August 2026 "
+        "differs only where `~` touches a non-ASCII letter):",
+        "",
+        "```sh",
+        f"python -m export.gguf {bundle_name} --type q8_0        # model-q8_0.gguf and a {MODELFILE}",
+        f"ollama create shalik -f {bundle_name}/{MODELFILE} && ollama run shalik \"আমি বাংলায়\"",
+        f"llama-server -m {bundle_name}/model-q8_0.gguf --port 8080   # POST /completion",
+        "```",
+        "",
+        "**Normalise input to Unicode NFC** in those runtimes (Python: `unicodedata.normalize(\"NFC\", text)`): "
+        "they apply no normalisation, and Bangla has two spellings of ড় ঢ় য় and of ো ৌ, while the model saw NFC "
+        "only; text in another form tokenizes into pieces it never saw. Shalik's own runtimes (`serve.load`, the "
+        "server, `rust_runtime`) normalise for you. LM Studio: import the GGUF, choose no prompt template and "
+        "`<|endoftext|>` as the stop string.",
+        "",
+    ]
+
+
 def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str | Path | None = None) -> str:
     """The model card as Markdown. ``manifest`` supplies exporter, opset, dtype, parity, int8, eval and data;
     ``bundle_name`` is the path shown in the usage examples; ``eval_results`` is the benchmark results file
@@ -289,6 +339,7 @@ def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str
     lines += benchmark_section(src.sha256, src.step, read_eval_results(eval_results))
     lines += _limits_section(src)
     lines += _usage_section(bundle_name, bool(manifest.get("int8")))
+    lines += _runtimes_section(bundle_name, src)
     lines += ["## Files and parity", "",
               f"`{ONNX}` (+ `{external_data(ONNX)}`) was exported by the {manifest.get('exporter')} exporter at opset "
               f"{manifest.get('opset')} in {manifest.get('dtype')}; `{WEIGHTS}` is the checkpoint's file. "

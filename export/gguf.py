@@ -18,19 +18,26 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   attention.head_count_kv, rope.freq_base, attention.layer_norm_rms_epsilon, rope.dimension_count, vocab_size``.
   ``rope.freq_base`` is config.json's ``rope_theta`` (top level, else ``rope_parameters.rope_theta``); a config
   with neither is an error, never a silent 10000 (case X6).
-* tokenizer ``gpt2`` (byte-level BPE): tokens, merges, token types (specials CONTROL), bos/eos/pad ids and
-  add_bos/add_eos from tokenizer_config.json (both false: Shalik prepends ``<|endoftext|>`` itself).
-  ``tokenizer.ggml.pre``: llama.cpp hard-codes its pre-tokenizer regexes by name and none equals Shalik's
-  (tokenizer.json's Split regex after NFC). The nearest, ``qwen35`` (letter runs keep their combining marks, so
-  Bangla vowel signs stay with their consonant), still differs: digits split one per token (ours: up to three),
-  ZWJ/ZWNJ break a word (ours keep them inside it), and llama.cpp applies no NFC (precomposed nukta letters
-  tokenize differently). llama.cpp would then tokenize text differently from training, so the exporter
-  **refuses** unless ``--approximate-pretokenizer`` asks for that approximation; the GGUF then records it
-  (``shalik.pretokenizer`` = ``approximate:qwen35``, and the description) and users must feed llama.cpp the
-  token ids of the bundle's tokenizer.json (the benchmarks and tests do).
+* tokenizer ``gpt2`` (byte-level BPE): tokens, merges, token types (specials CONTROL), bos/eos/pad ids,
+  ``add_bos_token`` true (the bos id is ``<|endoftext|>``, which began every training document: llama.cpp then
+  prepends it to a prompt as ``serve`` does), ``add_eos_token`` false, and
+  ``tokenizer.ggml.pre``: the llama.cpp name of the bundle's split, found by comparing tokenizer.json's
+  pre-tokenizer with the one table ``train.tokenizer.pretokenizers`` (tokenizer format 3 splits exactly as one
+  of those names; ``shalik.pretokenizer`` = ``exact:<name>``). llama.cpp applies no NFC, so its ids equal the
+  bundle's for NFC text (the model card says what users of other runtimes must do). A bundle made with tokenizer
+  format 2 (ZWJ/ZWNJ inside words, 128-character pieces) has no equal: it is refused unless
+  ``--approximate-pretokenizer`` writes the nearest, ``qwen35`` (digits one per token, words broken at
+  ZWJ/ZWNJ), recorded as ``shalik.pretokenizer`` = ``approximate:qwen35``; users must then feed llama.cpp the
+  token ids of the bundle's tokenizer.json. A split or normalizer llama.cpp has no name for is refused.
+* beside the GGUF, an Ollama ``Modelfile`` (``export.modelfile``: ``FROM`` it, a raw template, the ``<|endoftext|>``
+  stop, the bundle's default sampling from generation_config.json, the context length) when the tokenizer is exact; an existing
+  Modelfile Shalik did not write is left alone.
+* :func:`write_vocab_gguf` writes the tokenizer alone (llama.cpp loads it with ``vocab_only``), to check llama.cpp's
+  tokenization without a model.
 
 Exit codes: 0 done, 2 bad input (not a bundle, an unknown ``--type``, an existing output without ``--force``, a
-config or weights that do not describe a plain Llama, no ``--approximate-pretokenizer``), 130 interrupted.
+config or weights that do not describe a plain Llama, a tokenizer whose split or normalizer llama.cpp has no name
+for, a format-2 tokenizer without ``--approximate-pretokenizer``), 130 interrupted.
 
 Running a GGUF through llama.cpp (a benchmark and test peer) is :mod:`serve.backends.llamacpp`.
 """
@@ -53,27 +60,52 @@ from safetensors import safe_open
 
 from export.bundle import read_manifest
 from export.errors import ExportError, run_cli
+from export.modelfile import MODELFILE, write_modelfile
 from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
 from train.atomic import atomic_path, clean_stale
+from train.tokenizer import PRETOKENIZER
+from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, identify
 
-__all__ = ["TYPES", "PRE_TOKENIZER", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "export_gguf",
-           "permute_qk", "unpermute_qk", "main"]
+__all__ = ["TYPES", "APPROXIMATE_PRE", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "export_gguf",
+           "llama_cpp_pre", "permute_qk", "unpermute_qk", "write_vocab_gguf", "main"]
 
 TYPES = ("f32", "f16", "q8_0")
-PRE_TOKENIZER = "qwen35"
-PRETOKENIZER_KEY = "shalik.pretokenizer"   # our own GGUF key: how faithful tokenizer.ggml.pre is
-APPROXIMATION = f"approximate:{PRE_TOKENIZER}"
-PRETOKENIZER_REFUSAL = (
-    "llama.cpp has no pre-tokenizer equal to Shalik's: the nearest, tokenizer.ggml.pre = "
-    f"{PRE_TOKENIZER!r}, splits digits one per token (Shalik: up to three), breaks words at ZWJ/ZWNJ (Shalik keeps "
-    "them inside a word) and applies no NFC (precomposed nukta letters tokenize differently), so llama.cpp would "
-    "tokenize text differently from training. Pass --approximate-pretokenizer to write that approximation anyway "
-    f"(recorded in the GGUF as {PRETOKENIZER_KEY} = {APPROXIMATION!r}) and feed llama.cpp the token ids of the "
-    "bundle's tokenizer.json")
+APPROXIMATE_PRE = "qwen35"   # the nearest llama.cpp split to tokenizer format 2's
+PRETOKENIZER_KEY = "shalik.pretokenizer"   # our own GGUF key: "exact:<name>" or "approximate:qwen35"
 
 
 class PretokenizerError(ExportError):
-    """The GGUF would tokenize text differently from training and the approximation was not asked for."""
+    """llama.cpp would tokenize text differently from the bundle's tokenizer (exit code 2)."""
+
+
+def llama_cpp_pre(tokenizer_json: Path, approximate: bool = False) -> tuple[str, str]:
+    """(``tokenizer.ggml.pre``, ``shalik.pretokenizer``) for a tokenizer.json: ``(name, "exact:name")`` when its
+    split is one of ``train.tokenizer.pretokenizers.PRETOKENIZERS``; for a tokenizer of format 2 ``("qwen35",
+    "approximate:qwen35")`` when ``approximate``. Raises PretokenizerError naming the file for a normalizer other
+    than NFC or none, for a split llama.cpp has no name for, and for format 2 without ``approximate``."""
+    try:
+        t = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ExportError(f"{tokenizer_json}: unreadable ({e})") from None
+    norm = (t.get("normalizer") or {}).get("type")
+    if norm not in (None, "NFC"):
+        raise PretokenizerError(f"{tokenizer_json}: normalizer {norm!r} has no llama.cpp equivalent (llama.cpp "
+                                "applies none; expected NFC, which NFC input makes a no-op, or none)")
+    split = identify(t)
+    if split is LEGACY:
+        if not approximate:
+            raise PretokenizerError(
+                f"{tokenizer_json}: made with Shalik's tokenizer format 2, whose split llama.cpp has no name for "
+                f"(the nearest, {APPROXIMATE_PRE!r}, splits digits one per token and breaks words at ZWJ/ZWNJ). "
+                f"Retrain (tokenizer format 3 splits as llama.cpp's {PRETOKENIZER.name}), or pass "
+                "--approximate-pretokenizer and feed llama.cpp the token ids of the bundle's tokenizer.json")
+        return APPROXIMATE_PRE, f"approximate:{APPROXIMATE_PRE}"
+    if split is None:
+        raise PretokenizerError(f"{tokenizer_json}: its pre-tokenizer has no llama.cpp equivalent (expected the "
+                                f"split of one of {', '.join(PRETOKENIZERS)}; see train/tokenizer/pretokenizers.py)")
+    return split.name, f"exact:{split.name}"
+
+
 ARCH = "llama"
 LAYER_TENSORS = {  # HF name inside model.layers.N → GGUF name inside blk.N
     "input_layernorm": "attn_norm",
@@ -265,11 +297,12 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
                 log: Callable[[str], None] = print, *, approximate_pretokenizer: bool = False) -> Path:
     """Write ``bundle`` as a GGUF file and return its path (default ``bundle/model-<type>.gguf``).
 
-    ``type``: "f32", "f16" or "q8_0" for the 2-D weights (norms stay f32). ``approximate_pretokenizer`` must be
-    true: llama.cpp cannot reproduce Shalik's pre-tokenizer (module doc), and the GGUF records the approximation.
-    Raises PretokenizerError (an ExportError, exit code 2) without it, ExportError for a folder that is not a
-    bundle, an unknown type, an existing ``out`` without ``force``, weights/config/tokenizer that cannot be
-    represented, or a failed write (naming the errno); nothing is left at ``out`` then.
+    ``type``: "f32", "f16" or "q8_0" for the 2-D weights (norms stay f32). ``tokenizer.ggml.pre`` is the llama.cpp
+    name of the bundle's split (:func:`llama_cpp_pre`); ``approximate_pretokenizer`` allows the ``qwen35``
+    approximation for a bundle made with tokenizer format 2 and changes nothing for a newer one. Raises
+    PretokenizerError (an ExportError, exit code 2) for a tokenizer llama.cpp would split differently, ExportError
+    for a folder that is not a bundle, an unknown type, an existing ``out`` without ``force``, weights/config/
+    tokenizer that cannot be represented, or a failed write (naming the errno); nothing is left at ``out`` then.
     """
     if type not in TYPES:
         raise ExportError(f"--type {type!r}: expected one of {', '.join(TYPES)}")
@@ -280,35 +313,67 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
         raise ExportError(f"--out {out} is a folder; give a file name")
     if out.exists() and not force:
         raise ExportError(f"{out} already exists (use --force to replace it)")
-    if not approximate_pretokenizer:
-        raise PretokenizerError(PRETOKENIZER_REFUSAL)
+    pre, record = llama_cpp_pre(bundle / TOKENIZER, approximate_pretokenizer)
     tokens, toktypes = vocab_arrays(bundle, cfg.vocab_size)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type]
     logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer logs every step at INFO
     clean_stale(out.parent)
     try:
-        fallbacks = _write(bundle, out, cfg, type, file_type, tokens, toktypes)
+        fallbacks = _write(bundle, out, cfg, type, file_type, (tokens, toktypes, pre, record))
     except OSError as e:
         raise ExportError(f"cannot write {out}: {e.strerror or e} ({errno.errorcode.get(e.errno, '?')}); "
                           "no GGUF was written") from None
     if fallbacks:
         log(f"gguf: {len(fallbacks)} tensor(s) kept in f16 (rows not a multiple of 32): {', '.join(fallbacks[:4])}")
+    exact = record.startswith("exact:")
     log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
-        f"pre-tokenizer {APPROXIMATION}: feed llama.cpp our token ids)")
+        f"tokenizer.ggml.pre {pre}, " + ("exact for NFC text)" if exact
+                                         else "an approximation: feed llama.cpp our token ids)"))
+    if exact:
+        try:
+            mf = write_modelfile(out, bundle, cfg.max_position_embeddings, log)
+        except OSError as e:
+            raise ExportError(f"wrote {out}, but cannot write its {MODELFILE}: {e.strerror or e}") from None
+        if mf is not None:
+            log(f"gguf: wrote {mf} (FROM ./{out.name}): ollama create NAME -f {mf}")
     return out
 
 
-def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, tokens: list[str],
-           toktypes: list[int]) -> list[str]:
+def _description(record: str) -> str:
+    if record.startswith("exact:"):
+        return ("Shalik Llama-style model. llama.cpp tokenizes NFC text exactly as training did; normalise "
+                "input to Unicode NFC first (Bangla nukta letters and vowel signs have two spellings)")
+    return (f"Shalik Llama-style model. Pre-tokenizer {record}: llama.cpp splits text differently from training "
+            "(digits, ZWJ/ZWNJ, no NFC); feed it the token ids of the bundle's tokenizer.json")
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, n_vocab: int, tok: tuple[list[str], list[int], str, str]) -> None:
+    """The tokenizer keys (module doc) from ``folder``'s tokenizer files; ``tok`` = (tokens, token types,
+    tokenizer.ggml.pre, shalik.pretokenizer). Raises ExportError when tokenizer.json has no merges."""
+    tokens, toktypes, pre, record = tok
+    w.add_string(PRETOKENIZER_KEY, record)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(toktypes)
+    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+    if not special.merges:
+        raise ExportError(f"{folder / TOKENIZER}: no BPE merges")
+    # every training document and every prompt Shalik serves starts with <|endoftext|> (the bos id): llama.cpp,
+    # Ollama and LM Studio prepend it themselves when add_bos_token is true
+    special.add_special_token["bos"] = special.special_token_ids.get("bos") is not None
+    special.add_special_token["eos"] = False
+    special.add_to_gguf(w, quiet=True)
+
+
+def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type,
+           tok: tuple[list[str], list[int], str, str]) -> list[str]:
     """Write the GGUF atomically; returns the 2-D tensors kept in f16 for q8_0. Raises OSError for a failed write."""
     with atomic_path(out) as tmp, safe_open(str(bundle / WEIGHTS), framework="np") as st:
         w = gguf.GGUFWriter(tmp, ARCH)
         w.add_name(bundle.resolve().parent.name if bundle.name == "bundle" else bundle.resolve().name)
-        w.add_description(f"Shalik Llama-style model. Pre-tokenizer {APPROXIMATION}: llama.cpp splits text "
-                          "differently from training (digits, ZWJ/ZWNJ, no NFC); feed it the token ids of the "
-                          f"bundle's {TOKENIZER}")
-        w.add_string(PRETOKENIZER_KEY, APPROXIMATION)
+        w.add_description(_description(tok[3]))
         w.add_file_type(int(file_type))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_vocab_size(cfg.vocab_size)
@@ -321,14 +386,7 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, token
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         w.add_rope_dimension_count(cfg.head_dim)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(PRE_TOKENIZER)
-        w.add_token_list(tokens)
-        w.add_token_types(toktypes)
-        special = gguf.SpecialVocab(bundle, load_merges=True, n_vocab=cfg.vocab_size)
-        if not special.merges:
-            raise ExportError(f"{bundle / TOKENIZER}: no BPE merges")
-        special.add_to_gguf(w, quiet=True)
+        _add_tokenizer(w, bundle, cfg.vocab_size, tok)
         plan = tensor_plan(cfg, {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         qtypes = [storage_type(type, t.shape) for t in plan]
         for t, q in zip(plan, qtypes):
@@ -347,18 +405,56 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type, token
     return fallbacks
 
 
+def write_vocab_gguf(tokenizer_dir: str | Path, out: str | Path, *, approximate_pretokenizer: bool = False) -> Path:
+    """Write a tokenizer folder (tokenizer.json, tokenizer_config.json) as a vocabulary-only GGUF and return ``out``.
+
+    llama.cpp loads it with ``vocab_only`` (``llama_cpp.Llama(path, vocab_only=True)``; its own tokenizer tests
+    use such files) to tokenize and detokenize without a model; the ``llama.*`` hyper-parameters are placeholders
+    and there are no tensors. Same tokenizer keys and errors as :func:`export_gguf`; written atomically.
+    """
+    folder = Path(tokenizer_dir)
+    if not (folder / TOKENIZER).is_file():
+        raise ExportError(f"{folder}: no tokenizer.json")
+    pre, record = llama_cpp_pre(folder / TOKENIZER, approximate_pretokenizer)
+    t = json.loads((folder / TOKENIZER).read_text(encoding="utf-8"))
+    n_vocab = 1 + max([*t.get("model", {}).get("vocab", {}).values(), *(a["id"] for a in t.get("added_tokens", []))])
+    tokens, toktypes = vocab_arrays(folder, n_vocab)
+    logging.getLogger("gguf").setLevel(logging.WARNING)
+    out = Path(out)
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(tmp, ARCH)
+        w.add_description(f"vocabulary only: {_description(record)}")
+        w.add_vocab_size(n_vocab)
+        for add in (w.add_context_length, w.add_embedding_length, w.add_feed_forward_length):
+            add(64)
+        w.add_block_count(1)
+        w.add_head_count(1)
+        w.add_head_count_kv(1)
+        w.add_rope_dimension_count(64)
+        w.add_layer_norm_rms_eps(1e-5)
+        _add_tokenizer(w, folder, n_vocab, (tokens, toktypes, pre, record))
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+        finally:
+            w.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code (0 done, 2 bad input, 130 interrupted)."""
     p = argparse.ArgumentParser(prog="python -m export.gguf", description=__doc__.split("\n\n")[1],
                                 epilog="exit codes: 0 done, 2 bad input, 130 interrupted")
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle folder written by python -m export.onnx")
     p.add_argument("--out", default=None, help="output file (default: BUNDLE/model-<type>.gguf)")
-    p.add_argument("--type", default="f32", choices=TYPES, help="2-D weight type (default: f32; norms stay f32)")
+    p.add_argument("--type", default="f32", metavar="|".join(TYPES),  # checked by export_gguf: a one-line error
+                   help="2-D weight type (default: f32; norms stay f32)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.add_argument("--approximate-pretokenizer", action="store_true",
-                   help=f"write tokenizer.ggml.pre = {PRE_TOKENIZER} although llama.cpp then splits text differently "
-                        "from training (digits, ZWJ/ZWNJ, no NFC); recorded in the GGUF. Required: without it the "
-                        "export is refused")
+                   help=f"only for a bundle made with tokenizer format 2, which llama.cpp cannot split exactly: write "
+                        f"tokenizer.ggml.pre = {APPROXIMATE_PRE} anyway (digits one per token, words broken at "
+                        "ZWJ/ZWNJ; recorded in the GGUF) instead of refusing. A newer bundle needs no flag")
     a = p.parse_args(argv)
     return run_cli(lambda: export_gguf(a.bundle, a.out, a.type, a.force,
                                        approximate_pretokenizer=a.approximate_pretokenizer), "no GGUF was written")

@@ -35,7 +35,7 @@ from train.atomic import atomic_write_json, sha256_file
 from train.byte_level import EOT, PAD, SPECIAL_TOKENS
 
 __all__ = ["BACKEND_FILES", "CARD", "CONFIG", "EOT", "FORMAT", "FORMAT_VERSION", "GENERATION_CONFIG", "MANIFEST",
-           "MANIFEST_FIELDS", "ONNX", "ONNX_GRAPHS", "ONNX_INT8", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
+           "MANIFEST_FIELDS", "MODELFILE", "ONNX", "ONNX_GRAPHS", "ONNX_INT8", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
            "TOKENIZER", "TOKENIZER_CONFIG", "WEIGHTS", "BundleError", "backend_files", "check_manifest", "eot_id",
            "external_data", "file_entry", "file_table", "gguf_file", "is_bundle", "onnx_input_names",
            "onnx_output_names", "parse_quantize", "read_manifest", "rehash", "sampling_defaults", "sha256_file",
@@ -56,6 +56,7 @@ ONNX = ONNX_GRAPHS[None]
 ONNX_INT8 = ONNX_GRAPHS["int8"]
 EXTERNAL_DATA_SUFFIX = ".data"  # a graph's weights, beside it (ONNX external data)
 GGUF_PATTERN = "model-{type}.gguf"  # export.gguf's default output, one per GGUF type
+MODELFILE = "Modelfile"  # Ollama's, written by export.gguf beside the GGUF (not in the manifest)
 #: The files each serving backend reads besides the ONNX graph: what :func:`backend_files` lists and
 #: ``rust_runtime`` checks (its ``CHECKED_FILES``). The rust backend quantizes at load from the float weights.
 BACKEND_FILES: dict[str, tuple[str, ...]] = {"onnx": (CONFIG, TOKENIZER), "rust": (CONFIG, TOKENIZER, WEIGHTS)}

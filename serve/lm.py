@@ -338,7 +338,9 @@ def is_prompt_list(prompt: Any) -> bool:
 
 
 def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
-    """``stop`` as a list of non-empty strings; RequestError (param "stop") otherwise."""
+    """``stop`` as a list of non-empty NFC strings (the output is NFC text: the tokenizer normalises every prompt,
+    so a stop string spelled another way, a precomposed nukta letter say, would never match); RequestError
+    (param "stop") for anything else."""
     if stop is None:
         return []
     if not isinstance(stop, Sequence) or isinstance(stop, bytes | bytearray):
@@ -347,4 +349,4 @@ def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
     for s in stops:
         if not isinstance(s, str) or not s:
             raise RequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
-    return stops
+    return [unicodedata.normalize("NFC", s) for s in stops]

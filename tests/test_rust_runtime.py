@@ -753,6 +753,22 @@ def test_tokenizer_ids_match_python(pattern, tmp_path, lines, tiny):
             assert m.decode(m.tokenize(s)) == bundle_py.decode(m.tokenize(s), skip_special_tokens=False)
 
 
+def test_t6_shalik_split_gives_python_ids_in_rust(tmp_path, lines):
+    """The split Shalik ships (train.tokenizer.PRETOKENIZER: several Splits, class intersections, \\x{..} ranges,
+    a look-ahead) gives the same ids in the Rust crate (fancy-regex) as in Python tokenizers (Oniguruma)."""
+    from tokenizers import Tokenizer
+
+    from train.tokenizer import save_tokenizer, train_tokenizer
+    from train.tokenizer.pretokenizers import SCRIPT_EDGES
+
+    tok = train_tokenizer(lines * 3, vocab_size=500)
+    save_tokenizer(tok, tmp_path / "tok")
+    path = tmp_path / "tok" / "tokenizer.json"
+    py, rs = Tokenizer.from_file(str(path)), rust_runtime.Tokenizer(str(path))
+    for s in [*T6_STRINGS, *SCRIPT_EDGES.values(), *lines]:
+        assert rs.encode(s) == py.encode(s, add_special_tokens=False).ids, s
+
+
 def test_tokenizer_with_literal_space_merges_loads(tmp_path):
     """T6: merges containing a literal space (pair-format merges) load in the Rust crate."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers

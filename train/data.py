@@ -59,7 +59,7 @@ from train.shards import ShardWriter, dtype_for_vocab, open_shard
 from train.textutil import letter_kinds
 from train.tokenizer import (
     EOT,
-    SPLIT_PATTERN,
+    PRETOKENIZER,
     for_nfc_text,
     load_tokenizer,
     save_tokenizer,
@@ -70,7 +70,8 @@ from train.tokenizer_sample import choose_sample
 
 # 2: pre-tokens bounded to MAX_PRETOKEN_CHARS (the split pattern changed, so every tokenizer and shard key did)
 # and the context length out of the tokenizer's key
-FORMAT_VERSION = 2
+# 3: the split is llama.cpp's deepseek-v3 (train.tokenizer.PRETOKENIZER, issue 28): GGUF exports tokenize as trained
+FORMAT_VERSION = 3
 MAX_REPEAT = 4.0  # "Scaling Data-Constrained Language Models" (Muennighoff et al. 2023): ~4 epochs ≈ fresh data
 COPY_HASHES = int(MAX_REPEAT) + 1  # a factor ≤ MAX_REPEAT takes at most int(MAX_REPEAT) + 1 copies of a document
 SHARD_TOKENS = 1 << 28
@@ -97,7 +98,7 @@ def tokenizer_fingerprint(cfg: Config, inputs: list[InputFile]) -> str:
         "format": FORMAT_VERSION, "kind": "tokenizer", "inputs": sorted(i.sha256 for i in inputs),
         "languages": sorted(cfg.data.languages), "val_fraction": cfg.data.val_fraction,
         "vocab_size": t.vocab_size, "sample_chars": t.sample_chars, "sample_weights": t.sample_weights,
-        "min_frequency": t.min_frequency, "pattern": SPLIT_PATTERN,
+        "min_frequency": t.min_frequency, "split": [PRETOKENIZER.name, *PRETOKENIZER.splits],
     })
 
 

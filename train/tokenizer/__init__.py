@@ -3,17 +3,19 @@
 The tokenizer (Hugging Face ``tokenizers``):
 
 * normalizer NFC, inside ``tokenizer.json`` so the Python and Rust paths share it;
-* pre-tokenizer ``Split(SPLIT_PATTERN, "isolated")`` then ``ByteLevel(add_prefix_space=False,
-  use_regex=False)``. A word is a run of letters AND marks AND ZWJ/ZWNJ (``[\\p{L}\\p{M}\\u200c\\u200d]+``), so a
-  Bangla word keeps its vowel signs, virama, nukta and candrabindu; GPT-2's ``\\p{L}+`` cuts "বাংলা" into
-  ব · াং · ল · া. A word may take one leading non-letter (a space, a quote, a bracket), numbers go in runs of up
-  to three digits and newlines group with the punctuation before them, as in OpenAI's cl100k pattern;
-* no pre-token is longer than ``MAX_PRETOKEN_CHARS`` code points: a longer run (a 2 MB "word" without
-  whitespace, a line of 5,000 ``=``) is cut left to right into pieces of at most that length by the pattern's
-  bounded repetitions, so BPE's cost stays linear in the input. The cut is deterministic and loses nothing
-  (the split is "isolated": every character is in exactly one piece);
-* model BPE over the 256 byte symbols, specials ``<|endoftext|>`` (id 0) and ``<|pad|>`` (id 1);
+* pre-tokenizer :data:`PRETOKENIZER`, one of the splits llama.cpp implements by name
+  (``train.tokenizer.pretokenizers``, the one table the GGUF exporter reads too), so llama.cpp, Ollama and LM
+  Studio tokenize NFC text into the same ids as training. A word is a run of letters and marks (Bangla vowel
+  signs, virama, nukta and candrabindu stay in their word; GPT-2's ``\\p{L}+`` cuts "বাংলা" into
+  ব · াং · ল · া), with at most one leading non-letter; numbers go in pieces of up to three digits;
+  punctuation runs take the newlines after them. Then ``ByteLevel(add_prefix_space=False, use_regex=False)``;
+* model BPE over the 256 byte symbols, specials ``<|endoftext|>`` (id 0) and ``<|pad|>`` (id 1). Training cuts
+  pieces longer than ``pretokenizers.TRAIN_MAX_PIECE`` code points (the trainer's cost grows with the square of
+  a piece); the saved tokenizer does not, as llama.cpp does not, and encodes in time linear in the input;
 * decoder ByteLevel: ``decode(encode(x)) == NFC(x)`` exactly (no prefix space, no clean-up of spaces).
+
+Tokenizers of format 2 (``pretokenizers.LEGACY``: ZWJ/ZWNJ inside words, pre-tokens of at most 128 code points)
+still load, train and serve; only their GGUF is an approximation (``export.gguf --approximate-pretokenizer``).
 
 Sampling the training text is ``train.tokenizer_sample``; fertility against other tokenizers is
 ``train.fertility``; the command lines (``python -m train.tokenizer train|fertility``) are
@@ -26,52 +28,42 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from train.atomic import atomic_dir, sha256_file
 from train.byte_level import EOT, PAD, SPECIAL_TOKENS, bytes_to_unicode  # noqa: F401 - re-exported
+from train.tokenizer.pretokenizers import PRETOKENIZERS, Pretokenizer, training_pre_tokenizer
 
-_WORD = "\\p{L}\\p{M}\u200c\u200d"
-MAX_PRETOKEN_CHARS = 128  # longest pre-token (code points); real words are far shorter (Bangla rarely > 30)
-_N = MAX_PRETOKEN_CHARS
-SPLIT_PATTERN = (
-    f"[^\\r\\n{_WORD}\\p{{N}}]?[{_WORD}]{{1,{_N - 1}}}"  # a word, with at most one leading non-letter
-    "| ?\\p{N}{1,3}"  # numbers, up to three digits a token (Bangla digits are \p{N} too)
-    f"| ?[^\\s{_WORD}\\p{{N}}]{{1,{_N // 2 - 1}}}[\\r\\n]{{0,{_N // 2}}}"  # punctuation, the newlines after it
-    f"|\\s{{0,{_N // 2}}}[\\r\\n]{{1,{_N // 2}}}"  # newlines
-    f"|\\s{{1,{_N}}}(?!\\S)"  # spaces before spaces
-    f"|\\s{{1,{_N}}}"
-)
-# Issue 2's baseline (figures.md): letters+marks words, single digits, trained on equal bn/en characters.
-BASELINE_PATTERN = " ?[\\p{L}\\p{M}]+| ?\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+|\\s+(?!\\S)|\\s+"
+PRETOKENIZER: Pretokenizer = PRETOKENIZERS["deepseek-v3"]   # Shalik's split since tokenizer format 3
 
 
 class TokenizerError(ValueError):
     """A tokenizer folder or file that cannot be used."""
 
 
-def new_tokenizer(pattern: str = SPLIT_PATTERN) -> Tokenizer:
-    """An untrained Shalik tokenizer (NFC, script-aware split, byte-level BPE, ByteLevel decoder)."""
-    tok = Tokenizer(models.BPE())
+def new_tokenizer(split: Pretokenizer = PRETOKENIZER) -> Tokenizer:
+    """An untrained Shalik tokenizer: NFC, ``split`` (default :data:`PRETOKENIZER`), byte-level BPE, ByteLevel
+    decoder."""
+    tok = Tokenizer(models.BPE(ignore_merges=split.ignore_merges))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = split.pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequency: int = 2,
-                    pattern: str = SPLIT_PATTERN, length: int | None = None) -> Tokenizer:
-    """Train a byte-level BPE on ``texts`` (strings); returns a ``tokenizers.Tokenizer``.
+                    split: Pretokenizer = PRETOKENIZER, length: int | None = None) -> Tokenizer:
+    """Train a byte-level BPE on ``texts`` (strings); returns a ``tokenizers.Tokenizer`` that splits with ``split``.
 
     ``<|endoftext|>`` gets id 0 and ``<|pad|>`` id 1; all 256 byte symbols are in the vocabulary, so any text
-    encodes. Raises TokenizerError for a vocab_size below 256 + 2.
+    encodes. The trainer sees ``split``'s pieces cut to ``TRAIN_MAX_PIECE`` code points (its cost is quadratic in
+    a piece's length); the returned tokenizer splits exactly as ``split`` (and llama.cpp) does. Raises
+    TokenizerError for a vocab_size below 256 + 2.
     """
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise TokenizerError(f"vocab_size {vocab_size}: expected at least {256 + len(SPECIAL_TOKENS)}")
-    tok = new_tokenizer(pattern)
+    tok = new_tokenizer(split)
+    tok.pre_tokenizer = training_pre_tokenizer(split)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
@@ -80,6 +72,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequency
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer, length=length)
+    tok.pre_tokenizer = split.pre_tokenizer()
     return tok
 
 
