@@ -101,10 +101,11 @@ class RequestStream(Iterator[Event]):
     def cancel_choice(self, index: int) -> None: ...
 
 class Engine:
-    def __init__(self, model: Model, max_batch: int = 16, token_budget: int = 256, prefill_chunk: int = 16) -> None:
+    def __init__(self, model: Model, max_batch: int = ..., token_budget: int = ..., prefill_chunk: int = ...) -> None:
         """max_batch: sequences stepped together; token_budget: tokens per step (decodes plus prompt chunks);
         prefill_chunk: at most this many prompt tokens in a step that also decodes (a step with nothing
-        decoding prefills up to token_budget). Each an integer >= 1, else ValueError."""
+        decoding prefills up to token_budget). Defaults and limits: src/policy.rs, equal to serve.policy's (a test
+        checks); ValueError naming a bad one."""
     @property
     def max_batch(self) -> int: ...
     @property

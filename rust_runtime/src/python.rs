@@ -7,6 +7,7 @@
 
 use crate::cache::KvCache;
 use crate::engine::{Engine, Event, Finish, Request};
+use crate::policy::{Limits, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET};
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::{generate_all, Generator};
 use crate::model::{Model, Quantize};
@@ -454,27 +455,14 @@ impl PyEngine {
     /// chunks of pending prompts); prefill_chunk: at most this many prompt tokens in a step that
     /// also carries decoding sequences, so that a long prompt is spread over several steps
     /// instead of stalling the streams already decoding (a step with nothing decoding prefills
-    /// up to token_budget). Each must be an integer >= 1 (ValueError otherwise).
+    /// up to token_budget). Defaults and limits: `policy` (ValueError naming a bad one).
     #[new]
-    #[pyo3(signature = (model, max_batch=16, token_budget=256, prefill_chunk=crate::engine::DEFAULT_PREFILL_CHUNK as i64))]
+    #[pyo3(signature = (model, max_batch=DEFAULT_MAX_BATCH as i64, token_budget=DEFAULT_TOKEN_BUDGET as i64,
+                        prefill_chunk=DEFAULT_PREFILL_CHUNK as i64))]
     fn new(model: &PyModel, max_batch: i64, token_budget: i64, prefill_chunk: i64) -> PyResult<Self> {
-        if !(1..=4096).contains(&max_batch) {
-            return Err(PyValueError::new_err(format!("max_batch is {max_batch}; expected 1 <= max_batch <= 4096")));
-        }
-        if !(1..=1 << 20).contains(&token_budget) {
-            return Err(PyValueError::new_err(format!("token_budget is {token_budget}; expected an integer >= 1")));
-        }
-        if !(1..=1 << 20).contains(&prefill_chunk) {
-            return Err(PyValueError::new_err(format!("prefill_chunk is {prefill_chunk}; expected an integer >= 1")));
-        }
+        let limits = Limits::new(max_batch, token_budget, prefill_chunk)?;
         let inner = &model.inner;
-        let engine = Engine::start(
-            inner.model.clone(),
-            inner.eot,
-            max_batch as usize,
-            token_budget as usize,
-            prefill_chunk as usize,
-        )?;
+        let engine = Engine::start(inner.model.clone(), inner.eot, limits)?;
         Ok(PyEngine { engine: Arc::new(engine) })
     }
 
@@ -585,15 +573,15 @@ impl PyEngine {
 
     #[getter]
     fn max_batch(&self) -> usize {
-        self.engine.max_batch
+        self.engine.limits.max_batch
     }
     #[getter]
     fn token_budget(&self) -> usize {
-        self.engine.token_budget
+        self.engine.limits.token_budget
     }
     #[getter]
     fn prefill_chunk(&self) -> usize {
-        self.engine.prefill_chunk
+        self.engine.limits.prefill_chunk
     }
 
     /// Stop the scheduler thread (running requests end with "cancelled").
