@@ -3,12 +3,27 @@
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from os import PathLike
+from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Unpack
 
 __version__: str
 simd_level: str  # "Avx512", "Avx2Fma" or "Generic": the f32 kernels picked at run time
+
+class SamplingKwargs(TypedDict, total=False):
+    """The sampling keyword arguments of Model.generate, Model.stream, Engine.submit and Sampler, parsed in one
+    place (python.rs SamplingArgs) with serve.sampling.SamplingParams's names and rules. Absent or None = the
+    default; a bad value is a ValueError naming it; any other keyword a TypeError naming it."""
+
+    temperature: float | None  # >= 0, default 1.0; below 1e-5 greedy (ties to the lower id)
+    top_k: int | None  # >= 0, default 0 (off); any k >= the vocabulary is off too
+    top_p: float | None  # in [0, 1], default 1.0 (off); 0 keeps the top token
+    presence_penalty: float | None  # finite, default 0.0
+    frequency_penalty: float | None  # finite, default 0.0
+    repetition_penalty: float | None  # > 0, default 1.0 (off)
+    seed: int | None  # any int, taken modulo 2**64; None (default) = fresh entropy
 
 class Model:
     @staticmethod
@@ -42,30 +57,12 @@ class Model:
     def tokenize(self, text: str) -> list[int]: ...
     def decode(self, ids: Seq[int], skip_special_tokens: bool = False) -> str: ...
     def generate(
-        self,
-        ids: Seq[int],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop_ids: Seq[int] | None = None,
+        self, ids: Seq[int], max_new_tokens: int, *, stop_ids: Seq[int] | None = None,
+        **sampling: Unpack[SamplingKwargs],
     ) -> list[tuple[int, float]]: ...
     def stream(
-        self,
-        ids: Seq[int],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop_ids: Seq[int] | None = None,
+        self, ids: Seq[int], max_new_tokens: int, *, stop_ids: Seq[int] | None = None,
+        **sampling: Unpack[SamplingKwargs],
     ) -> TokenStream: ...
 
 class Sequence:
@@ -116,21 +113,17 @@ class Engine:
         self,
         ids: Seq[int],
         max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
+        *,
         stop_ids: Seq[int] | None = None,
         n: int = 1,
         top_logprobs: int = 0,
         timeout: float | None = None,
         ignore_eos: bool = False,
         first_index: int = 0,
+        **sampling: Unpack[SamplingKwargs],
     ) -> RequestStream:
-        """first_index: the caller's index of this request's choice 0; choice i draws from
+        """n <= max_batch choices (one prefill); timeout: seconds from now, then the choices still running end
+        "timeout"; first_index: the caller's index of this request's choice 0; choice i draws from
         choice_seed(seed, first_index + i) (choice_seed(s, 0) = s)."""
     def cancel(self, id: int) -> None: ...
     def stats(self) -> dict[str, int | float]: ...
@@ -140,20 +133,10 @@ class Sampler:
     """The engine's per-sequence sampler on its own (rust_runtime/src/sampling.rs, the code every Engine and
     Model.generate sequence runs): ``Sampler(...)(logits) -> token id``. Keeps its own penalty state (prompt
     ids; generated-token counts, each call's pick recorded) and seeded generator; the vocab is the first
-    call's logits length. Parameters as Engine.submit (None = the default); a bad one is a ValueError naming
-    it. seed: any int (modulo 2**64) or None (fresh entropy). Same order and edges as serve.sampling."""
+    call's logits length. The sampling keywords of Engine.submit (SamplingKwargs). Same order and edges as
+    serve.sampling."""
 
-    def __init__(
-        self,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        prompt_ids: Seq[int] | None = None,
-    ) -> None: ...
+    def __init__(self, *, prompt_ids: Seq[int] | None = None, **sampling: Unpack[SamplingKwargs]) -> None: ...
     def __call__(self, logits: npt.ArrayLike) -> int: ...  # float [vocab] → id; RuntimeError for NaN/+inf/all -inf
     def penalize(self, logits: npt.ArrayLike) -> npt.NDArray[np.float32]: ...  # after the penalties; records nothing
     @property

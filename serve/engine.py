@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,9 +45,7 @@ from serve.policy import (
     check_engine_limits,
     plan_step,
 )
-from serve.sampling import SEED_MODULUS, Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
-
-TOP_K_OFF = 2**31  # a top_k at least the vocabulary keeps every token: clamped before it reaches Rust's i64
+from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
 
 
 @dataclass(frozen=True)
@@ -154,16 +152,13 @@ class RustEngine:
         is the request's index of this group's choice 0 (its choices beyond the first batch): the engine seeds
         choice i of the group with ``choice_seed(seed, first_index + i)``, the rule every choice follows.
         ``timeout_s``: seconds from now after which the choices still running end with ``"timeout"`` (None:
-        never). Raises BackendError for what the engine refuses (a prompt that does not fit, n > max_batch, a
-        timeout <= 0)."""
-        seed = None if params.seed is None else int(params.seed) % SEED_MODULUS
+        never). ``params`` crosses into Rust as its fields (rust_runtime's sampling keyword arguments have the
+        same names and rules). Raises BackendError for what the engine refuses (a prompt that does not fit,
+        n > max_batch, a timeout <= 0)."""
         try:
-            stream = self._engine.submit(
-                list(ids), max_new_tokens, temperature=params.temperature, top_k=min(int(params.top_k), TOP_K_OFF),
-                top_p=params.top_p, presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-                seed=seed, n=n, top_logprobs=top_logprobs, ignore_eos=ignore_eos, first_index=first_index,
-                timeout=timeout_s)
+            stream = self._engine.submit(list(ids), max_new_tokens, n=n, top_logprobs=top_logprobs,
+                                         ignore_eos=ignore_eos, first_index=first_index, timeout=timeout_s,
+                                         **asdict(params))
         except ValueError as e:
             raise BackendError(str(e)) from e
         return _RustSubmission(stream, n)

@@ -127,7 +127,10 @@ def test_bad_requests_name_the_argument(model):
     cases = [
         (lambda: eng.submit([], 4), ValueError, r"empty"),
         (lambda: eng.submit([512], 4), ValueError, r"512"),
-        (lambda: eng.submit([1, 2], 4, seed=2**64), ValueError, r"seed"),
+        (lambda: eng.submit([1, 2], 4, seed=1.5), ValueError, r"seed"),
+        (lambda: eng.submit([1, 2], 4, top_p="0.5"), ValueError, r"top_p"),
+        (lambda: eng.submit([1, 2], 4, stop=["x"]), TypeError, r"submit\(\).*'stop'"),
+        (lambda: eng.submit([1, 2], 4, 1), TypeError, r"positional"),
         (lambda: eng.submit([2**64], 4), ValueError, r"ids"),
         (lambda: eng.submit([1], 4, stop_ids=[999]), ValueError, r"stop_ids"),
         (lambda: eng.submit([1], 600), ValueError, r"512"),

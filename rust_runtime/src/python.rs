@@ -7,15 +7,16 @@
 
 use crate::cache::KvCache;
 use crate::engine::{Engine, Event, Finish, Request};
-use crate::policy::{Limits, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET};
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::{generate_all, Generator};
 use crate::model::{Model, Quantize};
+use crate::policy::{Limits, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tok;
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -67,28 +68,6 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
         ))),
         Err(_) => Err(PyTypeError::new_err(format!(
             "{name}: expected an integer, got {}",
-            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))),
-    }
-}
-
-/// A seed: any integer in [-2**63, 2**64) (negative ones are taken modulo 2**64), or None.
-fn seed_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
-    let Some(obj) = obj else { return Ok(None) };
-    if obj.is_none() {
-        return Ok(None);
-    }
-    if let Ok(v) = obj.extract::<u64>() {
-        return Ok(Some(v));
-    }
-    match obj.extract::<i64>() {
-        Ok(v) => Ok(Some(v as u64)),
-        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(PyValueError::new_err(format!(
-            "seed is {}; expected an integer in [-2**63, 2**64) or None",
-            obj.str().map(|s| s.to_string()).unwrap_or_default()
-        ))),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "seed: expected an integer or None, got {}",
             obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
         ))),
     }
@@ -262,68 +241,54 @@ impl PyModel {
 
     /// Generate up to max_new_tokens after `ids`; returns [(token id, log-prob under the model's
     /// unmodified distribution)]. Stops at <|endoftext|> (not included), any stop id, or
-    /// max_new_tokens. prompt + max_new_tokens must fit in max_position_embeddings.
-    #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
-                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// max_new_tokens. prompt + max_new_tokens must fit in max_position_embeddings. Sampling:
+    /// the keyword arguments of `SamplingArgs`.
+    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, **sampling))]
     fn generate(
         &self,
         py: Python<'_>,
         ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
-        temperature: f64,
-        top_k: i64,
-        top_p: f64,
-        presence_penalty: f64,
-        frequency_penalty: f64,
-        repetition_penalty: f64,
-        seed: Option<&Bound<'_, PyAny>>,
         stop_ids: Option<&Bound<'_, PyAny>>,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Vec<(u32, f32)>> {
-        let params =
-            SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
+        let (ids, stops, s) = self.generation_args(ids, stop_ids, sampling, "generate")?;
         let inner = self.inner.clone();
-        let ids = id_list(ids, "ids")?;
-        let seed = seed_arg(seed)?;
-        let stops = match stop_ids {
-            Some(s) if !s.is_none() => id_list(s, "stop_ids")?,
-            _ => vec![],
-        };
         detach(py, move || {
-            let mut g = Generator::new(&inner.model, &ids, max_new_tokens, params, seed, &stops, inner.eot)?;
+            let mut g = Generator::new(&inner.model, &ids, max_new_tokens, s.params, s.seed, &stops, inner.eot)?;
             generate_all(&inner.model, &mut g)
         })
     }
 
-    /// Like generate, but an iterator yielding (token id, log-prob) one token at a time.
-    #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
-                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Like generate (the same arguments), but an iterator yielding (token id, log-prob) one token
+    /// at a time.
+    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, **sampling))]
     fn stream(
         &self,
         ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
-        temperature: f64,
-        top_k: i64,
-        top_p: f64,
-        presence_penalty: f64,
-        frequency_penalty: f64,
-        repetition_penalty: f64,
-        seed: Option<&Bound<'_, PyAny>>,
         stop_ids: Option<&Bound<'_, PyAny>>,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyTokenStream> {
-        let params =
-            SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
-        let ids = id_list(ids, "ids")?;
-        let seed = seed_arg(seed)?;
-        let stops = match stop_ids {
-            Some(s) if !s.is_none() => id_list(s, "stop_ids")?,
-            _ => vec![],
-        };
+        let (ids, stops, s) = self.generation_args(ids, stop_ids, sampling, "stream")?;
         let g = catch_panic(|| {
-            Generator::new(&self.inner.model, &ids, max_new_tokens, params, seed, &stops, self.inner.eot)
+            Generator::new(&self.inner.model, &ids, max_new_tokens, s.params, s.seed, &stops, self.inner.eot)
         })?;
         Ok(PyTokenStream { inner: self.inner.clone(), gen: g })
+    }
+}
+
+impl PyModel {
+    /// generate's and stream's arguments: the prompt ids, the stop ids and the sampling keywords.
+    fn generation_args(
+        &self,
+        ids: &Bound<'_, PyAny>,
+        stop_ids: Option<&Bound<'_, PyAny>>,
+        sampling: Option<&Bound<'_, PyDict>>,
+        func: &str,
+    ) -> PyResult<(Vec<i64>, Vec<i64>, SamplingArgs)> {
+        let s = SamplingArgs::parse(sampling, func)?;
+        Ok((id_list(ids, "ids")?, opt_id_list(stop_ids, "stop_ids")?, s))
     }
 }
 
@@ -466,40 +431,29 @@ impl PyEngine {
         Ok(PyEngine { engine: Arc::new(engine) })
     }
 
-    /// Queue a request; returns an iterator of its events. Arguments as Model.generate, plus
-    /// n (choices, one prefill), top_logprobs (alternatives reported per token), timeout
-    /// (seconds from now, then the choices end with "timeout") and ignore_eos (end-of-text is
-    /// then an ordinary token; stop_ids still stop).
-    #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
-                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None, n=1,
-                        top_logprobs=0, timeout=None, ignore_eos=false, first_index=0))]
+    /// Queue a request; returns an iterator of its events. ids, max_new_tokens, stop_ids and the
+    /// sampling keywords as Model.generate, plus n (choices, one prefill), top_logprobs
+    /// (alternatives reported per token), timeout (seconds from now, then the choices still
+    /// running end with "timeout"), ignore_eos (end-of-text is then an ordinary token; stop_ids
+    /// still stop) and first_index (choice i draws from choice_seed(seed, first_index + i)).
+    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, n=1, top_logprobs=0, timeout=None, ignore_eos=false,
+                        first_index=0, **sampling))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
-        temperature: f64,
-        top_k: i64,
-        top_p: f64,
-        presence_penalty: f64,
-        frequency_penalty: f64,
-        repetition_penalty: f64,
-        seed: Option<&Bound<'_, PyAny>>,
         stop_ids: Option<&Bound<'_, PyAny>>,
         n: i64,
         top_logprobs: i64,
         timeout: Option<f64>,
         ignore_eos: bool,
         first_index: i64,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyRequestStream> {
-        let params =
-            SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
+        let s = SamplingArgs::parse(sampling, "submit")?;
         let ids = id_list(ids, "ids")?;
-        let seed = seed_arg(seed)?;
-        let stops = match stop_ids {
-            Some(s) if !s.is_none() => id_list(s, "stop_ids")?,
-            _ => vec![],
-        };
+        let stops = opt_id_list(stop_ids, "stop_ids")?;
         if max_new_tokens < 0 {
             return Err(PyValueError::new_err(format!("max_new_tokens is {max_new_tokens}; expected an integer >= 0")));
         }
@@ -536,8 +490,8 @@ impl PyEngine {
         let req = Request {
             prompt: to_u32(&ids, "ids")?,
             max_new_tokens: max_new_tokens as usize,
-            params,
-            seed,
+            params: s.params,
+            seed: s.seed,
             first_choice: first_index as usize,
             stop_ids: to_u32(&stops, "stop_ids")?,
             n: n as usize,
@@ -547,7 +501,12 @@ impl PyEngine {
         };
         let n = req.n;
         let (id, rx) = self.engine.submit(req)?;
-        Ok(PyRequestStream { engine: self.engine.clone(), id, rx: std::sync::Mutex::new(rx), open: AtomicUsize::new(n) })
+        Ok(PyRequestStream {
+            engine: self.engine.clone(),
+            id,
+            rx: std::sync::Mutex::new(rx),
+            open: AtomicUsize::new(n),
+        })
     }
 
     /// Make request `id` leave the batch before the next step.
@@ -694,9 +653,53 @@ fn float32_array<'py>(obj: &Bound<'py, PyAny>, name: &str, expected: &str, ndim:
     Ok(arr)
 }
 
-/// A sampling parameter given as a real number (not a bool); None = `default`.
-fn real_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: f64) -> PyResult<f64> {
-    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
+/// The sampling keyword arguments, parsed in one place for Model.generate, Model.stream,
+/// Engine.submit and Sampler, with serve.sampling.SamplingParams's names and rules (so that
+/// serve.engine passes its SamplingParams as `**asdict(params)`): temperature, top_p,
+/// presence_penalty, frequency_penalty, repetition_penalty (real numbers), top_k (an integer; one
+/// past i64 is off, as any k >= vocab), seed (any integer, taken modulo 2**64; None = fresh
+/// entropy). None or absent = the default (`SamplingParams::default`). A bad value is a
+/// ValueError naming the parameter; an unknown keyword a TypeError naming it.
+struct SamplingArgs {
+    params: SamplingParams,
+    seed: Option<u64>,
+}
+
+/// The keywords `SamplingArgs` reads (rust_runtime.pyi's `SamplingKwargs`).
+const SAMPLING_KWARGS: [&str; 7] =
+    ["temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed"];
+
+impl SamplingArgs {
+    /// Parse `kwargs` (the `**sampling` of `func`).
+    fn parse(kwargs: Option<&Bound<'_, PyDict>>, func: &str) -> PyResult<Self> {
+        let mut got: [Option<Bound<'_, PyAny>>; 7] = Default::default();
+        for (k, v) in kwargs.into_iter().flat_map(|d| d.iter()) {
+            let key: String = k.extract()?;
+            let Some(slot) = SAMPLING_KWARGS.iter().position(|&n| n == key) else {
+                return Err(PyTypeError::new_err(format!(
+                    "{func}() got an unexpected keyword argument '{key}'; the sampling keywords are {}",
+                    SAMPLING_KWARGS.join(", ")
+                )));
+            };
+            got[slot] = Some(v).filter(|v| !v.is_none());
+        }
+        let [temperature, top_k, top_p, presence, frequency, repetition, seed] = got;
+        let d = SamplingParams::default();
+        let params = SamplingParams::new(
+            real_param(temperature, "temperature", d.temperature)?,
+            int_param(top_k, "top_k", d.top_k as i64)?,
+            real_param(top_p, "top_p", d.top_p)?,
+            real_param(presence, "presence_penalty", d.presence_penalty)?,
+            real_param(frequency, "frequency_penalty", d.frequency_penalty)?,
+            real_param(repetition, "repetition_penalty", d.repetition_penalty)?,
+        )?;
+        Ok(SamplingArgs { params, seed: seed.map(|s| seed_param(&s)).transpose()? })
+    }
+}
+
+/// A real-valued sampling parameter (not a bool or a str); None = `default`.
+fn real_param(obj: Option<Bound<'_, PyAny>>, name: &str, default: f64) -> PyResult<f64> {
+    let Some(o) = obj else { return Ok(default) };
     let bad = || {
         PyValueError::new_err(format!(
             "{name} must be a finite number, got {}",
@@ -711,9 +714,9 @@ fn real_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: f64) -> PyRes
 
 /// An integer sampling parameter (not a bool, not a float); None = `default`. An integer above
 /// i64 saturates to i64::MAX (for top_k: off, as serve.sampling reads any k >= vocab).
-fn int_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: i64) -> PyResult<i64> {
-    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
-    int_arg(o, name).or_else(|e| {
+fn int_param(obj: Option<Bound<'_, PyAny>>, name: &str, default: i64) -> PyResult<i64> {
+    let Some(o) = obj else { return Ok(default) };
+    int_arg(&o, name).or_else(|e| {
         let huge = !o.is_instance_of::<pyo3::types::PyBool>()
             && o.call_method0("__index__").and_then(|i| i.gt(i64::MAX)).unwrap_or(false);
         if huge {
@@ -724,9 +727,8 @@ fn int_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: i64) -> PyResu
     })
 }
 
-/// A seed as serve.sampling.SamplingParams takes it: any integer, reduced modulo 2**64, or None.
-fn any_int_seed(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
-    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+/// A seed as serve.sampling.SamplingParams takes it: any integer (not a bool), reduced modulo 2**64.
+fn seed_param(o: &Bound<'_, PyAny>) -> PyResult<u64> {
     let bad = || {
         PyValueError::new_err(format!(
             "seed must be an int or None, got {}",
@@ -737,7 +739,15 @@ fn any_int_seed(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
         return Err(bad());
     }
     let i = o.call_method0("__index__").map_err(|_| bad())?;
-    Ok(Some(i.rem(u128::from(u64::MAX) + 1)?.extract::<u64>()?))
+    i.rem(u128::from(u64::MAX) + 1)?.extract::<u64>()
+}
+
+/// An optional list of ids (None = empty), the error naming `name`.
+fn opt_id_list(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Vec<i64>> {
+    match obj {
+        Some(o) if !o.is_none() => id_list(o, name),
+        _ => Ok(vec![]),
+    }
 }
 
 /// The engine's per-sequence sampler on its own: `Sampler(...)(logits) -> token id`, with its own
@@ -780,40 +790,15 @@ impl PySampler {
 
 #[pymethods]
 impl PySampler {
-    /// Parameters as Engine.submit takes them (None = the default; ValueError naming the
-    /// parameter for a bad one). seed: any integer (modulo 2**64) or None (fresh entropy);
-    /// prompt_ids: ids (each < the logits' length) for the repetition penalty.
+    /// The sampling keywords as Engine.submit takes them (`SamplingArgs`); prompt_ids: ids
+    /// (each < the logits' length) for the repetition penalty.
     #[new]
-    #[pyo3(signature = (temperature=None, top_k=None, top_p=None, presence_penalty=None, frequency_penalty=None,
-                        repetition_penalty=None, seed=None, prompt_ids=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        temperature: Option<&Bound<'_, PyAny>>,
-        top_k: Option<&Bound<'_, PyAny>>,
-        top_p: Option<&Bound<'_, PyAny>>,
-        presence_penalty: Option<&Bound<'_, PyAny>>,
-        frequency_penalty: Option<&Bound<'_, PyAny>>,
-        repetition_penalty: Option<&Bound<'_, PyAny>>,
-        seed: Option<&Bound<'_, PyAny>>,
-        prompt_ids: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let d = SamplingParams::default();
-        let params = SamplingParams::new(
-            real_param(temperature, "temperature", d.temperature)?,
-            int_param(top_k, "top_k", d.top_k as i64)?,
-            real_param(top_p, "top_p", d.top_p)?,
-            real_param(presence_penalty, "presence_penalty", d.presence_penalty)?,
-            real_param(frequency_penalty, "frequency_penalty", d.frequency_penalty)?,
-            real_param(repetition_penalty, "repetition_penalty", d.repetition_penalty)?,
-        )?;
-        let seed = any_int_seed(seed)?;
-        let ids = match prompt_ids {
-            Some(p) if !p.is_none() => id_list(p, "prompt_ids")?,
-            _ => vec![],
-        };
-        let prompt = ids
-            .iter()
-            .map(|&i| {
+    #[pyo3(signature = (*, prompt_ids=None, **sampling))]
+    fn new(prompt_ids: Option<&Bound<'_, PyAny>>, sampling: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let SamplingArgs { params, seed } = SamplingArgs::parse(sampling, "Sampler")?;
+        let prompt = opt_id_list(prompt_ids, "prompt_ids")?
+            .into_iter()
+            .map(|i| {
                 u32::try_from(i).map_err(|_| {
                     PyValueError::new_err(format!("prompt_ids: token id {i} is out of range: expected 0 <= id"))
                 })
