@@ -146,9 +146,3 @@ class Sampler:
 
 def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float32]: ...  # [vocab], as the engine's logprobs
 def top_logprobs(logits: npt.ArrayLike, n: int) -> list[tuple[int, float]]: ...  # of raw logits; ties: lower id
-
-# Benchmark hook (benchmarks/batch_invariance_cost.py), not a serving API: y = x · wᵀ (w [out, inp], x [m, inp])
-# `repeats` times on `threads` threads with the serving "packed" matmul or the "gemm" crate; (y [m, out], seconds each).
-def _bench_matmul(
-    w: npt.ArrayLike, x: npt.ArrayLike, threads: int = 1, repeats: int = 1, kernel: str = "packed"
-) -> tuple[npt.NDArray[np.float32], list[float]]: ...

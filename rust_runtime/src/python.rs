@@ -13,7 +13,7 @@ use crate::model::{Model, Quantize};
 use crate::policy::{Limits, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tok;
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -886,83 +886,6 @@ fn py_top_logprobs(py: Python<'_>, logits: &Bound<'_, PyAny>, n: i64) -> PyResul
     })
 }
 
-/// A float array as a float32 matrix: (row-major data, rows, cols). ValueError naming `name`.
-fn matrix_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<f32>, usize, usize)> {
-    let arr = float32_array(obj, name, "a 2-D array of floats", 2)?;
-    let a: numpy::PyReadonlyArray2<f32> = arr.extract()?;
-    let (rows, cols) = (a.shape()[0], a.shape()[1]);
-    Ok((a.as_array().iter().copied().collect(), rows, cols))
-}
-
-/// Benchmark hook (benchmarks/batch_invariance_cost.py), not a serving API: y = x · wᵀ for w
-/// float32 [out, inp] and x float32 [m, inp], run `repeats` times on a pool of `threads` threads.
-/// `kernel`: "packed", the serving f32 matmul (w packed once, before the timing; batch-invariant);
-/// "gemm", the gemm crate as candle's f32 matmul calls it (blocking and threading picked by
-/// shape). Returns (y float32 [m, out], the wall seconds of each repeat). ValueError for a bad
-/// shape, kernel name, threads < 1 or repeats < 1.
-#[pyfunction]
-#[pyo3(name = "_bench_matmul", signature = (w, x, threads = 1, repeats = 1, kernel = "packed"))]
-fn py_bench_matmul<'py>(
-    py: Python<'py>,
-    w: &Bound<'py, PyAny>,
-    x: &Bound<'py, PyAny>,
-    threads: usize,
-    repeats: usize,
-    kernel: &str,
-) -> PyResult<(Bound<'py, PyArray2<f32>>, Vec<f64>)> {
-    let (w, out, inp) = matrix_arg(w, "w")?;
-    let (x, m, xin) = matrix_arg(x, "x")?;
-    if xin != inp {
-        return Err(PyValueError::new_err(format!("x: expected [m, {inp}] (w is [{out}, {inp}]), got [{m}, {xin}]")));
-    }
-    if threads < 1 || repeats < 1 {
-        return Err(PyValueError::new_err(format!("threads and repeats must be >= 1, got {threads} and {repeats}")));
-    }
-    if kernel != "packed" && kernel != "gemm" {
-        return Err(PyValueError::new_err(format!("kernel is {kernel:?}; expected \"packed\" or \"gemm\"")));
-    }
-    let (y, secs) = detach(py, || {
-        let par = crate::kernels::Par::new(threads)?;
-        let packed = (kernel == "packed").then(|| crate::kernels::PackedF32::pack(&w, out, inp));
-        let mut y = vec![0f32; m * out];
-        let mut secs = Vec::with_capacity(repeats);
-        for _ in 0..repeats {
-            let t0 = std::time::Instant::now();
-            par.install(|| match &packed {
-                Some(p) => p.matmul(&par, &x, m, &mut y),
-                // SAFETY: dst m × out (row stride out), lhs x m × inp (row stride inp), rhs wᵀ
-                // inp × out (element (i, r) = w[r·inp + i]): all in bounds of their Vecs.
-                None => unsafe {
-                    gemm::gemm(
-                        m,
-                        out,
-                        inp,
-                        y.as_mut_ptr(),
-                        1,
-                        out as isize,
-                        false,
-                        x.as_ptr(),
-                        1,
-                        inp as isize,
-                        w.as_ptr(),
-                        inp as isize,
-                        1,
-                        0f32,
-                        1f32,
-                        false,
-                        false,
-                        false,
-                        if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None },
-                    )
-                },
-            });
-            secs.push(t0.elapsed().as_secs_f64());
-        }
-        Ok((y, secs))
-    })?;
-    Ok((y.into_pyarray(py).reshape([m, out])?, secs))
-}
-
 #[pymodule]
 fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Our parallelism is per model (rayon pools, see kernels::Par). candle's own spin-barrier
@@ -981,7 +904,6 @@ fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySampler>()?;
     m.add_function(wrap_pyfunction!(py_log_softmax, m)?)?;
     m.add_function(wrap_pyfunction!(py_top_logprobs, m)?)?;
-    m.add_function(wrap_pyfunction!(py_bench_matmul, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("simd_level", format!("{:?}", crate::kernels::simd_level()))?;
     Ok(())
