@@ -8,9 +8,10 @@ hidden → qkv (q, k, v fused), hidden → 2·intermediate (gate and up fused), 
 hidden → vocab (lm_head), at m = 1 and 16 rows (a decode step of 1 and 16 sequences) and 64, 512 (prefill).
 
 Kernels, each on ``--threads`` threads, x and W float32 from a fixed seed:
-  * packed: the serving matmul (``rust_runtime._bench_matmul(kernel="packed")``, W packed once before the
-    timing): every output element is the same fma chain over k in order, whatever m and the thread split;
-  * gemm: the gemm crate as candle's f32 matmul calls it (``kernel="gemm"``), in a rayon pool of the same size;
+  * packed: the serving matmul (``rust_runtime/examples/bench_matmul.rs packed``, which cargo builds on first use,
+    W packed once before the timing): every output element is the same fma chain over k in order, whatever m and
+    the thread split;
+  * gemm: the gemm crate as candle's f32 matmul calls it (``bench_matmul gemm``), in a rayon pool of the same size;
   * numpy: OpenBLAS, ``np.matmul(x, W.T, out=y)`` (BLAS threads = ``--threads``; the script re-executes itself
     with OPENBLAS_NUM_THREADS set, since OpenBLAS reads it once at import).
 The peers choose kernels, blocking and threading by shape, so a row's result may change with m: shown by
@@ -64,8 +65,6 @@ def time_kernel(kernel: str, w, x, threads: int, repeats: int):
     """(y float32 [m, out], seconds a call): one warm-up call, then the mean of ``repeats`` calls."""
     import numpy as np
 
-    import rust_runtime
-
     if kernel == "numpy":
         wt = w.T
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
@@ -76,8 +75,35 @@ def time_kernel(kernel: str, w, x, threads: int, repeats: int):
         return y, (time.perf_counter() - t) / repeats
     # each call starts a fresh pool: its first two calls fault in the threads' scratch (one per pool thread), so
     # both are dropped, as numpy's warm-up call above is
-    y, secs = rust_runtime._bench_matmul(w, x, threads=threads, repeats=repeats + WARMUP, kernel=kernel)
+    y, secs = bench_matmul(w, x, threads=threads, repeats=repeats + WARMUP, kernel=kernel)
     return y, sum(secs[WARMUP:]) / repeats
+
+
+_BENCH_MATMUL: list[Path] = []  # the built example, once per process
+
+
+def bench_matmul(w, x, threads: int, repeats: int, kernel: str):
+    """rust_runtime/examples/bench_matmul.rs (built with cargo here, with the caller's RUSTFLAGS, on first use):
+    y = x · wᵀ ``repeats`` times with ``kernel``; returns (y float32 [m, out], the seconds of each repeat)."""
+    import json
+    import subprocess
+    import tempfile
+
+    import numpy as np
+
+    crate = ROOT / "rust_runtime"
+    if not _BENCH_MATMUL:
+        subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "bench_matmul"], cwd=crate,
+                       check=True)
+        _BENCH_MATMUL.append(crate / "target" / "release" / "examples" / "bench_matmul")
+    with tempfile.TemporaryDirectory() as tmp:
+        wf, xf, yf = (Path(tmp) / n for n in ("w.f32", "x.f32", "y.f32"))
+        np.ascontiguousarray(w, np.float32).tofile(wf)
+        np.ascontiguousarray(x, np.float32).tofile(xf)
+        (out, inp), m = w.shape, x.shape[0]
+        res = subprocess.run([str(_BENCH_MATMUL[0]), kernel, str(threads), str(repeats), str(wf), str(out), str(inp),
+                              str(xf), str(m), str(yf)], check=True, capture_output=True, text=True)
+        return np.fromfile(yf, np.float32).reshape(m, out), json.loads(res.stdout)
 
 
 def measure(a: argparse.Namespace) -> dict:

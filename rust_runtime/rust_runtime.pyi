@@ -3,12 +3,27 @@
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from os import PathLike
+from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Unpack
 
 __version__: str
 simd_level: str  # "Avx512", "Avx2Fma" or "Generic": the f32 kernels picked at run time
+
+class SamplingKwargs(TypedDict, total=False):
+    """The sampling keyword arguments of Model.generate, Model.stream, Engine.submit and Sampler, parsed in one
+    place (python.rs SamplingArgs) with serve.sampling.SamplingParams's names and rules. Absent or None = the
+    default; a bad value is a ValueError naming it; any other keyword a TypeError naming it."""
+
+    temperature: float | None  # >= 0, default 1.0; below 1e-5 greedy (ties to the lower id)
+    top_k: int | None  # >= 0, default 0 (off); any k >= the vocabulary is off too
+    top_p: float | None  # in [0, 1], default 1.0 (off); 0 keeps the top token
+    presence_penalty: float | None  # finite, default 0.0
+    frequency_penalty: float | None  # finite, default 0.0
+    repetition_penalty: float | None  # > 0, default 1.0 (off)
+    seed: int | None  # any int, taken modulo 2**64; None (default) = fresh entropy
 
 class Model:
     @staticmethod
@@ -42,30 +57,12 @@ class Model:
     def tokenize(self, text: str) -> list[int]: ...
     def decode(self, ids: Seq[int], skip_special_tokens: bool = False) -> str: ...
     def generate(
-        self,
-        ids: Seq[int],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop_ids: Seq[int] | None = None,
+        self, ids: Seq[int], max_new_tokens: int, *, stop_ids: Seq[int] | None = None,
+        **sampling: Unpack[SamplingKwargs],
     ) -> list[tuple[int, float]]: ...
     def stream(
-        self,
-        ids: Seq[int],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop_ids: Seq[int] | None = None,
+        self, ids: Seq[int], max_new_tokens: int, *, stop_ids: Seq[int] | None = None,
+        **sampling: Unpack[SamplingKwargs],
     ) -> TokenStream: ...
 
 class Sequence:
@@ -101,10 +98,11 @@ class RequestStream(Iterator[Event]):
     def cancel_choice(self, index: int) -> None: ...
 
 class Engine:
-    def __init__(self, model: Model, max_batch: int = 16, token_budget: int = 256, prefill_chunk: int = 16) -> None:
+    def __init__(self, model: Model, max_batch: int = ..., token_budget: int = ..., prefill_chunk: int = ...) -> None:
         """max_batch: sequences stepped together; token_budget: tokens per step (decodes plus prompt chunks);
         prefill_chunk: at most this many prompt tokens in a step that also decodes (a step with nothing
-        decoding prefills up to token_budget). Each an integer >= 1, else ValueError."""
+        decoding prefills up to token_budget). Defaults and limits: src/policy.rs, equal to serve.policy's (a test
+        checks); ValueError naming a bad one."""
     @property
     def max_batch(self) -> int: ...
     @property
@@ -115,21 +113,17 @@ class Engine:
         self,
         ids: Seq[int],
         max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
+        *,
         stop_ids: Seq[int] | None = None,
         n: int = 1,
         top_logprobs: int = 0,
         timeout: float | None = None,
         ignore_eos: bool = False,
         first_index: int = 0,
+        **sampling: Unpack[SamplingKwargs],
     ) -> RequestStream:
-        """first_index: the caller's index of this request's choice 0; choice i draws from
+        """n <= max_batch choices (one prefill); timeout: seconds from now, then the choices still running end
+        "timeout"; first_index: the caller's index of this request's choice 0; choice i draws from
         choice_seed(seed, first_index + i) (choice_seed(s, 0) = s)."""
     def cancel(self, id: int) -> None: ...
     def stats(self) -> dict[str, int | float]: ...
@@ -139,20 +133,10 @@ class Sampler:
     """The engine's per-sequence sampler on its own (rust_runtime/src/sampling.rs, the code every Engine and
     Model.generate sequence runs): ``Sampler(...)(logits) -> token id``. Keeps its own penalty state (prompt
     ids; generated-token counts, each call's pick recorded) and seeded generator; the vocab is the first
-    call's logits length. Parameters as Engine.submit (None = the default); a bad one is a ValueError naming
-    it. seed: any int (modulo 2**64) or None (fresh entropy). Same order and edges as serve.sampling."""
+    call's logits length. The sampling keywords of Engine.submit (SamplingKwargs). Same order and edges as
+    serve.sampling."""
 
-    def __init__(
-        self,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        prompt_ids: Seq[int] | None = None,
-    ) -> None: ...
+    def __init__(self, *, prompt_ids: Seq[int] | None = None, **sampling: Unpack[SamplingKwargs]) -> None: ...
     def __call__(self, logits: npt.ArrayLike) -> int: ...  # float [vocab] → id; RuntimeError for NaN/+inf/all -inf
     def penalize(self, logits: npt.ArrayLike) -> npt.NDArray[np.float32]: ...  # after the penalties; records nothing
     @property
@@ -162,9 +146,3 @@ class Sampler:
 
 def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float32]: ...  # [vocab], as the engine's logprobs
 def top_logprobs(logits: npt.ArrayLike, n: int) -> list[tuple[int, float]]: ...  # of raw logits; ties: lower id
-
-# Benchmark hook (benchmarks/batch_invariance_cost.py), not a serving API: y = x · wᵀ (w [out, inp], x [m, inp])
-# `repeats` times on `threads` threads with the serving "packed" matmul or the "gemm" crate; (y [m, out], seconds each).
-def _bench_matmul(
-    w: npt.ArrayLike, x: npt.ArrayLike, threads: int = 1, repeats: int = 1, kernel: str = "packed"
-) -> tuple[npt.NDArray[np.float32], list[float]]: ...

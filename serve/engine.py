@@ -1,48 +1,51 @@
 """Every generation goes through an engine: one scheduler that steps all running sequences together.
 
-An engine takes requests (``<|endoftext|>`` + prompt ids, a token budget, sampling parameters, ``n`` choices)
-and gives back, per choice, a stream of :class:`TokenEvent` s. Python (:mod:`serve.generation`) keeps detokenising and
-stop strings. Two engines implement it:
+An engine takes requests (``<|endoftext|>`` + prompt ids, a token budget, sampling parameters, ``n`` choices,
+an optional timeout) and gives back, per choice, a stream of :class:`TokenEvent` s. Python
+(:mod:`serve.generation`) keeps detokenising and stop strings. Two engines implement it, and both follow
+:mod:`serve.policy` (the defaults, the request phases and the pure planning step of each step: retire, plan,
+run, sample, post):
 
 * :class:`RustEngine` wraps ``rust_runtime.Engine``: continuous batching in Rust, outside the GIL, with
   batch-invariant kernels and sampling in Rust (the rust backend);
-* :class:`StepEngine` is the same scheduling policy in a Python thread over any backend of
-  :mod:`serve.backends.base` (the onnx backend, the scripted test model): each step feeds every decoding
-  sequence one token — in one ``backend.decode_batch`` call when the backend has one and says batching pays
-  at that batch size (``backend.batch_pays(b)``), else one sequence after another — plus chunks of pending
-  prompts under ``token_budget`` tokens (at most ``prefill_chunk`` of them while sequences decode), and samples each sequence with :class:`serve.sampling.Sampler` and
-  its own generator (``make_rng(seed, choice)``).
+* :class:`StepEngine` runs the policy in a Python thread over any backend of :mod:`serve.backends.base` (the
+  onnx backend, the scripted test model): the decodes of a step go in one ``backend.decode_batch`` call when the
+  backend has one and says batching pays at that batch size (``backend.batch_pays(b)``), else one sequence after
+  another; each prompt chunk is one ``seq.prefill`` call; each sequence samples with
+  :class:`serve.sampling.Sampler` and its own generator (``make_rng(seed, first_index + choice)``).
 
-Both admit requests first come, first served while their choices fit in ``max_batch`` sequences (a request
-larger than the batch waits for an empty one), prefill a prompt once for its ``n`` choices (forking the cache),
-and end a choice at end-of-text (unless ``ignore_eos``: reported as a ``"stop"`` event carrying that token),
-after ``max_new_tokens``, or when cancelled (``"cancelled"``, before the next step). The policy follows
-llama.cpp's server (slots, n_batch) and vLLM (continuous batching, chunked prefill).
+Both prefill a prompt once for its ``n`` choices (forking the cache; ``n`` may not exceed ``max_batch``), and end
+a choice at end-of-text (unless ``ignore_eos``: reported as a ``"stop"`` event carrying that token), after
+``max_new_tokens``, when cancelled (``"cancelled"``) or past its timeout (``"timeout"``) — the last two before
+the next step.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from serve.backends.base import BackendError
-from serve.sampling import SEED_MODULUS, Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
-
-# sequences per step; benchmarks/serve_batching.py, f32 on `small`: 16 streams give 4.9x one stream's tokens/s, and 32
-# add 11 % more at 1.6x the p99 inter-token latency
-DEFAULT_MAX_BATCH = 16
-DEFAULT_TOKEN_BUDGET = 256  # tokens per step (decode tokens + prefill chunks); llama.cpp's n_batch
-# prompt tokens in a step that also decodes (Sarathi-Serve's stall-free batching), as rust_runtime.Engine's default
-DEFAULT_PREFILL_CHUNK = 16
-TOP_K_OFF = 2**31  # a top_k at least the vocabulary keeps every token: clamped before it reaches Rust's i64
+from serve.policy import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_TOKEN_BUDGET,
+    Entry,
+    Phase,
+    Plan,
+    check_engine_limits,
+    plan_step,
+)
+from serve.sampling import Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
 
 
 @dataclass(frozen=True)
@@ -143,18 +146,19 @@ class RustEngine:
         self.token_budget: int = engine.token_budget
 
     def submit(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, n: int = 1,
-               top_logprobs: int = 0, ignore_eos: bool = False, first_index: int = 0) -> Submission:
+               top_logprobs: int = 0, ignore_eos: bool = False, first_index: int = 0,
+               timeout_s: float | None = None) -> Submission:
         """Queue ``ids`` (``<|endoftext|>`` + prompt, checked ids); see the module docstring. ``first_index``
         is the request's index of this group's choice 0 (its choices beyond the first batch): the engine seeds
         choice i of the group with ``choice_seed(seed, first_index + i)``, the rule every choice follows.
-        Raises BackendError for what the engine refuses (a prompt that does not fit, n > max_batch)."""
-        seed = None if params.seed is None else int(params.seed) % SEED_MODULUS
+        ``timeout_s``: seconds from now after which the choices still running end with ``"timeout"`` (None:
+        never). ``params`` crosses into Rust as its fields (rust_runtime's sampling keyword arguments have the
+        same names and rules). Raises BackendError for what the engine refuses (a prompt that does not fit,
+        n > max_batch, a timeout <= 0)."""
         try:
-            stream = self._engine.submit(
-                list(ids), max_new_tokens, temperature=params.temperature, top_k=min(int(params.top_k), TOP_K_OFF),
-                top_p=params.top_p, presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-                seed=seed, n=n, top_logprobs=top_logprobs, ignore_eos=ignore_eos, first_index=first_index)
+            stream = self._engine.submit(list(ids), max_new_tokens, n=n, top_logprobs=top_logprobs,
+                                         ignore_eos=ignore_eos, first_index=first_index, timeout=timeout_s,
+                                         **asdict(params))
         except ValueError as e:
             raise BackendError(str(e)) from e
         return _RustSubmission(stream, n)
@@ -174,42 +178,54 @@ class RustEngine:
 # ---------------------------------------------------------------- Python
 
 
-class _Choice:
-    """One running sequence of a request (its own cache after the shared prefill)."""
-
-    def __init__(self, req: _Request, index: int, seq: Any, logits: np.ndarray | None):
-        self.req, self.index, self.seq = req, index, seq
-        self.logits = logits  # the row to sample from this step (None: waiting for its decode)
-        rng = None if req.params.greedy else make_rng(req.params.seed, req.first_index + index)
-        self.sampler = Sampler(req.params, req.prompt_ids, rng)
-        self.produced = 0
-        self.next_token: int | None = None
-
-
 class _Request(Submission):
-    def __init__(self, engine: StepEngine, ids: list[int], max_new_tokens: int, params: SamplingParams, n: int,
-                 top_logprobs: int, ignore_eos: bool, first_index: int = 0):
+    """One submitted request. ``phase`` (:class:`serve.policy.Phase`): WAITING in the queue, PREFILLING in the
+    batch (``seq`` holds its prompt's cache, ``prefilled`` tokens of it so far), then DECODING once it forked into
+    its ``choices``, FINISHED when none of them runs. ``open``: the choices not yet ended; ``cancelled``: the
+    choices asked to end (written only by the scheduler thread, through ``command``, and read at its next
+    retire)."""
+
+    def __init__(self, command: Callable[[Callable[[], None]], None], ids: list[int], max_new_tokens: int,
+                 params: SamplingParams, n: int, top_logprobs: int, ignore_eos: bool, first_index: int = 0,
+                 timeout_s: float | None = None):
         self.n, self.first_index = n, first_index
-        self.engine = engine
+        self._command = command
         self.ids, self.max_new_tokens, self.params = ids, max_new_tokens, params
         self.prompt_ids = ids[1:]  # the sampler's penalties see the prompt without the leading <|endoftext|>
-        self.top_n, self.ignore_eos = top_logprobs, ignore_eos
+        self.top_n, self.ignore_eos, self.timeout_s = top_logprobs, ignore_eos, timeout_s
         self.queues: list[queue.SimpleQueue[TokenEvent]] = [queue.SimpleQueue() for _ in range(n)]
+        self.phase = Phase.WAITING
         self.open = set(range(n))
         self.cancelled: set[int] = set()
+        self.choices: list[_Choice] = []
         self.seq: Any = None
         self.prefilled = 0
-        self.submitted = time.perf_counter()
-        self.started = False
+        self.submitted = 0.0
+        self.deadline = math.inf
+        self.on_end: Callable[[], None] | None = None  # the scheduler's count of running sequences
 
-    def post(self, index: int, ev: TokenEvent) -> None:
-        if ev.finish is not None:
-            self.open.discard(index)
+    def entry(self) -> Entry:
+        """The planner's view (:class:`serve.policy.Entry`): one slot per open choice, the prompt left."""
+        return Entry(len(self.open), len(self.ids) - self.prefilled)
+
+    def finish_choice(self, index: int, ev: TokenEvent) -> None:
+        """Post choice ``index``'s finishing event; the request is FINISHED when no choice is open."""
+        if index not in self.open:
+            return
+        self.open.discard(index)
         self.queues[index].put(ev)
+        for c in self.choices:
+            if c.index == index:
+                c.phase = Phase.FINISHED
+        if self.phase is not Phase.WAITING and self.on_end is not None:
+            self.on_end()
+        if not self.open:
+            self.phase = Phase.FINISHED
 
     def end(self, reason: str, error: BaseException | None = None) -> None:
+        """End every open choice with ``reason``."""
         for i in sorted(self.open):
-            self.post(i, TokenEvent(None, finish=reason, error=error))
+            self.finish_choice(i, TokenEvent(None, finish=reason, error=error))
 
     def events(self, index: int) -> Iterator[TokenEvent]:
         while True:
@@ -219,19 +235,225 @@ class _Request(Submission):
                 return
 
     def cancel(self) -> None:
-        self.engine._command(lambda: self.cancelled.update(range(self.n)))
+        self._command(lambda: self.cancelled.update(range(self.n)))
 
     def cancel_choice(self, index: int) -> None:
-        self.engine._command(lambda: self.cancelled.add(index))
+        self._command(lambda: self.cancelled.add(index))
+
+
+class _Choice:
+    """One choice of a request after the shared prefill: a DECODING sequence of its own (``last``: the token it
+    is fed next step) until it is FINISHED."""
+
+    def __init__(self, req: _Request, index: int, seq: Any):
+        self.req, self.index, self.seq = req, index, seq
+        rng = None if req.params.greedy else make_rng(req.params.seed, req.first_index + index)
+        self.sampler = Sampler(req.params, req.prompt_ids, rng)
+        self.produced = 0
+        self.last = 0
+        self.phase = Phase.DECODING
+
+    def entry(self) -> Entry:
+        return Entry(1, 0)
+
+
+class _Scheduler:
+    """The state of a :class:`StepEngine` and its steps, owned by one thread (a test may drive it directly):
+    ``add(request, now)``, then ``tick(now)`` per step (:mod:`serve.policy`'s retire, plan, run, sample, post).
+    ``waiting``: the queue (WAITING requests, arrival order); ``batch``: PREFILLING requests and DECODING choices,
+    in admission order."""
+
+    def __init__(self, backend: Any, eot_id: int, max_batch: int, token_budget: int, prefill_chunk: int):
+        self.backend, self.eot_id = backend, eot_id
+        self.max_batch, self.token_budget, self.prefill_chunk = max_batch, token_budget, prefill_chunk
+        self.waiting: deque[_Request] = deque()
+        self.batch: list[_Request | _Choice] = []
+        self.stats: dict[str, float] = dict.fromkeys(engine_stats_keys(), 0)
+        self.stats["queue_wait_s"] = 0.0
+        self.running = 0  # sequences of admitted requests not yet ended (live: read by other threads)
+
+    def _one_ended(self) -> None:
+        self.running -= 1
+
+    def busy(self) -> bool:
+        """Whether a request waits or runs."""
+        return bool(self.waiting or self.batch)
+
+    def _batch_requests(self) -> set[_Request]:
+        return {e if isinstance(e, _Request) else e.req for e in self.batch}
+
+    def requests(self) -> set[_Request]:
+        """Every request that waits or runs."""
+        return {*self.waiting, *self._batch_requests()}
+
+    def add(self, req: _Request, at: float) -> None:
+        """Queue ``req``, submitted at time ``at`` (its timeout counts from there); ``max_new_tokens`` 0 ends it
+        at once with "length"."""
+        req.submitted = at
+        if req.timeout_s is not None:
+            req.deadline = at + req.timeout_s
+        req.on_end = self._one_ended
+        if req.max_new_tokens == 0:
+            req.end("length")
+        else:
+            self.waiting.append(req)
+
+    def tick(self, now: float) -> dict[_Request, int] | None:
+        """One step at time ``now``: retire, plan, run, sample, post. Returns the tokens each request fed the
+        model (prompt chunk or one per decoding choice), or None when nothing ran."""
+        self._retire(now)
+        plan = plan_step([r.entry() for r in self.waiting], [e.entry() for e in self.batch], self.max_batch,
+                         self.token_budget, self.prefill_chunk)
+        for _ in range(plan.admit):
+            r = self.waiting.popleft()
+            r.phase = Phase.PREFILLING
+            self.running += len(r.open)
+            self.batch.append(r)
+        if not self.batch:
+            return None
+        try:
+            rows, scheduled, decoded = self._run(plan, now)
+            self._sample(rows)
+        except Exception as e:  # a backend failure ends the requests of the step, not the engine
+            for r in self._batch_requests():
+                r.end("error", e)
+            self._post()
+            return {}
+        self._post()
+        s, total = self.stats, sum(scheduled.values())
+        s["steps"] += 1
+        s["last_step_tokens"] = total
+        s["decode_tokens"] += decoded
+        s["prefill_tokens"] += total - decoded
+        return scheduled
+
+    def end_all(self, reason: str, error: BaseException | None = None) -> None:
+        """End every waiting and running request (the engine closes or dies)."""
+        for r in self.requests():
+            r.end(reason, error)
+        self.waiting.clear()
+        self.batch = []
+
+    # ---- the phases of a step
+
+    def _retire(self, now: float) -> None:
+        """Cancelled choices and requests past their deadline leave, waiting or running, before the plan."""
+        for r in self.requests():
+            for i in sorted(r.cancelled & r.open):
+                r.finish_choice(i, TokenEvent(None, finish="cancelled"))
+            if now >= r.deadline:
+                r.end("timeout")
+        self.waiting = deque(r for r in self.waiting if r.phase is not Phase.FINISHED)
+        self.batch = [e for e in self.batch if e.phase is not Phase.FINISHED]
+
+    def _run(self, plan: Plan, now: float) -> tuple[list[tuple[_Request | _Choice, np.ndarray]], dict[_Request, int],
+                                                    int]:
+        """Feed the planned tokens to the backend: one token to each decoding choice, then each prompt chunk.
+        Returns (entry, logits row) for every entry with a row to sample from (a prompt's only once its last chunk
+        ran), the tokens fed per request and the number of decodes. A failing prefill ends its own request."""
+        rows: list[tuple[_Request | _Choice, np.ndarray]] = []
+        scheduled: dict[_Request, int] = {}
+        decoding = [self.batch[i] for i in plan.decode]
+        for c, row in zip(decoding, self._decode(decoding)):
+            rows.append((c, row))
+            scheduled[c.req] = scheduled.get(c.req, 0) + 1
+        for i, take in plan.prefill:
+            r = self.batch[i]
+            if r.prefilled == 0:  # its first step: the wait in the queue ends
+                self.stats["queue_wait_s"] += now - r.submitted
+                self.stats["admitted"] += 1
+            try:
+                if r.seq is None:
+                    r.seq = self.backend.new_sequence()
+                row = np.asarray(r.seq.prefill(r.ids[r.prefilled:r.prefilled + take]))
+            except Exception as e:
+                r.end("error", e)
+                continue
+            r.prefilled += take
+            scheduled[r] = scheduled.get(r, 0) + take
+            if r.prefilled == len(r.ids):
+                rows.append((r, row))
+        return rows, scheduled, len(decoding)
+
+    def _decode(self, decoding: list[_Choice]) -> list[np.ndarray]:
+        if not decoding:
+            return []
+        b = self.backend
+        toks = [c.last for c in decoding]
+        batched = getattr(b, "decode_batch", None)
+        pays = getattr(b, "batch_pays", None)
+        if batched is not None and len(decoding) > 1 and (pays is None or pays(len(decoding))):
+            return list(np.asarray(batched([c.seq for c in decoding], toks)))
+        return [np.asarray(c.seq.decode(t)) for c, t in zip(decoding, toks)]
+
+    def _sample(self, rows: list[tuple[_Request | _Choice, np.ndarray]]) -> None:
+        """Sample every row; a request whose prompt is in forks into its open choices first."""
+        for entry, row in rows:
+            if isinstance(entry, _Choice):
+                self._sample_choice(entry, row)
+                continue
+            try:
+                forks = self._fork(entry, row)
+            except Exception as e:
+                entry.end("error", e)
+                continue
+            entry.choices = [c for c, _ in forks]
+            entry.phase = Phase.DECODING
+            for c, crow in forks:
+                self._sample_choice(c, crow)
+
+    def _fork(self, r: _Request, row: np.ndarray) -> list[tuple[_Choice, np.ndarray]]:
+        """The open choices of ``r`` after its prefill: the first takes the prefilled sequence, the others a
+        ``seq.fork()`` of it where the backend has one (else a sequence prefilled again)."""
+        indices = sorted(r.open)
+        out = [(_Choice(r, indices[0], r.seq), row)]
+        fork = getattr(r.seq, "fork", None)
+        for i in indices[1:]:
+            if fork is not None:
+                out.append((_Choice(r, i, fork()), row))
+            else:
+                seq = self.backend.new_sequence()
+                out.append((_Choice(r, i, seq), np.asarray(seq.prefill(r.ids))))
+        return out
+
+    def _sample_choice(self, c: _Choice, logits: np.ndarray) -> None:
+        r = c.req
+        try:
+            tok = c.sampler(logits)
+            lp = log_softmax(logits)
+        except Exception as e:  # ModelOutputError (NaN logits) and the like end this choice
+            r.finish_choice(c.index, TokenEvent(None, finish="error", error=e))
+            return
+        top = top_logprobs(lp, r.top_n) if r.top_n else []
+        if tok == self.eot_id and not r.ignore_eos:
+            r.finish_choice(c.index, TokenEvent(tok, float(lp[tok]), top, "stop"))
+            return
+        c.produced += 1
+        r.queues[c.index].put(TokenEvent(tok, float(lp[tok]), top))
+        if c.produced >= r.max_new_tokens:
+            r.finish_choice(c.index, TokenEvent(None, finish="length"))
+        else:
+            c.last = tok
+
+    def _post(self) -> None:
+        """Drop what ended from the batch and put each forked request's open choices in its place."""
+        batch: list[_Request | _Choice] = []
+        for e in self.batch:
+            if isinstance(e, _Request) and e.phase is Phase.DECODING:
+                batch += [c for c in e.choices if c.phase is Phase.DECODING]
+            elif e.phase is not Phase.FINISHED:
+                batch.append(e)
+        self.batch = batch
 
 
 class StepEngine:
-    """The scheduler of the module docstring in a Python thread (started on the first submit).
+    """The policy of :mod:`serve.policy` in a Python thread (started on the first submit) over a
+    :mod:`serve.backends.base` backend.
 
-    backend: a :mod:`serve.backends.base` backend; eot_id: the end-of-text id; max_batch: sequences stepped
-    together (>= 1); token_budget: tokens per step (>= 1); prefill_chunk: at most this many prompt tokens in a
-    step that also decodes, so arriving prompts do not stall the decoding streams (>= 1). Sequences fork with ``seq.fork()`` where the backend
-    has it (else the prompt is prefilled again per choice).
+    eot_id: the end-of-text id; max_batch: sequences stepped together; token_budget: tokens per step; prefill_chunk:
+    at most this many prompt tokens in a step that also decodes, so arriving prompts do not stall the decoding
+    streams (each an int >= 1, :func:`serve.policy.check_engine_limits`). Sequences fork with ``seq.fork()`` where
+    the backend has it (else the prompt is prefilled again per choice).
     """
 
     def __init__(self, backend: Any, eot_id: int, max_batch: int = DEFAULT_MAX_BATCH,
@@ -239,49 +461,53 @@ class StepEngine:
         check_engine_limits(max_batch, token_budget, prefill_chunk)
         self.backend, self.eot_id = backend, eot_id
         self.max_batch, self.token_budget, self.prefill_chunk = max_batch, token_budget, prefill_chunk
+        self._core = _Scheduler(backend, eot_id, max_batch, token_budget, prefill_chunk)
         self._cond = threading.Condition()
-        self._commands: list = []
-        self._waiting: deque[_Request] = deque()
-        self._prefilling: list[_Request] = []
-        self._running: list[_Choice] = []
-        self._stats = dict.fromkeys(engine_stats_keys(), 0)
-        self._stats["queue_wait_s"] = 0.0
+        self._submitted: list[tuple[_Request, float]] = []  # (request, submission time), not yet in the scheduler
+        self._commands: list[Callable[[], None]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
 
     # ---- the caller's side
 
     def submit(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, n: int = 1,
-               top_logprobs: int = 0, ignore_eos: bool = False, first_index: int = 0) -> Submission:
+               top_logprobs: int = 0, ignore_eos: bool = False, first_index: int = 0,
+               timeout_s: float | None = None) -> Submission:
         """Queue ``ids`` (``<|endoftext|>`` + prompt, checked ids); see the module docstring. Choice i draws
-        from ``make_rng(seed, first_index + i)``. Raises BackendError when the engine is closed."""
-        req = _Request(self, list(ids), max_new_tokens, params, n, top_logprobs, ignore_eos, first_index)
-        if max_new_tokens == 0:
-            req.end("length")
-            return req
+        from ``make_rng(seed, first_index + i)``; ``timeout_s``: seconds from now after which the choices still
+        running end with ``"timeout"`` (None: never). Raises BackendError for n outside [1, max_batch], a timeout
+        that is not a number > 0, or a closed engine."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= self.max_batch:
+            raise BackendError(f"n is {n!r}; expected 1 <= n <= max_batch = {self.max_batch} (each choice is a "
+                               "sequence of the batch)")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+                                      or not 0 < timeout_s < math.inf):
+            raise BackendError(f"timeout is {timeout_s!r}; expected seconds > 0 or None")
+        req = _Request(self._command, list(ids), max_new_tokens, params, n, top_logprobs, ignore_eos, first_index,
+                       timeout_s)
         with self._cond:
             if self._closed:
                 raise BackendError("the engine is closed")
-            self._waiting.append(req)
+            self._submitted.append((req, time.perf_counter()))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="shalik-engine", daemon=True)
                 self._thread.start()
             self._cond.notify()
         return req
 
-    def _command(self, fn) -> None:
+    def _command(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the scheduler thread before its next step."""
         with self._cond:
             self._commands.append(fn)
             self._cond.notify()
 
     def stats(self) -> dict[str, float]:
-        """Counters (:func:`engine_stats_keys`); running counts the choices not yet ended (live, so a
-        finished request is never counted after its last event)."""
+        """Counters (:func:`engine_stats_keys`); running counts the choices of admitted requests not yet ended
+        (live, so a finished request is never counted after its last event), waiting the choices queued."""
         with self._cond:
-            out = dict(self._stats)
-            out["waiting"] = sum(r.n for r in self._waiting)
-        out["running"] = (sum(1 for c in list(self._running) if c.index in c.req.open)
-                          + sum(len(r.open) for r in list(self._prefilling)))
+            out = dict(self._core.stats)
+            out["waiting"] = sum(r.n for r, _ in self._submitted) + sum(len(r.open) for r in list(self._core.waiting))
+        out["running"] = self._core.running
         return out
 
     def close(self) -> None:
@@ -301,167 +527,41 @@ class StepEngine:
 
     def _loop(self) -> None:
         try:
-            self._schedule()
+            while self._next():
+                pass
         except BaseException as e:  # not a backend Exception (those end their step): nothing may wait forever
             with self._cond:
                 self._closed = True
-                reqs = {*self._waiting, *self._prefilling, *(c.req for c in self._running)}
-            err = BackendError(f"the engine stopped: {type(e).__name__}: {e}")
-            for r in reqs:
-                r.end("error", err)
+                self._core.waiting.extend(r for r, _ in self._submitted)
+                self._submitted = []
+            self._core.end_all("error", BackendError(f"the engine stopped: {type(e).__name__}: {e}"))
             raise
 
-    def _schedule(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._closed or self._commands or self._waiting or self._prefilling or self._running):
-                    self._cond.wait()
-                for fn in self._commands:  # cancellations: applied here, in the one thread that reads them
-                    fn()
-                self._commands = []
-                if self._closed:
-                    for r in {*self._waiting, *self._prefilling, *(c.req for c in self._running)}:
-                        r.end("cancelled")
-                    return
-                for r in [r for r in self._waiting if len(r.cancelled) >= r.n]:
-                    self._waiting.remove(r)
-                    r.end("cancelled")
-                self._admit()
-            self._drop_cancelled()
-            if self._running or self._prefilling:
-                try:
-                    self._step()
-                except Exception as e:  # a backend failure ends the requests of the step, not the engine
-                    for r in {*self._prefilling, *(c.req for c in self._running)}:
-                        r.end("error", e)
-                    self._prefilling, self._running = [], []
-
-    def _used(self) -> int:
-        return len(self._running) + sum(r.n for r in self._prefilling)
-
-    def _admit(self) -> None:
-        used = self._used()
-        while self._waiting:
-            r = self._waiting[0]
-            if used + r.n > self.max_batch and used > 0:
-                break
-            self._waiting.popleft()
-            used += r.n
-            self._prefilling.append(r)
-
-    def _drop_cancelled(self) -> None:
-        keep = []
-        for c in self._running:
-            if c.index in c.req.cancelled:
-                c.req.post(c.index, TokenEvent(None, finish="cancelled"))
-            else:
-                keep.append(c)
-        self._running = keep
-        for r in [r for r in self._prefilling if len(r.cancelled) >= r.n]:
-            self._prefilling.remove(r)
-            r.end("cancelled")
-
-    def _step(self) -> None:
-        now = time.perf_counter()
-        decoding = [c for c in self._running if c.next_token is not None]
-        n_decode = len(decoding)
-        if decoding:
-            self._decode(decoding)
-        budget = min(self.prefill_chunk, self.token_budget - n_decode) if n_decode else self.token_budget
-        n_prefill = 0
-        for r in list(self._prefilling):
-            if budget <= 0:
-                break
-            if not r.started:
-                r.started = True
-                self._stats["queue_wait_s"] += now - r.submitted
-                self._stats["admitted"] += 1
-            take = min(len(r.ids) - r.prefilled, budget)
-            try:
-                if r.seq is None:
-                    r.seq = self.backend.new_sequence()
-                row = np.asarray(r.seq.prefill(r.ids[r.prefilled:r.prefilled + take]))
-            except Exception as e:
-                self._prefilling.remove(r)
-                r.end("error", e)
-                continue
-            budget -= take
-            n_prefill += take
-            r.prefilled += take
-            if r.prefilled == len(r.ids):
-                try:
-                    forks = self._fork(r, row)
-                except Exception as e:  # the request is in neither list now: end it here, or its choices hang
-                    self._prefilling.remove(r)
-                    r.end("error", e)
-                    continue
-                self._prefilling.remove(r)
-                self._running += forks
-        for c in [c for c in self._running if c.logits is not None]:
-            self._sample(c)
-        self._running = [c for c in self._running if c.index in c.req.open]
-        s = self._stats
-        s["steps"] += 1
-        s["last_step_tokens"] = n_prefill + n_decode
-        s["prefill_tokens"] += n_prefill
-        s["decode_tokens"] += n_decode
-
-    def _fork(self, r: _Request, row: np.ndarray) -> list[_Choice]:
-        choices = [_Choice(r, 0, r.seq, row)]
-        for i in range(1, r.n):
-            fork = getattr(r.seq, "fork", None)
-            if fork is not None:
-                seq = fork()
-            else:
-                seq = self.backend.new_sequence()
-                row = np.asarray(seq.prefill(r.ids))
-            choices.append(_Choice(r, i, seq, row))
-        return choices
-
-    def _decode(self, decoding: list[_Choice]) -> None:
-        b = self.backend
-        toks = [c.next_token for c in decoding]
-        batched = getattr(b, "decode_batch", None)
-        pays = getattr(b, "batch_pays", None)
-        if batched is not None and len(decoding) > 1 and (pays is None or pays(len(decoding))):
-            rows = np.asarray(batched([c.seq for c in decoding], toks))
-        else:
-            rows = [np.asarray(c.seq.decode(t)) for c, t in zip(decoding, toks)]
-        for c, row in zip(decoding, rows):
-            c.logits, c.next_token = row, None
-
-    def _sample(self, c: _Choice) -> None:
-        r, logits = c.req, c.logits
-        c.logits = None
-        try:
-            tok = c.sampler(logits)
-            lp = log_softmax(logits)
-        except Exception as e:  # ModelOutputError (NaN logits) and the like end this choice
-            r.post(c.index, TokenEvent(None, finish="error", error=e))
-            return
-        top = top_logprobs(lp, r.top_n) if r.top_n else []
-        if tok == self.eot_id and not r.ignore_eos:
-            r.post(c.index, TokenEvent(tok, float(lp[tok]), top, "stop"))
-            return
-        c.produced += 1
-        r.post(c.index, TokenEvent(tok, float(lp[tok]), top))
-        if c.produced >= r.max_new_tokens:
-            r.post(c.index, TokenEvent(None, finish="length"))
-        else:
-            c.next_token = tok
-
-
-def check_engine_limits(max_batch: int, token_budget: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
-    """ValueError unless ``max_batch``, ``token_budget`` and ``prefill_chunk`` are ints >= 1."""
-    for name, v in (("max_batch", max_batch), ("token_budget", token_budget), ("prefill_chunk", prefill_chunk)):
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    def _next(self) -> bool:
+        """Wait for work, take the submissions and commands, then one step (:meth:`_Scheduler.tick`). False once
+        the engine is closed (every request then ends "cancelled")."""
+        with self._cond:
+            while not (self._closed or self._submitted or self._commands or self._core.busy()):
+                self._cond.wait()
+            submitted, self._submitted = self._submitted, []
+            commands, self._commands = self._commands, []
+            closed = self._closed
+        for r, at in submitted:
+            self._core.add(r, at)
+        for fn in commands:  # cancellations: applied here, in the one thread that reads them
+            fn()
+        if closed:
+            self._core.end_all("cancelled")
+            return False
+        self._core.tick(time.perf_counter())
+        return True
 
 
 def make_engine(backend: Any, eot_id: int, max_batch: int = DEFAULT_MAX_BATCH,
                 token_budget: int = DEFAULT_TOKEN_BUDGET) -> RustEngine | StepEngine:
     """The engine for ``backend``: the rust backend's own ``rust_runtime.Engine`` (sized ``max_batch`` /
-    ``token_budget``), else a :class:`StepEngine`. Raises ValueError for limits < 1."""
+    ``token_budget``), else a :class:`StepEngine`. Raises ValueError for limits outside
+    :func:`serve.policy.check_engine_limits`."""
     check_engine_limits(max_batch, token_budget)
     start = getattr(backend, "start_engine", None)
     if start is not None:

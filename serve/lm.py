@@ -32,9 +32,10 @@ import numpy as np
 from serve.bundle import eot_id
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
-from serve.engine import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits, make_engine
+from serve.engine import make_engine
 from serve.errors import RequestError
 from serve.generation import ChoiceGroup, Generation
+from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
 from serve.results import Chunk, Completion, Score, TokenLogprobs
 from serve.sampling import SamplingParams, log_softmax, top_logprobs
 

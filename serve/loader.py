@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from serve.bundle import TOKENIZER, backend_files, parse_quantize, verify_files
-from serve.engine import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
 from serve.lm import LM
+from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
 
 __all__ = ["BACKENDS", "load"]
 

@@ -10,6 +10,8 @@ Build the extension first: pip install ./rust_runtime
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -125,7 +127,10 @@ def test_bad_requests_name_the_argument(model):
     cases = [
         (lambda: eng.submit([], 4), ValueError, r"empty"),
         (lambda: eng.submit([512], 4), ValueError, r"512"),
-        (lambda: eng.submit([1, 2], 4, seed=2**64), ValueError, r"seed"),
+        (lambda: eng.submit([1, 2], 4, seed=1.5), ValueError, r"seed"),
+        (lambda: eng.submit([1, 2], 4, top_p="0.5"), ValueError, r"top_p"),
+        (lambda: eng.submit([1, 2], 4, stop=["x"]), TypeError, r"submit\(\).*'stop'"),
+        (lambda: eng.submit([1, 2], 4, 1), TypeError, r"positional"),
         (lambda: eng.submit([2**64], 4), ValueError, r"ids"),
         (lambda: eng.submit([1], 4, stop_ids=[999]), ValueError, r"stop_ids"),
         (lambda: eng.submit([1], 600), ValueError, r"512"),
@@ -166,3 +171,49 @@ def test_prompts_beside_decodes_go_prefill_chunk_tokens_a_step_and_stay_bit_iden
     toks_a = [(t, lp) for _i, t, lp, _top, f in got_a if f is None]
     assert toks_a == [(t, lp) for t, lp in model.generate(pa, 200, temperature=0.0)]
     eng.close()
+
+
+def test_the_rust_defaults_and_limits_are_serve_policys(model):
+    """One scheduling policy (issue 26): rust_runtime.Engine's defaults (src/policy.rs) are serve.policy's, and
+    it refuses what serve.policy.check_engine_limits refuses."""
+    from serve import policy
+
+    eng = rust_runtime.Engine(model)
+    assert (eng.max_batch, eng.token_budget, eng.prefill_chunk) == (
+        policy.DEFAULT_MAX_BATCH, policy.DEFAULT_TOKEN_BUDGET, policy.DEFAULT_PREFILL_CHUNK)
+    eng.close()
+    top = rust_runtime.Engine(model, max_batch=policy.MAX_BATCH_LIMIT, token_budget=policy.MAX_TOKEN_BUDGET,
+                              prefill_chunk=policy.MAX_TOKEN_BUDGET)
+    top.close()
+    for kw in (dict(max_batch=policy.MAX_BATCH_LIMIT + 1), dict(token_budget=policy.MAX_TOKEN_BUDGET + 1),
+               dict(prefill_chunk=policy.MAX_TOKEN_BUDGET + 1)):
+        expect_error(lambda kw=kw: rust_runtime.Engine(model, **kw), ValueError, next(iter(kw)))
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            policy.check_engine_limits(**{"max_batch": 1, "token_budget": 1, **kw})
+
+
+def test_the_timeout_of_serve_engine_reaches_rust(model):
+    """serve.engine.RustEngine passes timeout_s on (it never did): every choice ends "timeout", with the tokens
+    it made before; and serve's SamplingParams cross as one object (its fields as the sampling keywords)."""
+    from serve.engine import RustEngine
+    from serve.sampling import SamplingParams
+
+    eng = RustEngine(rust_runtime.Engine(model, max_batch=4))
+    try:
+        p = prompt_ids(6, seed=9)
+        sub = eng.submit(p, 400, SamplingParams(temperature=0.9, top_k=2**70, seed=-1), n=2, ignore_eos=True,
+                         timeout_s=0.05)
+        for i in range(2):
+            evs = list(sub.events(i))
+            assert evs[-1].finish == "timeout" and len(evs) < 400
+        want = [(t, lp) for t, lp in model.generate(p, 5, temperature=0.9, seed=2**64 - 1)]
+        got = list(eng.submit(p, 5, SamplingParams(temperature=0.9, seed=-1)).events(0))
+        assert [(e.token, e.logprob) for e in got if e.finish is None] == want
+        with pytest.raises(ValueError, match="timeout is -1"):
+            eng.submit(p, 5, SamplingParams(), timeout_s=-1.0)
+        t0 = time.monotonic()  # the counters are published after each pass of the scheduler
+        while eng.stats()["running"] and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert eng.stats()["running"] == 0
+    finally:
+        eng.close()

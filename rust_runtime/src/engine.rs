@@ -1,17 +1,15 @@
 //! Continuous batching: one scheduler thread owns every running sequence and its KV cache.
 //!
-//! Each step is one `Model::forward_batch` over the next token of every decoding sequence plus
-//! chunks of pending prompts, at most `token_budget` tokens in all (llama.cpp's n_batch, vLLM's
-//! chunked prefill), so the weights are read once per step for all sequences. Decodes come
-//! first; a step that carries decodes takes at most `prefill_chunk` prompt tokens beside them
-//! (Sarathi-Serve's stall-free batching), so a long prompt arriving mid-stream is spread over
-//! several steps instead of stalling every decoding sequence for one long step; a step with
-//! nothing decoding prefills up to the whole `token_budget`. After the step,
-//! every sequence that got logits samples its next token in Rust (`sampling::sample`, its own
-//! seeded generator and penalty state) and its event goes to the request's channel. A cancelled
-//! request, a timed-out one, or one whose receiver was dropped leaves the batch before the next
-//! step. A request with n > 1 choices prefills its prompt once; the cache is then forked per
-//! choice. Detokenisation and stop strings stay with the caller (it cancels on a stop string).
+//! Each step follows `policy` (the policy `serve/policy.py` states for serve's Python engine):
+//! retire what was cancelled or timed out, plan ([`plan_step`]: admissions first come, first
+//! served while the choices fit in `max_batch`, one token for every decoding sequence, prompt
+//! chunks under the prefill budget), then one `Model::forward_batch` over the planned tokens, so
+//! the weights are read once per step for all sequences. After the step every sequence that got
+//! logits samples its next token in Rust (`sampling::sample`, its own seeded generator and penalty
+//! state) and its event goes to the request's channel; a request with n > 1 choices prefills its
+//! prompt once and forks the cache per open choice. A cancelled request (or choice), a timed-out
+//! one, or one whose receiver was dropped leaves the batch before the next step. Detokenisation
+//! and stop strings stay with the caller (it cancels on a stop string).
 //!
 //! Because the forward is batch-invariant (see `model`), a sequence's tokens do not depend on
 //! which other sequences share its steps, nor on how its prompt was split into chunks.
@@ -19,6 +17,7 @@
 use crate::cache::KvCache;
 use crate::error::{catch_panic, Error, Result};
 use crate::model::{BatchItem, Logits, Model};
+use crate::policy::{plan_step, Entry, Limits, Phase, Plan};
 use crate::sampling::{self, PenaltyState, SamplingParams};
 use rand::rngs::StdRng;
 use std::collections::{HashSet, VecDeque};
@@ -43,7 +42,7 @@ pub struct Request {
     pub n: usize,
     /// how many most likely tokens (id, log-prob) to report with each token (0 = none)
     pub top_logprobs: usize,
-    /// the request ends with `Finish::Timeout` this long after submission
+    /// the choices still running this long after submission end with `Finish::Timeout`
     pub timeout: Option<Duration>,
     /// keep going past end-of-text (it is then an ordinary token); stop ids still stop
     pub ignore_eos: bool,
@@ -84,16 +83,18 @@ pub enum Event {
     Stopped { index: usize, id: u32, logprob: f32, top: Vec<(u32, f32)> },
 }
 
-/// Counters for /metrics, updated after every step.
+/// Counters for /metrics, published after every pass of the scheduler.
 #[derive(Clone, Debug, Default)]
 pub struct Stats {
     pub steps: u64,
+    /// sequences (choices) of admitted requests not yet ended
     pub running: usize,
+    /// choices queued
     pub waiting: usize,
     pub last_step_tokens: usize,
     pub prefill_tokens: u64,
     pub decode_tokens: u64,
-    /// seconds between submission and the first step a request took part in, summed
+    /// seconds between submission and the first step that ran a request's prompt, summed
     pub queue_wait_s: f64,
     pub admitted: u64,
 }
@@ -108,9 +109,6 @@ enum Cmd {
     Cancel(u64),
     /// end one choice (id, index) of a request, e.g. at a stop string; the others go on
     CancelChoice(u64, usize),
-    /// tests: allow only this many more steps (None = no limit), to order events deterministically
-    #[cfg(test)]
-    Hold(Option<u64>),
     Shutdown,
 }
 
@@ -126,37 +124,51 @@ pub fn choice_seed(seed: u64, index: usize) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A request in the queue or the batch: while `Waiting` or `Prefilling` one sequence for all its
+/// open choices; once `Decoding`, one per choice (`index`).
 struct Seq {
     id: u64,
+    /// the choice this sequence is (while prefilling: the first open one)
     index: usize,
     req: Arc<Request>,
+    phase: Phase,
+    /// the choices not yet ended: all of the request's open ones until the fork, then `[index]`
+    open: Vec<usize>,
     cache: KvCache,
     /// prompt tokens already in the cache
     prefilled: usize,
-    /// the last sampled token, to be fed next step
-    last: Option<u32>,
     rng: StdRng,
     pen: PenaltyState,
     produced: usize,
     tx: Sender<Event>,
     deadline: Option<Instant>,
     submitted: Instant,
-    started: bool,
 }
 
 impl Seq {
     fn send(&self, ev: Event) -> bool {
         self.tx.send(ev).is_ok()
     }
-    fn finish(&self, reason: Finish) {
-        let _ = self.tx.send(Event::Finished { index: self.index, reason });
-    }
-    fn slots(&self) -> usize {
-        if self.prefilled < self.req.prompt.len() {
-            self.req.n
-        } else {
-            1
+    /// End choice `index` (if it is open) with `reason`.
+    fn finish_choice(&mut self, index: usize, reason: Finish) {
+        if let Some(k) = self.open.iter().position(|&i| i == index) {
+            self.open.remove(k);
+            let _ = self.tx.send(Event::Finished { index, reason });
         }
+    }
+    /// End every open choice with `reason`.
+    fn finish(&mut self, reason: Finish) {
+        for index in std::mem::take(&mut self.open) {
+            let _ = self.tx.send(Event::Finished { index, reason: reason.clone() });
+        }
+    }
+    /// The planner's view: a slot per open choice, the prompt not yet in the cache.
+    fn entry(&self) -> Entry {
+        let prompt_left = match self.phase {
+            Phase::Decoding { .. } => 0,
+            _ => self.req.prompt.len() - self.prefilled,
+        };
+        Entry { slots: self.open.len(), prompt_left }
     }
 }
 
@@ -169,54 +181,17 @@ pub struct Engine {
     stats: Arc<Mutex<Stats>>,
     model: Arc<Model>,
     eot: Option<u32>,
-    pub max_batch: usize,
-    pub token_budget: usize,
-    pub prefill_chunk: usize,
+    pub limits: Limits,
 }
 
-/// The default `prefill_chunk` (prompt tokens in a step that also decodes), picked with
-/// benchmarks/serve_batching.py on `small`: a prompt row skips the lm_head, which is about half
-/// a decode row's work, so 16 prompt tokens beside 16 decodes make the step ≈ 1.5× a pure
-/// 16-decode step (32: ≈ 2×, and a p99 inter-token latency over 4× one stream's).
-pub const DEFAULT_PREFILL_CHUNK: usize = 16;
-
 impl Engine {
-    /// Start the scheduler thread. `max_batch`: sequences decoding together (≥ 1);
-    /// `token_budget`: tokens per step, decode plus prefill chunks (≥ 1); `prefill_chunk`: at
-    /// most this many prompt tokens in a step that also carries decoding sequences (≥ 1; a
-    /// step with nothing decoding takes up to `token_budget`); `eot`: end-of-text id.
-    pub fn start(
-        model: Arc<Model>,
-        eot: Option<u32>,
-        max_batch: usize,
-        token_budget: usize,
-        prefill_chunk: usize,
-    ) -> Result<Self> {
-        if max_batch == 0 || max_batch > 4096 {
-            return Err(Error::arg(format!("max_batch is {max_batch}; expected 1 <= max_batch <= 4096")));
-        }
-        if token_budget == 0 {
-            return Err(Error::arg(format!("token_budget is {token_budget}; expected an integer >= 1")));
-        }
-        if prefill_chunk == 0 {
-            return Err(Error::arg(format!("prefill_chunk is {prefill_chunk}; expected an integer >= 1")));
-        }
+    /// Start the scheduler thread with `limits` (checked by `Limits::new`; see `policy`) on
+    /// `model`; `eot`: the end-of-text id.
+    pub fn start(model: Arc<Model>, eot: Option<u32>, limits: Limits) -> Result<Self> {
+        Limits::new(limits.max_batch as i64, limits.token_budget as i64, limits.prefill_chunk as i64)?;
         let (tx, rx) = channel();
         let stats = Arc::new(Mutex::new(Stats::default()));
-        let mut sched = Scheduler {
-            model: model.clone(),
-            eot,
-            max_batch,
-            token_budget,
-            prefill_chunk,
-            rx,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            cancelled: HashSet::new(),
-            cancelled_choices: HashSet::new(),
-            stats: stats.clone(),
-            allowed: None,
-        };
+        let mut sched = Scheduler::new(model.clone(), eot, limits, rx, stats.clone());
         let handle = std::thread::Builder::new()
             .name("rust_runtime-engine".into())
             .spawn(move || sched.run())
@@ -228,9 +203,7 @@ impl Engine {
             stats,
             model,
             eot,
-            max_batch,
-            token_budget,
-            prefill_chunk,
+            limits,
         })
     }
 
@@ -240,7 +213,7 @@ impl Engine {
 
     /// Check and queue a request; returns its id and the receiver of its events. Errors
     /// (ValueError in Python) for an empty prompt, an id or stop id outside the vocabulary,
-    /// n = 0, or prompt + max_new_tokens past the context — before anything runs.
+    /// n = 0 or n > max_batch, or prompt + max_new_tokens past the context — before anything runs.
     pub fn submit(&self, req: Request) -> Result<(u64, Receiver<Event>)> {
         let c = &self.model.cfg;
         let ctx = c.max_position_embeddings;
@@ -253,10 +226,10 @@ impl Engine {
                 c.vocab_size
             )));
         }
-        if req.n == 0 || req.n > self.max_batch {
+        if req.n == 0 || req.n > self.limits.max_batch {
             return Err(Error::arg(format!(
                 "n is {}; expected 1 <= n <= max_batch = {} (each choice is a sequence of the batch)",
-                req.n, self.max_batch
+                req.n, self.limits.max_batch
             )));
         }
         if req.prompt.len() as u128 + req.max_new_tokens as u128 > ctx as u128 {
@@ -281,9 +254,8 @@ impl Engine {
     }
 
     /// End choice `index` of request `id` before the next step (it ends with
-    /// `Finish::Cancelled`; the request's other choices go on). Unknown ones are ignored. A
-    /// choice whose prompt is still being prefilled (n > 1 shares one sequence until then) is
-    /// not split: cancel the whole request instead.
+    /// `Finish::Cancelled`; the request's other choices go on, also when the prompt is still
+    /// being prefilled: the cancelled choice is then never forked). Unknown ones are ignored.
     pub fn cancel_choice(&self, id: u64, index: usize) {
         let _ = self.send(Cmd::CancelChoice(id, index));
     }
@@ -318,44 +290,45 @@ impl Drop for Engine {
     }
 }
 
+/// The scheduler's state, owned by its thread (a test drives it directly: `handle` a command,
+/// then `tick` a step). `waiting`: the queue, arrival order; `running`: the batch, admission
+/// order (prefilling requests and decoding choices).
 struct Scheduler {
     model: Arc<Model>,
     eot: Option<u32>,
-    max_batch: usize,
-    token_budget: usize,
-    prefill_chunk: usize,
+    limits: Limits,
     rx: Receiver<Cmd>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     cancelled: HashSet<u64>,
     cancelled_choices: HashSet<(u64, usize)>,
     stats: Arc<Mutex<Stats>>,
-    /// steps still allowed (tests only hold the scheduler; None = no limit)
-    allowed: Option<u64>,
 }
 
+/// What one step ran: per request id, the tokens it fed the model (its prompt chunk, or one per
+/// decoding choice), in batch order.
+type Scheduled = Vec<(u64, usize)>;
+
 impl Scheduler {
-    fn run(&mut self) {
-        loop {
-            if !self.take_commands() {
-                break;
-            }
-            self.drop_finished();
-            self.admit();
-            if self.running.is_empty() || self.allowed == Some(0) {
-                continue;
-            }
-            if let Some(n) = self.allowed.as_mut() {
-                *n -= 1;
-            }
-            if let Err(e) = catch_panic(|| self.step()) {
-                for s in self.running.drain(..) {
-                    s.finish(Finish::Error(e.to_string()));
-                }
-            }
-            self.publish();
+    fn new(model: Arc<Model>, eot: Option<u32>, limits: Limits, rx: Receiver<Cmd>, stats: Arc<Mutex<Stats>>) -> Self {
+        Scheduler {
+            model,
+            eot,
+            limits,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            cancelled: HashSet::new(),
+            cancelled_choices: HashSet::new(),
+            stats,
         }
-        for s in self.running.drain(..).chain(self.waiting.drain(..)) {
+    }
+
+    fn run(&mut self) {
+        while self.take_commands() {
+            self.tick(Instant::now());
+        }
+        for mut s in self.running.drain(..).chain(self.waiting.drain(..)) {
             s.finish(Finish::Cancelled);
         }
     }
@@ -363,7 +336,7 @@ impl Scheduler {
     /// Drain the command channel (blocking while there is nothing to do). False on shutdown.
     fn take_commands(&mut self) -> bool {
         loop {
-            let cmd = if self.allowed == Some(0) || (self.running.is_empty() && self.waiting.is_empty()) {
+            let cmd = if self.running.is_empty() && self.waiting.is_empty() {
                 // idle: wake up at least once a second to notice nothing in particular
                 match self.rx.recv_timeout(Duration::from_secs(1)) {
                     Ok(c) => c,
@@ -377,182 +350,159 @@ impl Scheduler {
                     Err(_) => return false,
                 }
             };
-            match cmd {
-                Cmd::Shutdown => return false,
-                Cmd::Cancel(id) => {
-                    self.cancelled.insert(id);
-                }
-                Cmd::CancelChoice(id, index) => {
-                    self.cancelled_choices.insert((id, index));
-                }
-                #[cfg(test)]
-                Cmd::Hold(h) => self.allowed = h,
-                Cmd::Submit { id, req, tx, at } => {
-                    let req = Arc::new(req);
-                    let mut pen = PenaltyState::new(self.model.cfg.vocab_size);
-                    for &t in &req.prompt {
-                        pen.add_prompt(t);
-                    }
-                    let seq = Seq {
-                        id,
-                        index: 0,
-                        cache: self.model.new_cache(),
-                        prefilled: 0,
-                        last: None,
-                        rng: sampling::make_rng(req.seed.map(|s| choice_seed(s, req.first_choice))),
-                        pen,
-                        produced: 0,
-                        tx,
-                        deadline: req.timeout.map(|t| at + t),
-                        submitted: at,
-                        started: false,
-                        req,
-                    };
-                    if seq.req.max_new_tokens == 0 {
-                        for i in 0..seq.req.n {
-                            let _ = seq.tx.send(Event::Finished { index: i, reason: Finish::Length });
-                        }
-                    } else {
-                        self.waiting.push_back(seq);
-                    }
-                }
+            if !self.handle(cmd) {
+                return false;
             }
         }
     }
 
-    /// Remove cancelled and timed-out sequences (and those whose receiver is gone).
-    fn drop_finished(&mut self) {
-        let now = Instant::now();
-        let cancelled = std::mem::take(&mut self.cancelled);
-        let choices = std::mem::take(&mut self.cancelled_choices);
-        let verdict = |s: &Seq| -> Option<Finish> {
-            let whole = s.last.is_none() && s.req.n > 1; // still one sequence for every choice
-            if cancelled.contains(&s.id) || (!whole && choices.contains(&(s.id, s.index))) {
-                Some(Finish::Cancelled)
-            } else if s.deadline.is_some_and(|d| now >= d) {
-                Some(Finish::Timeout)
-            } else {
-                None
+    /// Apply one command (cancellations are read at the next retire). False for `Shutdown`.
+    fn handle(&mut self, cmd: Cmd) -> bool {
+        match cmd {
+            Cmd::Shutdown => return false,
+            Cmd::Cancel(id) => {
+                self.cancelled.insert(id);
             }
-        };
-        let mut keep = Vec::with_capacity(self.running.len());
-        for s in self.running.drain(..) {
-            match verdict(&s) {
-                Some(f) => s.finish(f),
-                None => keep.push(s),
+            Cmd::CancelChoice(id, index) => {
+                self.cancelled_choices.insert((id, index));
             }
-        }
-        self.running = keep;
-        let mut keep = VecDeque::with_capacity(self.waiting.len());
-        for s in self.waiting.drain(..) {
-            match verdict(&s) {
-                Some(f) => {
-                    for i in 0..s.req.n {
-                        let _ = s.tx.send(Event::Finished { index: i, reason: f.clone() });
-                    }
+            Cmd::Submit { id, req, tx, at } => {
+                let req = Arc::new(req);
+                let mut pen = PenaltyState::new(self.model.cfg.vocab_size);
+                for &t in &req.prompt {
+                    pen.add_prompt(t);
                 }
-                None => keep.push_back(s),
+                let mut seq = Seq {
+                    id,
+                    index: 0,
+                    phase: Phase::Waiting,
+                    open: (0..req.n).collect(),
+                    cache: self.model.new_cache(),
+                    prefilled: 0,
+                    rng: sampling::make_rng(None),
+                    pen,
+                    produced: 0,
+                    tx,
+                    deadline: req.timeout.map(|t| at + t),
+                    submitted: at,
+                    req,
+                };
+                if seq.req.max_new_tokens == 0 {
+                    seq.finish(Finish::Length);
+                } else {
+                    self.waiting.push_back(seq);
+                }
             }
         }
-        self.waiting = keep;
+        true
     }
 
-    /// Move waiting requests into the batch while their choices fit in max_batch (FIFO).
-    fn admit(&mut self) {
-        let mut used: usize = self.running.iter().map(|s| s.slots()).sum();
-        while let Some(front) = self.waiting.front() {
-            if used + front.req.n > self.max_batch {
-                break;
-            }
-            used += front.req.n;
-            let s = self.waiting.pop_front().expect("front exists");
+    /// One step at `now`: retire, plan, run, sample, post (see `policy`). Returns what ran, or
+    /// None when the batch was empty. A failing forward ends every request of the step.
+    fn tick(&mut self, now: Instant) -> Option<Scheduled> {
+        self.retire(now);
+        let waiting: Vec<Entry> = self.waiting.iter().map(Seq::entry).collect();
+        let running: Vec<Entry> = self.running.iter().map(Seq::entry).collect();
+        let plan = plan_step(&waiting, &running, &self.limits);
+        for _ in 0..plan.admit {
+            let mut s = self.waiting.pop_front().expect("the plan admits from the queue");
+            s.phase = Phase::Prefilling;
             self.running.push(s);
         }
+        let ran = if self.running.is_empty() {
+            None
+        } else {
+            Some(catch_panic(|| self.step(&plan, now)).unwrap_or_else(|e| {
+                for mut s in self.running.drain(..) {
+                    s.finish(Finish::Error(e.to_string()));
+                }
+                vec![]
+            }))
+        };
+        self.publish();
+        ran
     }
 
-    fn step(&mut self) -> Result<()> {
-        let now = Instant::now();
-        // decoding sequences first (one token each), then prompt chunks in admission order:
-        // beside decodes at most prefill_chunk prompt tokens, else the whole token budget
-        let decoding = self.running.iter().filter(|s| s.last.is_some()).count();
-        let mut budget = prefill_budget(self.token_budget, self.prefill_chunk, decoding);
-        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len) of prompt chunks
-        for (i, s) in self.running.iter().enumerate() {
-            if s.last.is_none() && budget > 0 {
-                let take = (s.req.prompt.len() - s.prefilled).min(budget);
-                budget -= take;
-                plan.push((i, s.prefilled, take));
+    /// Cancelled choices and requests past their deadline leave, queued or running.
+    fn retire(&mut self, now: Instant) {
+        let cancelled = std::mem::take(&mut self.cancelled);
+        let choices = std::mem::take(&mut self.cancelled_choices);
+        let retire = |s: &mut Seq| -> bool {
+            let gone: Vec<usize> =
+                s.open.iter().copied().filter(|&i| cancelled.contains(&s.id) || choices.contains(&(s.id, i))).collect();
+            for i in gone {
+                s.finish_choice(i, Finish::Cancelled);
             }
+            if s.deadline.is_some_and(|d| now >= d) {
+                s.finish(Finish::Timeout);
+            }
+            !s.open.is_empty()
+        };
+        self.running.retain_mut(retire);
+        self.waiting.retain_mut(retire);
+    }
+
+    /// Run `plan` on the batch (admissions already applied): one forward over every planned
+    /// decode and prompt chunk, then sample, fork and retire the finished.
+    fn step(&mut self, plan: &Plan, now: Instant) -> Result<Scheduled> {
+        // per batch index: the prompt chunk the plan gives it (decodes: every Decoding entry)
+        let mut chunk: Vec<usize> = vec![0; self.running.len()];
+        for &(i, len) in &plan.prefill {
+            chunk[i] = len;
         }
-        let (mut n_prefill, mut n_decode) = (0usize, 0usize);
+        let (mut wait, mut admitted, mut n_decode, mut n_prefill) = (0.0, 0u64, 0usize, 0usize);
         let mut order: Vec<usize> = Vec::new();
-        let mut wait = 0.0;
-        let mut admitted = 0;
+        let mut scheduled: Scheduled = Vec::new();
         let logits = {
-            let mut chunk_of = vec![None; self.running.len()];
-            for &(i, start, len) in &plan {
-                chunk_of[i] = Some((start, len));
-            }
             let mut items: Vec<BatchItem<'_>> = Vec::new();
             for (i, s) in self.running.iter_mut().enumerate() {
-                if !s.started {
-                    s.started = true;
-                    wait += now.duration_since(s.submitted).as_secs_f64();
-                    admitted += 1;
+                let Seq { cache, req, phase, prefilled, id, submitted, .. } = s;
+                match &*phase {
+                    Phase::Decoding { last } => {
+                        n_decode += 1;
+                        scheduled.push((*id, 1));
+                        items.push(BatchItem { cache, ids: std::slice::from_ref(last), logits: Logits::Last });
+                    }
+                    _ if chunk[i] > 0 => {
+                        let (start, len) = (*prefilled, chunk[i]);
+                        if start == 0 {
+                            wait += now.duration_since(*submitted).as_secs_f64();
+                            admitted += 1;
+                        }
+                        n_prefill += len;
+                        scheduled.push((*id, len));
+                        let done = start + len == req.prompt.len();
+                        items.push(BatchItem {
+                            cache,
+                            ids: &req.prompt[start..start + len],
+                            logits: if done { Logits::Last } else { Logits::None },
+                        });
+                    }
+                    _ => continue,
                 }
-                let Seq { cache, req, last, .. } = s;
-                if let Some(t) = last.as_ref() {
-                    n_decode += 1;
-                    order.push(i);
-                    items.push(BatchItem { cache, ids: std::slice::from_ref(t), logits: Logits::Last });
-                } else if let Some((start, len)) = chunk_of[i] {
-                    n_prefill += len;
-                    order.push(i);
-                    let done = start + len == req.prompt.len();
-                    items.push(BatchItem {
-                        cache,
-                        ids: &req.prompt[start..start + len],
-                        logits: if done { Logits::Last } else { Logits::None },
-                    });
-                }
+                order.push(i);
             }
             self.model.forward_batch(&mut items)?
         };
-        for &(i, _, len) in &plan {
+        for &(i, len) in &plan.prefill {
             self.running[i].prefilled += len;
         }
-        // sample, report, fork n > 1 after its prefill, and retire finished sequences
+        // sample (forking a request whose prompt is in), then retire the finished
         let mut forks: Vec<Seq> = Vec::new();
         let mut done: Vec<usize> = Vec::new();
         for (&i, lg) in order.iter().zip(&logits) {
             if lg.is_empty() {
                 continue;
             }
-            let first = self.running[i].last.is_none();
-            if first && self.running[i].req.n > 1 {
-                let parent = &self.running[i];
-                for c in 1..parent.req.n {
-                    let mut child = Seq {
-                        id: parent.id,
-                        index: c,
-                        req: parent.req.clone(),
-                        cache: parent.cache.fork(),
-                        prefilled: parent.prefilled,
-                        last: None,
-                        rng: sampling::make_rng(parent.req.seed.map(|s| choice_seed(s, parent.req.first_choice + c))),
-                        pen: parent.pen.clone(),
-                        produced: 0,
-                        tx: parent.tx.clone(),
-                        deadline: parent.deadline,
-                        submitted: parent.submitted,
-                        started: true,
-                    };
-                    if !self.sample_into(&mut child, lg)? {
+            if self.running[i].phase == Phase::Prefilling {
+                for mut child in self.fork(i) {
+                    if !sample_seq(&mut child, lg, self.eot)? {
                         forks.push(child);
                     }
                 }
             }
-            if self.sample_into_idx(i, lg)? {
+            let eot = self.eot;
+            if sample_seq(&mut self.running[i], lg, eot)? {
                 done.push(i);
             }
         }
@@ -561,6 +511,14 @@ impl Scheduler {
             self.running.swap_remove(i);
         }
         self.running.extend(forks);
+        // merge the per-sequence entries of one request (its decoding choices) into one
+        let mut merged: Scheduled = Vec::new();
+        for (id, t) in scheduled {
+            match merged.iter_mut().find(|(m, _)| *m == id) {
+                Some(m) => m.1 += t,
+                None => merged.push((id, t)),
+            }
+        }
         if let Ok(mut st) = self.stats.lock() {
             st.steps += 1;
             st.last_step_tokens = n_prefill + n_decode;
@@ -569,38 +527,49 @@ impl Scheduler {
             st.queue_wait_s += wait;
             st.admitted += admitted;
         }
-        Ok(())
+        Ok(merged)
     }
 
-    fn sample_into_idx(&mut self, i: usize, logits: &[f32]) -> Result<bool> {
-        let eot = self.eot;
-        sample_seq(&mut self.running[i], logits, eot)
-    }
-
-    fn sample_into(&self, s: &mut Seq, logits: &[f32]) -> Result<bool> {
-        sample_seq(s, logits, self.eot)
+    /// The prompt of batch entry `i` is in: it becomes its first open choice, and each other open
+    /// choice a fork of its cache (same penalties; generator `choice_seed(seed, first_choice + c)`).
+    fn fork(&mut self, i: usize) -> Vec<Seq> {
+        let parent = &mut self.running[i];
+        let seed_of = |r: &Request, c: usize| sampling::make_rng(r.seed.map(|s| choice_seed(s, r.first_choice + c)));
+        let open = std::mem::take(&mut parent.open);
+        parent.index = open[0];
+        parent.open = vec![open[0]];
+        parent.rng = seed_of(&parent.req, open[0]);
+        let parent = &self.running[i];
+        open[1..]
+            .iter()
+            .map(|&c| Seq {
+                id: parent.id,
+                index: c,
+                req: parent.req.clone(),
+                phase: Phase::Prefilling,
+                open: vec![c],
+                cache: parent.cache.fork(),
+                prefilled: parent.prefilled,
+                rng: seed_of(&parent.req, c),
+                pen: parent.pen.clone(),
+                produced: 0,
+                tx: parent.tx.clone(),
+                deadline: parent.deadline,
+                submitted: parent.submitted,
+            })
+            .collect()
     }
 
     fn publish(&self) {
         if let Ok(mut st) = self.stats.lock() {
-            st.running = self.running.len();
-            st.waiting = self.waiting.len();
+            st.running = self.running.iter().map(|s| s.open.len()).sum();
+            st.waiting = self.waiting.iter().map(|s| s.open.len()).sum();
         }
     }
 }
 
-/// Prompt tokens a step may take beside `decoding` decode tokens: the whole `token_budget`
-/// when nothing decodes, else `prefill_chunk` capped by what the decodes leave of the budget.
-fn prefill_budget(token_budget: usize, prefill_chunk: usize, decoding: usize) -> usize {
-    if decoding == 0 {
-        token_budget
-    } else {
-        prefill_chunk.min(token_budget.saturating_sub(decoding))
-    }
-}
-
-/// Sample the next token of `s` from `logits` and report it; true when `s` has finished
-/// (stop token, max_new_tokens, or its receiver is gone).
+/// Sample the next token of `s` from `logits` and report it; true when `s` has finished (stop
+/// token, max_new_tokens, or its receiver is gone). Otherwise `s` is Decoding that token next.
 fn sample_seq(s: &mut Seq, logits: &[f32], eot: Option<u32>) -> Result<bool> {
     let (tok, max) = match sampling::sample_with_max(logits, &s.req.params, &s.pen, &mut s.rng) {
         Ok(t) => t,
@@ -613,12 +582,14 @@ fn sample_seq(s: &mut Seq, logits: &[f32], eot: Option<u32>) -> Result<bool> {
     let top = if s.req.top_logprobs > 0 { sampling::top_logprobs(logits, s.req.top_logprobs, max) } else { vec![] };
     if (Some(tok) == eot && !s.req.ignore_eos) || s.req.stop_ids.contains(&tok) {
         s.send(Event::Stopped { index: s.index, id: tok, logprob, top });
+        s.open.clear();
         return Ok(true);
     }
     s.produced += 1;
     s.pen.add_generated(tok);
-    s.last = Some(tok);
+    s.phase = Phase::Decoding { last: tok };
     if !s.send(Event::Token { index: s.index, id: tok, logprob, top }) {
+        s.open.clear();
         return Ok(true); // nobody listens any more
     }
     if s.produced >= s.req.max_new_tokens {
@@ -634,6 +605,8 @@ mod tests {
     use crate::generate::{generate_all, Generator};
     use crate::model::tests::fixture;
     use crate::model::Quantize;
+    use serde_json::Value;
+    use std::collections::BTreeMap;
 
     fn collect(rx: &Receiver<Event>, n: usize) -> Vec<(Vec<(u32, f32)>, Finish)> {
         let mut out: Vec<(Vec<(u32, f32)>, Option<Finish>)> = vec![(vec![], None); n];
@@ -648,7 +621,18 @@ mod tests {
     }
 
     fn req(prompt: Vec<u32>, max_new: usize, params: SamplingParams, seed: Option<u64>, n: usize) -> Request {
-        Request { prompt, max_new_tokens: max_new, params, seed, first_choice: 0, stop_ids: vec![], n, top_logprobs: 0, timeout: None, ignore_eos: false }
+        Request {
+            prompt,
+            max_new_tokens: max_new,
+            params,
+            seed,
+            first_choice: 0,
+            stop_ids: vec![],
+            n,
+            top_logprobs: 0,
+            timeout: None,
+            ignore_eos: false,
+        }
     }
 
     fn alone(m: &Model, prompt: &[u32], max_new: usize, params: SamplingParams, seed: Option<u64>) -> Vec<(u32, f32)> {
@@ -657,12 +641,16 @@ mod tests {
         generate_all(m, &mut g).unwrap()
     }
 
+    fn limits(max_batch: usize, token_budget: usize, prefill_chunk: usize) -> Limits {
+        Limits { max_batch, token_budget, prefill_chunk }
+    }
+
     #[test]
     fn batched_generation_equals_alone_and_forks_share_the_prefill() {
         let fx = fixture("engine", 2, None, None);
         let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
         // budget 5: prompts of up to 9 tokens are prefilled in chunks beside decoding sequences
-        let eng = Engine::start(model.clone(), None, 8, 5, 5).unwrap();
+        let eng = Engine::start(model.clone(), None, limits(8, 5, 5)).unwrap();
         let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
         let sampled = SamplingParams { temperature: 0.9, top_p: 0.95, ..Default::default() };
         let prompts: Vec<Vec<u32>> =
@@ -689,82 +677,159 @@ mod tests {
         assert_eq!(got[2].0, alone(&model, &prompts[5], 10, sampled.clone(), Some(choice_seed(99, 2))));
         assert_ne!(got[1].0, got[2].0);
         // a later group of the same request (first_choice 1, n = 2): its choices are choices 1 and 2
-        let (_, rx) =
-            eng.submit(Request { first_choice: 1, ..req(prompts[5].clone(), 10, sampled.clone(), Some(99), 2) }).unwrap();
+        let (_, rx) = eng
+            .submit(Request { first_choice: 1, ..req(prompts[5].clone(), 10, sampled.clone(), Some(99), 2) })
+            .unwrap();
         let later = collect(&rx, 2);
         assert_eq!(later[0].0, got[1].0);
         assert_eq!(later[1].0, got[2].0);
     }
 
-    /// Wait (polling, at most 30 s) until the held scheduler has run `n` steps in all.
-    fn wait_steps(eng: &Engine, n: u64) -> Stats {
-        let t0 = Instant::now();
-        loop {
-            let st = eng.stats();
-            if st.steps >= n {
-                return st;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(30), "step {n} within 30 s");
-            std::thread::sleep(Duration::from_millis(2));
+    /// tests/data/scheduler_cases.json, the table of scheduler cases that serve's Python engine
+    /// runs too (tests/test_scheduler_cases.py): each case is driven one step at a time (step k
+    /// at k seconds; requests arrive, are cancelled or time out on the step the case names), and
+    /// every step must run the tokens the case lists per request, leave the listed requests
+    /// waiting, and end each choice as listed — with the tokens it gets alone (batch invariance:
+    /// neither its neighbours nor its chunking change them).
+    #[test]
+    fn the_scheduler_cases_shared_with_the_python_engine() {
+        let doc: Value = serde_json::from_str(include_str!("../../tests/data/scheduler_cases.json")).unwrap();
+        let fx = fixture("engine_cases", 2, None, None);
+        let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
+        let cases = doc["cases"].as_array().unwrap();
+        assert!(cases.len() >= 8);
+        for case in cases {
+            run_case(&model, case);
         }
     }
 
-    #[test]
-    fn a_prompt_beside_decodes_is_prefilled_prefill_chunk_tokens_a_step() {
-        assert_eq!(prefill_budget(64, 4, 0), 64);
-        assert_eq!(prefill_budget(64, 4, 3), 4);
-        assert_eq!(prefill_budget(10, 16, 7), 3);
-        assert_eq!(prefill_budget(10, 16, 12), 0);
-        let fx = fixture("engine_chunk", 2, None, None);
-        let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
-        assert!(Engine::start(model.clone(), None, 4, 64, 0).is_err());
-        let eng = Engine::start(model.clone(), None, 4, 64, 4).unwrap();
-        let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
-        let (pa, pb): (Vec<u32>, Vec<u32>) =
-            ((0..3).map(|i| i * 7 + 1).collect(), (0..14).map(|i| i * 5 + 2).collect());
-        eng.send(Cmd::Hold(Some(0))).unwrap();
-        let (_, rxa) = eng.submit(req(pa.clone(), 12, greedy.clone(), None, 1)).unwrap();
-        eng.send(Cmd::Hold(Some(1))).unwrap();
-        // step 1: nothing decodes, A's whole prompt
-        let st = wait_steps(&eng, 1);
-        assert_eq!((st.prefill_tokens, st.decode_tokens), (3, 0));
-        let (_, rxb) = eng.submit(req(pb.clone(), 8, greedy.clone(), None, 1)).unwrap();
-        eng.send(Cmd::Hold(Some(2))).unwrap();
-        // steps 2 and 3: A decodes, B's 14-token prompt goes in 4 tokens a step
-        let st = wait_steps(&eng, 3);
-        assert_eq!((st.prefill_tokens, st.decode_tokens, st.last_step_tokens), (3 + 8, 2, 5));
-        eng.send(Cmd::Hold(None)).unwrap();
-        let (a, b) = (collect(&rxa, 1).remove(0), collect(&rxb, 1).remove(0));
-        assert_eq!(a.0, alone(&model, &pa, 12, greedy.clone(), None));
-        assert_eq!(b.0, alone(&model, &pb, 8, greedy, None));
-        assert_eq!(eng.stats().prefill_tokens, 3 + 14);
+    fn run_case(model: &Arc<Model>, case: &Value) {
+        let name = case["name"].as_str().unwrap();
+        let num = |v: &Value, key: &str, default: u64| v.get(key).map_or(default, |x| x.as_u64().unwrap());
+        let l = &case["limits"];
+        let lim = Limits::new(
+            l["max_batch"].as_i64().unwrap(),
+            l["token_budget"].as_i64().unwrap(),
+            l["prefill_chunk"].as_i64().unwrap(),
+        )
+        .unwrap();
+        let (_tx, rx) = channel();
+        let mut sched = Scheduler::new(model.clone(), None, lim, rx, Arc::new(Mutex::new(Stats::default())));
+        let reqs = case["requests"].as_array().unwrap();
+        let label = |id: u64| reqs[id as usize - 1]["id"].as_str().unwrap().to_string();
+        // request j: prompt of `prompt` ids from its own pattern; greedy unless it names a temperature
+        let made: Vec<Request> = reqs
+            .iter()
+            .enumerate()
+            .map(|(j, r)| {
+                let len = num(r, "prompt", 0) as u32;
+                let temperature = r.get("temperature").map_or(0.0, |t| t.as_f64().unwrap());
+                Request {
+                    prompt: (0..len).map(|i| (i * 7 + j as u32 * 13 + 1) % 96).collect(),
+                    max_new_tokens: num(r, "max_new", 0) as usize,
+                    params: SamplingParams { temperature, ..Default::default() },
+                    seed: r.get("seed").map(|s| s.as_u64().unwrap()),
+                    first_choice: 0,
+                    stop_ids: vec![],
+                    n: num(r, "n", 1) as usize,
+                    top_logprobs: 0,
+                    timeout: r.get("timeout").map(|t| Duration::from_secs(t.as_u64().unwrap())),
+                    ignore_eos: true,
+                }
+            })
+            .collect();
+        let mut rxs: Vec<Option<Receiver<Event>>> = (0..reqs.len()).map(|_| None).collect();
+        let steps = case["steps"].as_array().unwrap();
+        let t0 = Instant::now();
+        let (mut total, mut ran_steps) = (0usize, 0u64);
+        for k in 0..=steps.len() as u64 {
+            let now = t0 + Duration::from_secs(k);
+            for (j, r) in reqs.iter().enumerate() {
+                let id = j as u64 + 1;
+                if num(r, "at", 0) == k {
+                    let (tx, rx) = channel();
+                    rxs[j] = Some(rx);
+                    sched.handle(Cmd::Submit { id, req: made[j].clone(), tx, at: now });
+                }
+                if r.get("cancel_at").is_some() && num(r, "cancel_at", 0) == k {
+                    sched.handle(Cmd::Cancel(id));
+                }
+                for c in r.get("cancel_choice").and_then(Value::as_array).into_iter().flatten() {
+                    let c = c.as_array().unwrap();
+                    if c[0].as_u64().unwrap() == k {
+                        sched.handle(Cmd::CancelChoice(id, c[1].as_u64().unwrap() as usize));
+                    }
+                }
+            }
+            let ran = sched.tick(now);
+            let got: BTreeMap<String, u64> = ran.iter().flatten().map(|&(id, t)| (label(id), t as u64)).collect();
+            let waiting: Vec<String> = sched.waiting.iter().map(|s| label(s.id)).collect();
+            if let Some(step) = steps.get(k as usize) {
+                let want: BTreeMap<String, u64> =
+                    step["run"].as_object().unwrap().iter().map(|(a, t)| (a.clone(), t.as_u64().unwrap())).collect();
+                assert_eq!(got, want, "{name}: step {k} runs");
+                let want_waiting: Vec<String> = step
+                    .get("waiting")
+                    .and_then(Value::as_array)
+                    .map_or(vec![], |w| w.iter().map(|x| x.as_str().unwrap().to_string()).collect());
+                assert_eq!(waiting, want_waiting, "{name}: waiting after step {k}");
+                total += got.values().sum::<u64>() as usize;
+                ran_steps += ran.is_some() as u64;
+            } else {
+                assert!(
+                    ran.is_none() && sched.running.is_empty() && waiting.is_empty(),
+                    "{name}: idle after its steps"
+                );
+            }
+        }
+        let st = sched.stats.lock().unwrap().clone();
+        assert_eq!((st.steps, st.prefill_tokens as usize + st.decode_tokens as usize), (ran_steps, total), "{name}");
+        assert_eq!((st.running, st.waiting), (0, 0), "{name}");
+        for (j, r) in reqs.iter().enumerate() {
+            let want = r["end"].as_array().unwrap();
+            let got = collect(rxs[j].as_ref().unwrap(), want.len());
+            for (i, (w, (toks, finish))) in want.iter().zip(&got).enumerate() {
+                let w = w.as_array().unwrap();
+                let what = format!("{name}: {} choice {i}", label(j as u64 + 1));
+                assert_eq!(
+                    (toks.len() as u64, finish.name()),
+                    (w[0].as_u64().unwrap(), w[1].as_str().unwrap()),
+                    "{what}"
+                );
+                let m = &made[j];
+                let own =
+                    alone(model, &m.prompt, m.max_new_tokens, m.params.clone(), m.seed.map(|s| choice_seed(s, i)));
+                assert_eq!(toks[..], own[..toks.len()], "{what}: its tokens alone");
+            }
+        }
     }
 
+    /// The thread around the scheduler (the cases above drive the scheduler itself): a timeout
+    /// counts from the submission, a dropped receiver frees the batch, bad requests are refused.
     #[test]
-    fn cancel_and_timeout_leave_the_batch() {
+    fn timeout_dropped_streams_and_refusals_through_the_engine_thread() {
         let fx = fixture("engine_cancel", 2, None, None);
         let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
-        let eng = Engine::start(model, None, 4, 64, DEFAULT_PREFILL_CHUNK).unwrap();
+        let eng = Engine::start(model, None, limits(1, 64, 4)).unwrap();
+        assert!(Engine::start(eng.model.clone(), None, limits(4, 64, 0)).is_err());
         let p = SamplingParams { temperature: 1.0, ..Default::default() };
-        // a running request: held after its first step, cancelled, then released
-        eng.send(Cmd::Hold(Some(0))).unwrap();
-        let (id, rx) = eng.submit(req(vec![1, 2], 30, p.clone(), Some(1), 1)).unwrap();
-        let (id2, rx2) = eng.submit(req(vec![3, 4], 30, p.clone(), Some(1), 1)).unwrap();
-        eng.cancel(id2); // cancelled while waiting: no token at all
-        eng.send(Cmd::Hold(Some(3))).unwrap(); // prefill + first token, then two decode steps
-        assert_eq!(collect(&rx2, 1), vec![(vec![], Finish::Cancelled)]);
         for _ in 0..3 {
-            assert!(matches!(rx.recv_timeout(Duration::from_secs(30)).unwrap(), Event::Token { .. }));
+            drop(eng.submit(req(vec![1, 2], 30, p.clone(), Some(1), 1)).unwrap().1);
         }
-        eng.cancel(id);
-        eng.send(Cmd::Hold(None)).unwrap();
-        // the cancel is seen before the next step: no further token
-        assert_eq!(collect(&rx, 1), vec![(vec![], Finish::Cancelled)]);
-        let mut r = req(vec![1, 2], 30, p, Some(1), 2);
+        let (_, rx) = eng.submit(req(vec![1, 2], 3, p.clone(), Some(1), 1)).unwrap();
+        assert_eq!(collect(&rx, 1).remove(0).1, Finish::Length);
+        // a dropped stream leaves at its next token: at most one decode each (else 3 × 29), then this one's 2
+        let st = eng.stats();
+        assert!(st.decode_tokens <= 3 + 2, "{} decodes", st.decode_tokens);
+        let mut r = req(vec![1, 2], 30, p, Some(1), 1);
         r.timeout = Some(Duration::from_nanos(1));
         let (_, rx) = eng.submit(r).unwrap();
-        let got = collect(&rx, 2);
-        assert!(got.iter().all(|(t, f)| t.is_empty() && *f == Finish::Timeout));
+        assert_eq!(collect(&rx, 1), vec![(vec![], Finish::Timeout)]);
+        let t0 = Instant::now(); // the counters are published after each pass of the scheduler
+        while eng.stats().running + eng.stats().waiting > 0 && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!((eng.stats().running, eng.stats().waiting), (0, 0));
         // bad requests are refused before anything runs
         assert!(eng.submit(req(vec![], 3, SamplingParams::default(), None, 1)).is_err());
         assert!(eng.submit(req(vec![96], 3, SamplingParams::default(), None, 1)).is_err());

@@ -1,6 +1,6 @@
 //! Shalik's CPU runtime: reads a Shalik bundle (Hugging Face Llama safetensors + config.json +
 //! tokenizer.json) and generates with no Python in the token loop. The Rust API (`model`,
-//! `engine`, `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
+//! `engine`, `policy`, `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
 //! (feature `python`, turned on by maturin) wraps it.
 
 pub mod bundle;
@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod linear;
 pub mod loader;
 pub mod model;
+pub mod policy;
 pub mod sampling;
 pub mod tokenizer;
 

@@ -10,11 +10,13 @@ use crate::engine::{Engine, Event, Finish, Request};
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::{generate_all, Generator};
 use crate::model::{Model, Quantize};
+use crate::policy::{Limits, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tok;
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -66,28 +68,6 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
         ))),
         Err(_) => Err(PyTypeError::new_err(format!(
             "{name}: expected an integer, got {}",
-            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))),
-    }
-}
-
-/// A seed: any integer in [-2**63, 2**64) (negative ones are taken modulo 2**64), or None.
-fn seed_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
-    let Some(obj) = obj else { return Ok(None) };
-    if obj.is_none() {
-        return Ok(None);
-    }
-    if let Ok(v) = obj.extract::<u64>() {
-        return Ok(Some(v));
-    }
-    match obj.extract::<i64>() {
-        Ok(v) => Ok(Some(v as u64)),
-        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(PyValueError::new_err(format!(
-            "seed is {}; expected an integer in [-2**63, 2**64) or None",
-            obj.str().map(|s| s.to_string()).unwrap_or_default()
-        ))),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "seed: expected an integer or None, got {}",
             obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
         ))),
     }
@@ -261,68 +241,54 @@ impl PyModel {
 
     /// Generate up to max_new_tokens after `ids`; returns [(token id, log-prob under the model's
     /// unmodified distribution)]. Stops at <|endoftext|> (not included), any stop id, or
-    /// max_new_tokens. prompt + max_new_tokens must fit in max_position_embeddings.
-    #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
-                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// max_new_tokens. prompt + max_new_tokens must fit in max_position_embeddings. Sampling:
+    /// the keyword arguments of `SamplingArgs`.
+    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, **sampling))]
     fn generate(
         &self,
         py: Python<'_>,
         ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
-        temperature: f64,
-        top_k: i64,
-        top_p: f64,
-        presence_penalty: f64,
-        frequency_penalty: f64,
-        repetition_penalty: f64,
-        seed: Option<&Bound<'_, PyAny>>,
         stop_ids: Option<&Bound<'_, PyAny>>,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Vec<(u32, f32)>> {
-        let params =
-            SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
+        let (ids, stops, s) = self.generation_args(ids, stop_ids, sampling, "generate")?;
         let inner = self.inner.clone();
-        let ids = id_list(ids, "ids")?;
-        let seed = seed_arg(seed)?;
-        let stops = match stop_ids {
-            Some(s) if !s.is_none() => id_list(s, "stop_ids")?,
-            _ => vec![],
-        };
         detach(py, move || {
-            let mut g = Generator::new(&inner.model, &ids, max_new_tokens, params, seed, &stops, inner.eot)?;
+            let mut g = Generator::new(&inner.model, &ids, max_new_tokens, s.params, s.seed, &stops, inner.eot)?;
             generate_all(&inner.model, &mut g)
         })
     }
 
-    /// Like generate, but an iterator yielding (token id, log-prob) one token at a time.
-    #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
-                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Like generate (the same arguments), but an iterator yielding (token id, log-prob) one token
+    /// at a time.
+    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, **sampling))]
     fn stream(
         &self,
         ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
-        temperature: f64,
-        top_k: i64,
-        top_p: f64,
-        presence_penalty: f64,
-        frequency_penalty: f64,
-        repetition_penalty: f64,
-        seed: Option<&Bound<'_, PyAny>>,
         stop_ids: Option<&Bound<'_, PyAny>>,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyTokenStream> {
-        let params =
-            SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
-        let ids = id_list(ids, "ids")?;
-        let seed = seed_arg(seed)?;
-        let stops = match stop_ids {
-            Some(s) if !s.is_none() => id_list(s, "stop_ids")?,
-            _ => vec![],
-        };
+        let (ids, stops, s) = self.generation_args(ids, stop_ids, sampling, "stream")?;
         let g = catch_panic(|| {
-            Generator::new(&self.inner.model, &ids, max_new_tokens, params, seed, &stops, self.inner.eot)
+            Generator::new(&self.inner.model, &ids, max_new_tokens, s.params, s.seed, &stops, self.inner.eot)
         })?;
         Ok(PyTokenStream { inner: self.inner.clone(), gen: g })
+    }
+}
+
+impl PyModel {
+    /// generate's and stream's arguments: the prompt ids, the stop ids and the sampling keywords.
+    fn generation_args(
+        &self,
+        ids: &Bound<'_, PyAny>,
+        stop_ids: Option<&Bound<'_, PyAny>>,
+        sampling: Option<&Bound<'_, PyDict>>,
+        func: &str,
+    ) -> PyResult<(Vec<i64>, Vec<i64>, SamplingArgs)> {
+        let s = SamplingArgs::parse(sampling, func)?;
+        Ok((id_list(ids, "ids")?, opt_id_list(stop_ids, "stop_ids")?, s))
     }
 }
 
@@ -454,64 +420,40 @@ impl PyEngine {
     /// chunks of pending prompts); prefill_chunk: at most this many prompt tokens in a step that
     /// also carries decoding sequences, so that a long prompt is spread over several steps
     /// instead of stalling the streams already decoding (a step with nothing decoding prefills
-    /// up to token_budget). Each must be an integer >= 1 (ValueError otherwise).
+    /// up to token_budget). Defaults and limits: `policy` (ValueError naming a bad one).
     #[new]
-    #[pyo3(signature = (model, max_batch=16, token_budget=256, prefill_chunk=crate::engine::DEFAULT_PREFILL_CHUNK as i64))]
+    #[pyo3(signature = (model, max_batch=DEFAULT_MAX_BATCH as i64, token_budget=DEFAULT_TOKEN_BUDGET as i64,
+                        prefill_chunk=DEFAULT_PREFILL_CHUNK as i64))]
     fn new(model: &PyModel, max_batch: i64, token_budget: i64, prefill_chunk: i64) -> PyResult<Self> {
-        if !(1..=4096).contains(&max_batch) {
-            return Err(PyValueError::new_err(format!("max_batch is {max_batch}; expected 1 <= max_batch <= 4096")));
-        }
-        if !(1..=1 << 20).contains(&token_budget) {
-            return Err(PyValueError::new_err(format!("token_budget is {token_budget}; expected an integer >= 1")));
-        }
-        if !(1..=1 << 20).contains(&prefill_chunk) {
-            return Err(PyValueError::new_err(format!("prefill_chunk is {prefill_chunk}; expected an integer >= 1")));
-        }
+        let limits = Limits::new(max_batch, token_budget, prefill_chunk)?;
         let inner = &model.inner;
-        let engine = Engine::start(
-            inner.model.clone(),
-            inner.eot,
-            max_batch as usize,
-            token_budget as usize,
-            prefill_chunk as usize,
-        )?;
+        let engine = Engine::start(inner.model.clone(), inner.eot, limits)?;
         Ok(PyEngine { engine: Arc::new(engine) })
     }
 
-    /// Queue a request; returns an iterator of its events. Arguments as Model.generate, plus
-    /// n (choices, one prefill), top_logprobs (alternatives reported per token), timeout
-    /// (seconds from now, then the choices end with "timeout") and ignore_eos (end-of-text is
-    /// then an ordinary token; stop_ids still stop).
-    #[pyo3(signature = (ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0,
-                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop_ids=None, n=1,
-                        top_logprobs=0, timeout=None, ignore_eos=false, first_index=0))]
+    /// Queue a request; returns an iterator of its events. ids, max_new_tokens, stop_ids and the
+    /// sampling keywords as Model.generate, plus n (choices, one prefill), top_logprobs
+    /// (alternatives reported per token), timeout (seconds from now, then the choices still
+    /// running end with "timeout"), ignore_eos (end-of-text is then an ordinary token; stop_ids
+    /// still stop) and first_index (choice i draws from choice_seed(seed, first_index + i)).
+    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, n=1, top_logprobs=0, timeout=None, ignore_eos=false,
+                        first_index=0, **sampling))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
-        temperature: f64,
-        top_k: i64,
-        top_p: f64,
-        presence_penalty: f64,
-        frequency_penalty: f64,
-        repetition_penalty: f64,
-        seed: Option<&Bound<'_, PyAny>>,
         stop_ids: Option<&Bound<'_, PyAny>>,
         n: i64,
         top_logprobs: i64,
         timeout: Option<f64>,
         ignore_eos: bool,
         first_index: i64,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyRequestStream> {
-        let params =
-            SamplingParams::new(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)?;
+        let s = SamplingArgs::parse(sampling, "submit")?;
         let ids = id_list(ids, "ids")?;
-        let seed = seed_arg(seed)?;
-        let stops = match stop_ids {
-            Some(s) if !s.is_none() => id_list(s, "stop_ids")?,
-            _ => vec![],
-        };
+        let stops = opt_id_list(stop_ids, "stop_ids")?;
         if max_new_tokens < 0 {
             return Err(PyValueError::new_err(format!("max_new_tokens is {max_new_tokens}; expected an integer >= 0")));
         }
@@ -548,8 +490,8 @@ impl PyEngine {
         let req = Request {
             prompt: to_u32(&ids, "ids")?,
             max_new_tokens: max_new_tokens as usize,
-            params,
-            seed,
+            params: s.params,
+            seed: s.seed,
             first_choice: first_index as usize,
             stop_ids: to_u32(&stops, "stop_ids")?,
             n: n as usize,
@@ -559,7 +501,12 @@ impl PyEngine {
         };
         let n = req.n;
         let (id, rx) = self.engine.submit(req)?;
-        Ok(PyRequestStream { engine: self.engine.clone(), id, rx: std::sync::Mutex::new(rx), open: AtomicUsize::new(n) })
+        Ok(PyRequestStream {
+            engine: self.engine.clone(),
+            id,
+            rx: std::sync::Mutex::new(rx),
+            open: AtomicUsize::new(n),
+        })
     }
 
     /// Make request `id` leave the batch before the next step.
@@ -585,15 +532,15 @@ impl PyEngine {
 
     #[getter]
     fn max_batch(&self) -> usize {
-        self.engine.max_batch
+        self.engine.limits.max_batch
     }
     #[getter]
     fn token_budget(&self) -> usize {
-        self.engine.token_budget
+        self.engine.limits.token_budget
     }
     #[getter]
     fn prefill_chunk(&self) -> usize {
-        self.engine.prefill_chunk
+        self.engine.limits.prefill_chunk
     }
 
     /// Stop the scheduler thread (running requests end with "cancelled").
@@ -706,9 +653,53 @@ fn float32_array<'py>(obj: &Bound<'py, PyAny>, name: &str, expected: &str, ndim:
     Ok(arr)
 }
 
-/// A sampling parameter given as a real number (not a bool); None = `default`.
-fn real_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: f64) -> PyResult<f64> {
-    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
+/// The sampling keyword arguments, parsed in one place for Model.generate, Model.stream,
+/// Engine.submit and Sampler, with serve.sampling.SamplingParams's names and rules (so that
+/// serve.engine passes its SamplingParams as `**asdict(params)`): temperature, top_p,
+/// presence_penalty, frequency_penalty, repetition_penalty (real numbers), top_k (an integer; one
+/// past i64 is off, as any k >= vocab), seed (any integer, taken modulo 2**64; None = fresh
+/// entropy). None or absent = the default (`SamplingParams::default`). A bad value is a
+/// ValueError naming the parameter; an unknown keyword a TypeError naming it.
+struct SamplingArgs {
+    params: SamplingParams,
+    seed: Option<u64>,
+}
+
+/// The keywords `SamplingArgs` reads (rust_runtime.pyi's `SamplingKwargs`).
+const SAMPLING_KWARGS: [&str; 7] =
+    ["temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed"];
+
+impl SamplingArgs {
+    /// Parse `kwargs` (the `**sampling` of `func`).
+    fn parse(kwargs: Option<&Bound<'_, PyDict>>, func: &str) -> PyResult<Self> {
+        let mut got: [Option<Bound<'_, PyAny>>; 7] = Default::default();
+        for (k, v) in kwargs.into_iter().flat_map(|d| d.iter()) {
+            let key: String = k.extract()?;
+            let Some(slot) = SAMPLING_KWARGS.iter().position(|&n| n == key) else {
+                return Err(PyTypeError::new_err(format!(
+                    "{func}() got an unexpected keyword argument '{key}'; the sampling keywords are {}",
+                    SAMPLING_KWARGS.join(", ")
+                )));
+            };
+            got[slot] = Some(v).filter(|v| !v.is_none());
+        }
+        let [temperature, top_k, top_p, presence, frequency, repetition, seed] = got;
+        let d = SamplingParams::default();
+        let params = SamplingParams::new(
+            real_param(temperature, "temperature", d.temperature)?,
+            int_param(top_k, "top_k", d.top_k as i64)?,
+            real_param(top_p, "top_p", d.top_p)?,
+            real_param(presence, "presence_penalty", d.presence_penalty)?,
+            real_param(frequency, "frequency_penalty", d.frequency_penalty)?,
+            real_param(repetition, "repetition_penalty", d.repetition_penalty)?,
+        )?;
+        Ok(SamplingArgs { params, seed: seed.map(|s| seed_param(&s)).transpose()? })
+    }
+}
+
+/// A real-valued sampling parameter (not a bool or a str); None = `default`.
+fn real_param(obj: Option<Bound<'_, PyAny>>, name: &str, default: f64) -> PyResult<f64> {
+    let Some(o) = obj else { return Ok(default) };
     let bad = || {
         PyValueError::new_err(format!(
             "{name} must be a finite number, got {}",
@@ -723,9 +714,9 @@ fn real_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: f64) -> PyRes
 
 /// An integer sampling parameter (not a bool, not a float); None = `default`. An integer above
 /// i64 saturates to i64::MAX (for top_k: off, as serve.sampling reads any k >= vocab).
-fn int_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: i64) -> PyResult<i64> {
-    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
-    int_arg(o, name).or_else(|e| {
+fn int_param(obj: Option<Bound<'_, PyAny>>, name: &str, default: i64) -> PyResult<i64> {
+    let Some(o) = obj else { return Ok(default) };
+    int_arg(&o, name).or_else(|e| {
         let huge = !o.is_instance_of::<pyo3::types::PyBool>()
             && o.call_method0("__index__").and_then(|i| i.gt(i64::MAX)).unwrap_or(false);
         if huge {
@@ -736,9 +727,8 @@ fn int_param(obj: Option<&Bound<'_, PyAny>>, name: &str, default: i64) -> PyResu
     })
 }
 
-/// A seed as serve.sampling.SamplingParams takes it: any integer, reduced modulo 2**64, or None.
-fn any_int_seed(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
-    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+/// A seed as serve.sampling.SamplingParams takes it: any integer (not a bool), reduced modulo 2**64.
+fn seed_param(o: &Bound<'_, PyAny>) -> PyResult<u64> {
     let bad = || {
         PyValueError::new_err(format!(
             "seed must be an int or None, got {}",
@@ -749,7 +739,15 @@ fn any_int_seed(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
         return Err(bad());
     }
     let i = o.call_method0("__index__").map_err(|_| bad())?;
-    Ok(Some(i.rem(u128::from(u64::MAX) + 1)?.extract::<u64>()?))
+    i.rem(u128::from(u64::MAX) + 1)?.extract::<u64>()
+}
+
+/// An optional list of ids (None = empty), the error naming `name`.
+fn opt_id_list(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Vec<i64>> {
+    match obj {
+        Some(o) if !o.is_none() => id_list(o, name),
+        _ => Ok(vec![]),
+    }
 }
 
 /// The engine's per-sequence sampler on its own: `Sampler(...)(logits) -> token id`, with its own
@@ -792,40 +790,15 @@ impl PySampler {
 
 #[pymethods]
 impl PySampler {
-    /// Parameters as Engine.submit takes them (None = the default; ValueError naming the
-    /// parameter for a bad one). seed: any integer (modulo 2**64) or None (fresh entropy);
-    /// prompt_ids: ids (each < the logits' length) for the repetition penalty.
+    /// The sampling keywords as Engine.submit takes them (`SamplingArgs`); prompt_ids: ids
+    /// (each < the logits' length) for the repetition penalty.
     #[new]
-    #[pyo3(signature = (temperature=None, top_k=None, top_p=None, presence_penalty=None, frequency_penalty=None,
-                        repetition_penalty=None, seed=None, prompt_ids=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        temperature: Option<&Bound<'_, PyAny>>,
-        top_k: Option<&Bound<'_, PyAny>>,
-        top_p: Option<&Bound<'_, PyAny>>,
-        presence_penalty: Option<&Bound<'_, PyAny>>,
-        frequency_penalty: Option<&Bound<'_, PyAny>>,
-        repetition_penalty: Option<&Bound<'_, PyAny>>,
-        seed: Option<&Bound<'_, PyAny>>,
-        prompt_ids: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let d = SamplingParams::default();
-        let params = SamplingParams::new(
-            real_param(temperature, "temperature", d.temperature)?,
-            int_param(top_k, "top_k", d.top_k as i64)?,
-            real_param(top_p, "top_p", d.top_p)?,
-            real_param(presence_penalty, "presence_penalty", d.presence_penalty)?,
-            real_param(frequency_penalty, "frequency_penalty", d.frequency_penalty)?,
-            real_param(repetition_penalty, "repetition_penalty", d.repetition_penalty)?,
-        )?;
-        let seed = any_int_seed(seed)?;
-        let ids = match prompt_ids {
-            Some(p) if !p.is_none() => id_list(p, "prompt_ids")?,
-            _ => vec![],
-        };
-        let prompt = ids
-            .iter()
-            .map(|&i| {
+    #[pyo3(signature = (*, prompt_ids=None, **sampling))]
+    fn new(prompt_ids: Option<&Bound<'_, PyAny>>, sampling: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let SamplingArgs { params, seed } = SamplingArgs::parse(sampling, "Sampler")?;
+        let prompt = opt_id_list(prompt_ids, "prompt_ids")?
+            .into_iter()
+            .map(|i| {
                 u32::try_from(i).map_err(|_| {
                     PyValueError::new_err(format!("prompt_ids: token id {i} is out of range: expected 0 <= id"))
                 })
@@ -913,83 +886,6 @@ fn py_top_logprobs(py: Python<'_>, logits: &Bound<'_, PyAny>, n: i64) -> PyResul
     })
 }
 
-/// A float array as a float32 matrix: (row-major data, rows, cols). ValueError naming `name`.
-fn matrix_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<f32>, usize, usize)> {
-    let arr = float32_array(obj, name, "a 2-D array of floats", 2)?;
-    let a: numpy::PyReadonlyArray2<f32> = arr.extract()?;
-    let (rows, cols) = (a.shape()[0], a.shape()[1]);
-    Ok((a.as_array().iter().copied().collect(), rows, cols))
-}
-
-/// Benchmark hook (benchmarks/batch_invariance_cost.py), not a serving API: y = x · wᵀ for w
-/// float32 [out, inp] and x float32 [m, inp], run `repeats` times on a pool of `threads` threads.
-/// `kernel`: "packed", the serving f32 matmul (w packed once, before the timing; batch-invariant);
-/// "gemm", the gemm crate as candle's f32 matmul calls it (blocking and threading picked by
-/// shape). Returns (y float32 [m, out], the wall seconds of each repeat). ValueError for a bad
-/// shape, kernel name, threads < 1 or repeats < 1.
-#[pyfunction]
-#[pyo3(name = "_bench_matmul", signature = (w, x, threads = 1, repeats = 1, kernel = "packed"))]
-fn py_bench_matmul<'py>(
-    py: Python<'py>,
-    w: &Bound<'py, PyAny>,
-    x: &Bound<'py, PyAny>,
-    threads: usize,
-    repeats: usize,
-    kernel: &str,
-) -> PyResult<(Bound<'py, PyArray2<f32>>, Vec<f64>)> {
-    let (w, out, inp) = matrix_arg(w, "w")?;
-    let (x, m, xin) = matrix_arg(x, "x")?;
-    if xin != inp {
-        return Err(PyValueError::new_err(format!("x: expected [m, {inp}] (w is [{out}, {inp}]), got [{m}, {xin}]")));
-    }
-    if threads < 1 || repeats < 1 {
-        return Err(PyValueError::new_err(format!("threads and repeats must be >= 1, got {threads} and {repeats}")));
-    }
-    if kernel != "packed" && kernel != "gemm" {
-        return Err(PyValueError::new_err(format!("kernel is {kernel:?}; expected \"packed\" or \"gemm\"")));
-    }
-    let (y, secs) = detach(py, || {
-        let par = crate::kernels::Par::new(threads)?;
-        let packed = (kernel == "packed").then(|| crate::kernels::PackedF32::pack(&w, out, inp));
-        let mut y = vec![0f32; m * out];
-        let mut secs = Vec::with_capacity(repeats);
-        for _ in 0..repeats {
-            let t0 = std::time::Instant::now();
-            par.install(|| match &packed {
-                Some(p) => p.matmul(&par, &x, m, &mut y),
-                // SAFETY: dst m × out (row stride out), lhs x m × inp (row stride inp), rhs wᵀ
-                // inp × out (element (i, r) = w[r·inp + i]): all in bounds of their Vecs.
-                None => unsafe {
-                    gemm::gemm(
-                        m,
-                        out,
-                        inp,
-                        y.as_mut_ptr(),
-                        1,
-                        out as isize,
-                        false,
-                        x.as_ptr(),
-                        1,
-                        inp as isize,
-                        w.as_ptr(),
-                        inp as isize,
-                        1,
-                        0f32,
-                        1f32,
-                        false,
-                        false,
-                        false,
-                        if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None },
-                    )
-                },
-            });
-            secs.push(t0.elapsed().as_secs_f64());
-        }
-        Ok((y, secs))
-    })?;
-    Ok((y.into_pyarray(py).reshape([m, out])?, secs))
-}
-
 #[pymodule]
 fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Our parallelism is per model (rayon pools, see kernels::Par). candle's own spin-barrier
@@ -1008,7 +904,6 @@ fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySampler>()?;
     m.add_function(wrap_pyfunction!(py_log_softmax, m)?)?;
     m.add_function(wrap_pyfunction!(py_top_logprobs, m)?)?;
-    m.add_function(wrap_pyfunction!(py_bench_matmul, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("simd_level", format!("{:?}", crate::kernels::simd_level()))?;
     Ok(())

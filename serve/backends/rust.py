@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from serve.backends.base import BackendError, check_ids
+from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET
 
 try:  # the extension is optional: serve works with the onnx backend without it
     import rust_runtime as _rr
@@ -75,8 +76,8 @@ class RustBackend:
         path: str | Path,
         quantize: str | None = None,
         threads: int | None = None,
-        max_batch: int = 16,
-        token_budget: int = 256,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
     ):
         if _rr is None:
             raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR

@@ -31,6 +31,7 @@ from typing import TypeVar
 from serve.bundle import MANIFEST, QUANTIZE_CHOICES, parse_quantize
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.loader import BACKENDS
+from serve.policy import DEFAULT_MAX_BATCH, MAX_BATCH_LIMIT
 
 T = TypeVar("T")
 
@@ -70,7 +71,7 @@ class Settings:
     quantize: str | None = None
     threads: int | None = None
     api_key: str | None = None
-    max_concurrency: int = 16
+    max_concurrency: int = DEFAULT_MAX_BATCH  # the engine's batch (serve.policy)
     max_queue: int = 64
     max_body_bytes: int = 1_048_576
     request_timeout_s: float = 120.0
@@ -133,7 +134,8 @@ class Settings:
             quantize=get("quantize", parse_quantize, lambda v: True, " or ".join(QUANTIZE_CHOICES)),
             threads=get("threads", int, positive, "a positive integer"),
             api_key=env.get("SHALIK_API_KEY") or None,
-            max_concurrency=get("max_concurrency", int, positive, "a positive integer"),
+            max_concurrency=get("max_concurrency", int, lambda v: 1 <= v <= MAX_BATCH_LIMIT,
+                                f"a positive integer (at most {MAX_BATCH_LIMIT})"),
             max_queue=get("max_queue", int, lambda v: v >= 0, "an integer >= 0"),
             max_body_bytes=get("max_body_bytes", int, positive, "a positive integer"),
             request_timeout_s=get("request_timeout_s", float, positive, "a positive number"),
