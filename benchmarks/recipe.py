@@ -72,11 +72,12 @@ def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_ev
             "distinct_sampled": statistics.mean(shares) if shares else None}
 
 
-def run_side_by_side(preset: str, recipes: list[str], lr: float, seed: int, steps: int, eval_every: int) -> list[dict]:
-    """:func:`run_once` of every recipe at once, each in a child process on one thread; their results in order."""
+def run_side_by_side(preset: str, jobs: list[tuple[str, float]], seed: int, steps: int, eval_every: int) -> list[dict]:
+    """:func:`run_once` of every (recipe, learning rate) of ``jobs`` at once, each in a child process on one thread;
+    their results in order."""
     procs = []
     with tempfile.TemporaryDirectory(prefix="recipe-pair-") as tmp:
-        for rec in recipes:
+        for rec, lr in jobs:
             out = Path(tmp) / f"{rec}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--one", rec, "--preset", preset, "--steps",
                    str(steps), "--eval-every", str(eval_every), "--lrs", str(lr), "--seeds", str(seed),
@@ -136,7 +137,10 @@ def report(res: dict, floor: dict | None) -> str:
              f"`python benchmarks/recipe.py --preset {res['preset']} --steps {res['steps']} --lrs "
              f"{' '.join(f'{x:g}' for x in res['lrs'])} --seeds {' '.join(map(str, res['seeds']))}` "
              f"({res['steps']} steps each, interleaved; measured {res['date']}).", "",
-             "## Learning-rate grid (final validation NLL, nats/token, all languages; seed " + str(res["seeds"][0]) + "; the best also mean over every seed)", "",
+             ("## Learning rates of tiny's grid, on every seed (final validation NLL, nats/token, all languages; "
+              "mean over the seeds)" if res.get("confirm") else
+              "## Learning-rate grid (final validation NLL, nats/token, all languages; seed " + str(res["seeds"][0])
+              + "; the best also mean over every seed)"), "",
              "| recipe | " + " | ".join(f"lr {x:g}" for x in res["lrs"]) + " |",
              "|---|" + "---|" * len(res["lrs"])]
     for rec in RECIPES:
@@ -191,6 +195,16 @@ def plot(res: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+def _recipe_lr(text: str) -> tuple[str, float]:
+    """``"muon-linear=0.02"`` → ``("muon-linear", 0.02)``; argparse turns the ValueError into a one-line error."""
+    rec, _, lr = text.partition("=")
+    if rec not in RECIPES or not lr:
+        raise argparse.ArgumentTypeError(f"expected RECIPE=LR with RECIPE one of {', '.join(RECIPES)}, got {text!r}")
+    if not float(lr) > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive learning rate, got {text!r}")
+    return rec, float(lr)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
@@ -199,12 +213,19 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 2e-2, 4e-2])
     p.add_argument("--seeds", type=int, nargs="+", default=[1337, 7],
                    help="the grid runs on the first; the best lr of each recipe is confirmed on the others")
+    p.add_argument("--confirm", nargs=len(RECIPES), metavar="RECIPE=LR", type=_recipe_lr, default=None,
+                   help="skip the grid: run each recipe at this learning rate on every seed (e.g. the best of tiny's "
+                        "grid, confirmed at small)")
     p.add_argument("--resume", action="store_true", help="keep the finished runs of an interrupted grid")
     p.add_argument("--pairs", type=int, default=None,
                    help="stop after this many new side-by-side pairs (run a long grid in pieces with --resume)")
     p.add_argument("--one", choices=list(RECIPES), help=argparse.SUPPRESS)  # a child of run_side_by_side
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.confirm is not None:
+        args.confirm = dict(args.confirm)
+        if set(args.confirm) != set(RECIPES):
+            p.error(f"--confirm: expected one RECIPE=LR for each of {', '.join(RECIPES)}")
     if args.one:
         import torch  # noqa: PLC0415
 
@@ -225,30 +246,32 @@ def main(argv=None) -> int:
     floor = compression.measure(base_cfg)
     t0, n_new = time.time(), 0
 
-    def run(todo: list[tuple[int, float, str]]) -> None:
+    def run(pairs: list[tuple[int, list[tuple[str, float]]]]) -> None:
+        """Each (seed, [(recipe, lr), ...]) side by side, skipping the runs already done."""
         nonlocal n_new
-        pairs: dict[tuple[int, float], list[str]] = {}
-        for seed, lr, rec in todo:
-            if (seed, lr, rec) not in done:
-                pairs.setdefault((seed, lr), []).append(rec)
-        for i, ((seed, lr), recs) in enumerate(pairs.items()):
+        pairs = [(seed, todo) for seed, jobs in pairs if (todo := [j for j in jobs if (seed, j[1], j[0]) not in done])]
+        for i, (seed, jobs) in enumerate(pairs):
             if args.pairs is not None and n_new >= args.pairs:
                 raise SystemExit(f"recipe: stopped after {n_new} new pair(s) (--pairs); continue with --resume")
-            for r in run_side_by_side(args.preset, recs, lr, seed, args.steps, args.eval_every):
+            for r in run_side_by_side(args.preset, jobs, seed, args.steps, args.eval_every):
                 runs.append(r)
-                done.add((seed, lr, r["recipe"]))
+                done.add((seed, r["lr"], r["recipe"]))
             atomic_write_json(partial, {"preset": args.preset, "steps": args.steps, "runs": runs})
             n_new += 1
             eta = (time.time() - t0) / n_new * (len(pairs) - i - 1) / 60
-            print(f"[{i + 1}/{len(pairs)}] lr {lr:g} seed {seed}: " + ", ".join(
-                f"{r['recipe']} val NLL {r['evals'][-1]['val']['all']['nll']:.3f} ({r['wall_s']:.0f} s)"
-                for r in runs[-len(recs):]) + f"; ETA of this phase {eta:.0f} min", flush=True)
+            print(f"[{i + 1}/{len(pairs)}] seed {seed}: " + ", ".join(
+                f"{r['recipe']} lr {r['lr']:g} val NLL {r['evals'][-1]['val']['all']['nll']:.3f} ({r['wall_s']:.0f} s)"
+                for r in runs[-len(jobs):]) + f"; ETA of this phase {eta:.0f} min", flush=True)
 
-    # the grid on the first seed, then the best learning rate of each recipe on every other seed
-    run([(args.seeds[0], lr, rec) for lr in args.lrs for rec in RECIPES])
-    best = best_lrs(runs, args.seeds[0])
-    run([(seed, best[rec], rec) for seed in args.seeds[1:] for rec in RECIPES])
-    res = {"preset": args.preset, "steps": args.steps, "lrs": args.lrs, "seeds": args.seeds,
+    if args.confirm:  # no grid: the given learning rates (the best of a smaller preset's grid) on every seed
+        best = args.confirm
+        lrs = sorted(set(best.values()))
+    else:  # the grid on the first seed, then the best learning rate of each recipe on every other seed
+        lrs = args.lrs
+        run([(args.seeds[0], [(rec, lr) for rec in RECIPES]) for lr in lrs])
+        best = best_lrs(runs, args.seeds[0])
+    run([(seed, [(rec, best[rec]) for rec in RECIPES]) for seed in args.seeds[0 if args.confirm else 1:]])
+    res = {"preset": args.preset, "steps": args.steps, "lrs": lrs, "seeds": args.seeds, "confirm": bool(args.confirm),
            "date": time.strftime("%Y-%m-%d"), "runs": runs, "floor": floor}
     res["summary"] = summarise(runs, args.seeds[0])
     atomic_write_json(out / f"recipe-{args.preset}.json", res)
