@@ -41,16 +41,17 @@ RECIPES = {
 }
 
 
-def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_every: int) -> dict:
-    """One run in a temporary folder: its evaluation rows (tokens, val per language) and its mean step time."""
-    spec = dict(RECIPES[recipe])
-    frac = spec.pop("min_lr_frac")
+def train_run(preset: str, sets: list[str], seed: int, steps: int, eval_every: int) -> dict:
+    """One ``train.run`` of ``preset`` with ``--set`` overrides ``sets`` for ``steps`` steps, in a temporary folder
+    (no checkpoints kept, preflight off): its evaluation rows (step, tokens, val per language), wall seconds, median
+    tokens/s after the first logging window, the final per-source bits/char and the distinct-word share of its
+    sampled continuations. Raises SystemExit when the run stops early (a signal)."""
     out_dir = Path(tempfile.mkdtemp(prefix="recipe-"))
     try:
-        sets = [f"{k}={v}" for k, v in spec.items()] + [
-            f"train.lr={lr}", f"train.min_lr={lr * frac}", f"train.max_steps={steps}", f"train.eval_every={eval_every}",
-            "train.ckpt_every=100000", "train.preflight=false", f"run.seed={seed}",
-            f"run.out_dir={json.dumps(str(out_dir))}", f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"]
+        sets = list(sets) + [
+            f"train.max_steps={steps}", f"train.eval_every={eval_every}", "train.ckpt_every=100000",
+            "train.preflight=false", f"run.seed={seed}", f"run.out_dir={json.dumps(str(out_dir))}",
+            f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"]
         cfg = load_config(preset, sets)
         prepare(cfg, log=lambda m: None)
         t0 = time.time()
@@ -58,7 +59,7 @@ def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_ev
         trainer.train()
         wall = time.time() - t0
         if trainer.step != steps:  # stopped by a signal: a partial run must not enter the comparison
-            raise SystemExit(f"recipe: the {recipe} run at lr {lr:g} stopped at step {trainer.step} of {steps}")
+            raise SystemExit(f"benchmarks: the run {' '.join(sets[:4])} stopped at step {trainer.step} of {steps}")
         rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((trainer.run_dir / "summary.json").read_text())
     finally:
@@ -66,28 +67,46 @@ def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_ev
     evals = [{"step": r["step"], "tokens": r["tokens"], "val": r["val"]} for r in rows if r["kind"] == "eval"]
     tps = [r["tokens_per_s"] for r in rows if r["kind"] == "train"][1:]  # the first window holds the warm-up
     shares = [x["distinct_sampled"] for x in summary.get("samples", []) if x.get("distinct_sampled") is not None]
-    return {"recipe": recipe, "lr": lr, "seed": seed, "evals": evals, "wall_s": wall,
-            "tokens_per_s": statistics.median(tps) if tps else None,
+    return {"evals": evals, "wall_s": wall, "tokens_per_s": statistics.median(tps) if tps else None,
             "final_bpc": {k: v["bpc"] for k, v in (summary.get("val_sources") or {}).items()},
             "distinct_sampled": statistics.mean(shares) if shares else None}
 
 
-def run_side_by_side(preset: str, jobs: list[tuple[str, float]], seed: int, steps: int, eval_every: int) -> list[dict]:
-    """:func:`run_once` of every (recipe, learning rate) of ``jobs`` at once, each in a child process on one thread;
-    their results in order."""
+def recipe_sets(recipe: str, lr: float) -> list[str]:
+    """The ``--set`` overrides of ``recipe`` at learning rate ``lr`` (min_lr follows the recipe's fraction)."""
+    spec = dict(RECIPES[recipe])
+    frac = spec.pop("min_lr_frac")
+    return [f"{k}={v}" for k, v in spec.items()] + [f"train.lr={lr}", f"train.min_lr={lr * frac}"]
+
+
+def run_once(preset: str, recipe: str, lr: float, seed: int, steps: int, eval_every: int) -> dict:
+    """:func:`train_run` of ``recipe`` at ``lr``, labelled."""
+    return {"recipe": recipe, "lr": lr, "seed": seed,
+            **train_run(preset, recipe_sets(recipe, lr), seed, steps, eval_every)}
+
+
+def side_by_side(children: list[list[str]]) -> list[dict]:
+    """Run each child command (``python SCRIPT ARGS... --out FILE``, which writes its result as JSON to FILE) at
+    once, each on one thread (``OMP_NUM_THREADS=1``), so that all see the same machine load at every moment; their
+    results in order. Raises SystemExit naming a child that failed."""
     procs = []
-    with tempfile.TemporaryDirectory(prefix="recipe-pair-") as tmp:
-        for rec, lr in jobs:
-            out = Path(tmp) / f"{rec}.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--one", rec, "--preset", preset, "--steps",
-                   str(steps), "--eval-every", str(eval_every), "--lrs", str(lr), "--seeds", str(seed),
-                   "--out", str(out)]
+    with tempfile.TemporaryDirectory(prefix="bench-pair-") as tmp:
+        for i, cmd in enumerate(children):
+            out = Path(tmp) / f"{i}.json"
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)))
+            procs.append((out, subprocess.Popen([sys.executable, *cmd, "--out", str(out)], env=env,
+                                                stdout=subprocess.DEVNULL)))
         for _, proc in procs:
             if proc.wait() != 0:
-                raise SystemExit(f"recipe: a child run failed (exit {proc.returncode}): {' '.join(proc.args)}")
+                raise SystemExit(f"benchmarks: a child run failed (exit {proc.returncode}): {' '.join(proc.args)}")
         return [json.loads(out.read_text()) for out, _ in procs]
+
+
+def run_side_by_side(preset: str, jobs: list[tuple[str, float]], seed: int, steps: int, eval_every: int) -> list[dict]:
+    """:func:`run_once` of every (recipe, learning rate) of ``jobs`` at once (:func:`side_by_side`)."""
+    me = str(Path(__file__).resolve())
+    return side_by_side([[me, "--one", rec, "--preset", preset, "--steps", str(steps), "--eval-every",
+                          str(eval_every), "--lrs", str(lr), "--seeds", str(seed)] for rec, lr in jobs])
 
 
 def tokens_to_reach(evals: list[dict], target: float) -> float | None:
@@ -134,8 +153,10 @@ def summarise(runs: list[dict], grid_seed: int) -> dict:
 def report(res: dict, floor: dict | None) -> str:
     s = res["summary"]
     lines = [f"# Training recipe: {' vs '.join(RECIPES)} at `{res['preset']}`", "",
-             f"`python benchmarks/recipe.py --preset {res['preset']} --steps {res['steps']} --lrs "
-             f"{' '.join(f'{x:g}' for x in res['lrs'])} --seeds {' '.join(map(str, res['seeds']))}` "
+             f"`python benchmarks/recipe.py --preset {res['preset']} --steps {res['steps']} "
+             + (f"--confirm {' '.join(f'{k}={v:g}' for k, v in s['best_lr'].items())}" if res.get("confirm") else
+                f"--lrs {' '.join(f'{x:g}' for x in res['lrs'])}")
+             + f" --seeds {' '.join(map(str, res['seeds']))}` "
              f"({res['steps']} steps each, interleaved; measured {res['date']}).", "",
              ("## Learning rates of tiny's grid, on every seed (final validation NLL, nats/token, all languages; "
               "mean over the seeds)" if res.get("confirm") else
@@ -162,10 +183,47 @@ def report(res: dict, floor: dict | None) -> str:
         lines.append(f"| {p['seed']} | {p['target_nll']:.3f} | {p['tokens_old']:,.0f} | {new_tok} | {ttt} | "
                      f"{p['step_time_ratio']:.3f} | {langs} |")
     if floor:
-        lines += ["", "Compressor floor (bits/char on the same validation text): "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in floor.items())]
+        srcs = list(floor["sources"])
+        best = s["best_lr"]
+        lines += ["", "## Whole validation split per source file (bits/char), best of each recipe, beside the "
+                  "compressor floor", "", "| run | " + " | ".join(srcs) + " | distinct words (sampled) |",
+                  "|---|" + "---|" * len(srcs) + "---|"]
+        for r in res["runs"]:
+            if r["lr"] == best[r["recipe"]] and r.get("final_bpc"):
+                d = f"{r['distinct_sampled']:.2f}" if r.get("distinct_sampled") is not None else "–"
+                lines.append(f"| {r['recipe']} lr {r['lr']:g} seed {r['seed']} | "
+                             + " | ".join(f"{r['final_bpc'].get(k, float('nan')):.3f}" for k in srcs) + f" | {d} |")
+        for c, label in (("ppmd16", "PPMd-16"), ("xz", "xz -9e")):
+            lines.append(f"| {label} (primed with the training split) | "
+                         + " | ".join(f"{floor['sources'][k][c]:.3f}" for k in srcs) + " | |")
     lines += ["", f"![validation NLL against tokens](recipe-{res['preset']}.png)", ""]
     return "\n".join(lines)
+
+
+def write_summary(out: Path) -> None:
+    """``recipe.md``: one row per preset measured (``recipe-<preset>.json``) — best learning rates, per-seed
+    tokens-to-target and step-time ratios, final bits/char per language old → new — with links to each report."""
+    lines = ["# Training recipe: AdamW + cosine to lr/10 against Muon + linear decay to zero", "",
+             "Each preset's full report (learning-rate grid, per-seed table, loss curves) is linked in the first "
+             "column; `python benchmarks/recipe.py --help` says how each is made.", "",
+             "| preset | steps | best lr (old / new) | seeds | tokens-to-target (per seed) | step-time ratio new ÷ old "
+             "(per seed) | val bits/char old → new (per seed) |", "|---|---|---|---|---|---|---|"]
+    order = {"tiny": 0, "small": 1}
+    for path in sorted(out.glob("recipe-*.json"), key=lambda q: (order.get(q.stem[7:], 9), q.stem)):
+        res = json.loads(path.read_text())
+        s, (old, new) = res["summary"], list(RECIPES)
+        ttt = ", ".join(f"{p['tokens_to_target']:.2f}×" if p["tokens_to_target"] else "not reached"
+                        for p in s["per_seed"])
+        st = ", ".join(f"{p['step_time_ratio']:.3f}" for p in s["per_seed"])
+        bpc = "; ".join(", ".join(f"{k} {p['final_old'][k]['bpc']:.3f} → {p['final_new'][k]['bpc']:.3f}"
+                                  for k in p["final_old"] if k != "all") for p in s["per_seed"])
+        lines.append(f"| [{res['preset']}]({path.stem}.md) | {res['steps']} | {s['best_lr'][old]:g} / "
+                     f"{s['best_lr'][new]:g} | {', '.join(map(str, res['seeds']))} | {ttt} | {st} | {bpc} |")
+    lines += ["", "Tokens-to-target: the tokens the old recipe's best run needs for its own final validation NLL ÷ "
+              "the tokens the new recipe's best run needs for the same NLL (interpolated between evaluations). "
+              "Step-time ratio: median tokens/s of the old run ÷ the new one's, the two side by side on one "
+              "thread each.", ""]
+    atomic_write_text(out / "recipe.md", "\n".join(lines))
 
 
 def plot(res: dict, path: Path) -> None:
@@ -276,9 +334,10 @@ def main(argv=None) -> int:
     res["summary"] = summarise(runs, args.seeds[0])
     atomic_write_json(out / f"recipe-{args.preset}.json", res)
     plot(res, out / f"recipe-{args.preset}.png")
-    atomic_write_text(out / f"recipe-{args.preset}.md", report(res, None))
+    atomic_write_text(out / f"recipe-{args.preset}.md", report(res, floor))
+    write_summary(out)
     partial.unlink(missing_ok=True)
-    print(report(res, None))
+    print(report(res, floor))
     return 0
 
 
