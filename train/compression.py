@@ -40,7 +40,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from train.atomic import atomic_write_json
-from train.config import Config, ConfigError, load_config, resolve_path
+from train.config import DEFAULT_PRESET, Config, ConfigError, load_config, resolve_path
 from train.corpus import DataError, ReadReport, is_hf_spec, iter_documents, list_input_files
 from train.inputs import scan_inputs
 from train.textutil import is_val, split_value
@@ -247,7 +247,7 @@ def format_table(floor: dict, model: dict[str, float] | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.compression", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="small", help="preset name or TOML path (its [data] section is used)")
+    p.add_argument("--config", default=DEFAULT_PRESET, help="preset name or TOML path (its [data] section is used)")
     p.add_argument("--data", nargs="+", help="inputs instead of the config's data.paths")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

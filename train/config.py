@@ -73,6 +73,7 @@ class ModelSection:
     initializer_range: float = 0.02
 
 
+DEFAULT_PRESET = "small"  # the README's main job: every command's --config default (benchmarks/presets.py chose it)
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer: the names train/optim.py builds
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule: the names train/optim.py's lr_at computes
 
@@ -242,7 +243,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
     setattr(sec, key, _coerce(section, key, value, getattr(sec, key)))
 
 
-def load_config(name_or_path: str | None = "small", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a preset or TOML file, apply ``section.key=value`` overrides, validate and fill defaults.
 
     ``run.name`` defaults to the preset's file stem. Raises :class:`ConfigError`.
@@ -386,7 +387,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_config_args(parser) -> None:
     """The shared ``--config``, ``--data`` and ``--set`` command-line options."""
-    parser.add_argument("--config", default="small",
+    parser.add_argument("--config", default=DEFAULT_PRESET,
                         help=f"a preset in configs/ ({', '.join(preset_names())}) or a TOML file (default: %(default)s)")
     parser.add_argument("--data", nargs="+", metavar="PATH", default=None,
                         help="text inputs: folders, .jsonl/.txt[.gz] files, or hf:NAME[:CONFIG][:SPLIT] "
