@@ -212,7 +212,7 @@ def test_the_timeout_of_serve_engine_reaches_rust(model):
         with pytest.raises(ValueError, match="timeout is -1"):
             eng.submit(p, 5, SamplingParams(), timeout_s=-1.0)
         t0 = time.monotonic()  # the counters are published after each pass of the scheduler
-        while eng.stats()["running"] and time.monotonic() - t0 < 10:
+        while eng.stats()["running"] and time.monotonic() - t0 < 60:
             time.sleep(0.01)
         assert eng.stats()["running"] == 0
     finally:
