@@ -180,7 +180,8 @@ def test_resume_with_another_optimizer_is_refused(tmp_path, session_cache):
     from tests.conftest import fast_config
     from train.run import Trainer, TrainError
 
-    Trainer(fast_config(tmp_path, session_cache, **{"run.name": "o", "train.max_steps": 2}), log=lambda m: None).train()
+    Trainer(fast_config(tmp_path, session_cache, **{"run.name": "o", "train.max_steps": 2, "train.optimizer": "adamw"}),
+            log=lambda m: None).train()
     cfg = fast_config(tmp_path, session_cache, **{"run.name": "o", "train.max_steps": 4, "train.optimizer": "muon"})
     with pytest.raises(TrainError, match=r"trained with train.optimizer = 'adamw', the config says 'muon'"):
         Trainer(cfg, resume=True, log=lambda m: None).train()

@@ -89,14 +89,14 @@ class TrainSection:
     seq_len: int = 512
     grad_accum: int = 1
     max_steps: int = 1000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
+    lr: float = 1e-2  # benchmarks/results/recipe.md: Muon's best of the grid at tiny, confirmed at small
+    min_lr: float = 0.0  # "Straight to Zero" (arXiv 2502.15938): decay to zero
     warmup_steps: int = 50
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    optimizer: str = "adamw"  # "adamw" or "muon" (Muon on the hidden matrices, AdamW on the rest): train/optim.py
+    optimizer: str = "muon"  # "muon" or "adamw" (Muon on the hidden matrices, AdamW on the rest): train/optim.py
     muon_momentum: float = 0.95
-    schedule: str = "cosine"  # "cosine", "linear" (to min_lr) or "wsd" (hold, then a linear cooldown): train/optim.py
+    schedule: str = "linear"  # "linear" (to min_lr), "cosine" or "wsd" (hold, then a linear cooldown): train/optim.py
     cooldown_frac: float = 0.2  # wsd: the share of max_steps spent cooling down to min_lr
     grad_clip: float = 1.0
     eval_every: int = 100

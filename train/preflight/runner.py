@@ -31,7 +31,8 @@ CHECK_NAMES = ["gradient_flow", "gradient_correctness", "update_flow", "layout_i
 
 
 def default_optimizer_factory(lr: float, device_type: str) -> OptimizerFactory:
-    """Shalik's AdamW at ``lr`` with the other settings at their ``[train]`` defaults."""
+    """The default recipe's optimizer (``[train]``'s defaults: Muon on the hidden matrices, AdamW on the rest) at
+    ``lr``."""
     train = TrainSection(lr=lr)
     return lambda m: build_optimizer_for(m, train, device_type)
 
@@ -68,7 +69,7 @@ def run_preflight(model: nn.Module, batch: torch.Tensor, *, device: torch.device
 
     ``batch`` is a small fixed batch of token windows, int64 ``[b, seq+1]`` on ``device``; ``big_batch`` (default
     ``batch``) is a training micro-batch for the throughput check. ``optimizer_factory(model)`` must build the
-    optimizer the run uses (default: Shalik's AdamW at ``lr`` with the ``[train]`` defaults); ``model_factory(ModelConfig)`` builds the tiny
+    optimizer the run uses (default: the ``[train]`` defaults' optimizer at ``lr``); ``model_factory(ModelConfig)`` builds the tiny
     float64 copy for finite differences (default: the model's class). The caller's RNG states and data are left
     untouched, and every tensor preflight allocated is freed (the CUDA cache emptied) before it returns.
     """

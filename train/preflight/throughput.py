@@ -23,7 +23,7 @@ MFU_WARN = 0.20
 
 def check_throughput(model: nn.Module, big_batch: torch.Tensor, ctx, device: torch.device, dtype: torch.dtype,
                      optimizer_factory: OptimizerFactory, iters: int = 2) -> CheckResult:
-    """Time ``iters`` AdamW steps (after one warm-up step) of ``model`` on ``big_batch`` (int64 ``[b, seq+1]``).
+    """Time ``iters`` optimizer steps (after one warm-up step) of ``model`` on ``big_batch`` (int64 ``[b, seq+1]``).
 
     ``model``'s parameters, buffers, gradients and train/eval mode are restored exactly before returning, even when
     a step raises."""
