@@ -130,6 +130,19 @@ def best_lrs(runs: list[dict], seed: int) -> dict[str, float]:
                      key=lambda r: r["evals"][-1]["val"]["all"]["nll"])["lr"] for rec in RECIPES}
 
 
+def paired_step_time_ratio(runs: list[dict], seed: int) -> float:
+    """New ÷ old step time (old tokens/s ÷ new tokens/s) from runs that ran side by side on ``seed``: the one pair
+    when the seed has one run of each recipe (a confirmation), else the median over the grid's pairs (same lr)."""
+    old, new = list(RECIPES)
+    mine = [r for r in runs if r["seed"] == seed]
+    by = {(r["recipe"], r["lr"]): r for r in mine}
+    if sum(r["recipe"] == old for r in mine) == 1 and sum(r["recipe"] == new for r in mine) == 1:
+        ro, rn = (next(r for r in mine if r["recipe"] == k) for k in (old, new))
+        return ro["tokens_per_s"] / rn["tokens_per_s"]
+    return statistics.median(by[old, lr]["tokens_per_s"] / by[new, lr]["tokens_per_s"]
+                             for (rec, lr) in by if rec == old and (new, lr) in by)
+
+
 def summarise(runs: list[dict], grid_seed: int) -> dict:
     """Best lr per recipe (on the grid's seed), per-seed tokens-to-target and step-time ratios (new ÷ old)."""
     final = {}
@@ -138,14 +151,14 @@ def summarise(runs: list[dict], grid_seed: int) -> dict:
     best = best_lrs(runs, grid_seed)
     old, new = list(RECIPES)
     per_seed = []
-    for seed in sorted({r["seed"] for r in runs}):
+    for seed in dict.fromkeys(r["seed"] for r in runs):  # the grid seed first
         ro = next(r for r in runs if r["recipe"] == old and r["lr"] == best[old] and r["seed"] == seed)
         rn = next(r for r in runs if r["recipe"] == new and r["lr"] == best[new] and r["seed"] == seed)
         target = ro["evals"][-1]["val"]["all"]["nll"]
         need_old, need_new = tokens_to_reach(ro["evals"], target), tokens_to_reach(rn["evals"], target)
         per_seed.append({"seed": seed, "target_nll": target, "tokens_old": need_old, "tokens_new": need_new,
                          "tokens_to_target": (need_old / need_new) if need_new else None,
-                         "step_time_ratio": ro["tokens_per_s"] / rn["tokens_per_s"],
+                         "step_time_ratio": paired_step_time_ratio(runs, seed),
                          "final_old": ro["evals"][-1]["val"], "final_new": rn["evals"][-1]["val"]})
     return {"best_lr": best, "final_nll": {f"{k[0]}@{k[1]:g}": v for k, v in final.items()}, "per_seed": per_seed}
 
@@ -172,7 +185,7 @@ def report(res: dict, floor: dict | None) -> str:
             cells.append(f"{statistics.mean(v):.3f}{mark}" if v else "–")
         lines.append(f"| {rec} | " + " | ".join(cells) + " |")
     lines += ["", "## Best of each, per seed", "",
-              "| seed | target NLL | tokens old | tokens new | tokens-to-target | step-time ratio | "
+              "| seed | target NLL | tokens old | tokens new | tokens-to-target | step-time ratio (paired) | "
               + " | ".join(f"{k} bpc old → new" for k in s["per_seed"][0]["final_old"] if k != "all") + " |",
               "|---|---|---|---|---|---|" + "---|" * (len(s["per_seed"][0]["final_old"]) - 1)]
     for p in s["per_seed"]:
@@ -277,6 +290,8 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the finished runs of an interrupted grid")
     p.add_argument("--pairs", type=int, default=None,
                    help="stop after this many new side-by-side pairs (run a long grid in pieces with --resume)")
+    p.add_argument("--report", action="store_true",
+                   help="only render recipe-PRESET.{md,png} and recipe.md again from recipe-PRESET.json")
     p.add_argument("--one", choices=list(RECIPES), help=argparse.SUPPRESS)  # a child of run_side_by_side
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -295,6 +310,11 @@ def main(argv=None) -> int:
         p.error("--lrs: expected positive learning rates")
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        res = json.loads((out / f"recipe-{args.preset}.json").read_text())
+        res["summary"] = summarise(res["runs"], res["seeds"][0])
+        write_report(res, out)
+        return 0
     partial = out / f"recipe-{args.preset}.partial.json"  # every finished run, so an interrupted grid resumes
     runs = json.loads(partial.read_text())["runs"] if args.resume and partial.exists() else []
     done = {(r["seed"], r["lr"], r["recipe"]) for r in runs}
@@ -332,13 +352,18 @@ def main(argv=None) -> int:
     res = {"preset": args.preset, "steps": args.steps, "lrs": lrs, "seeds": args.seeds, "confirm": bool(args.confirm),
            "date": time.strftime("%Y-%m-%d"), "runs": runs, "floor": floor}
     res["summary"] = summarise(runs, args.seeds[0])
-    atomic_write_json(out / f"recipe-{args.preset}.json", res)
-    plot(res, out / f"recipe-{args.preset}.png")
-    atomic_write_text(out / f"recipe-{args.preset}.md", report(res, floor))
-    write_summary(out)
+    write_report(res, out)
     partial.unlink(missing_ok=True)
     print(report(res, floor))
     return 0
+
+
+def write_report(res: dict, out: Path) -> None:
+    """``recipe-<preset>.{json,png,md}`` of one measured preset and the summary ``recipe.md`` of all."""
+    atomic_write_json(out / f"recipe-{res['preset']}.json", res)
+    plot(res, out / f"recipe-{res['preset']}.png")
+    atomic_write_text(out / f"recipe-{res['preset']}.md", report(res, res.get("floor")))
+    write_summary(out)
 
 
 if __name__ == "__main__":
