@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.recipe import recipe_sets, side_by_side, train_run  # noqa: E402
+from benchmarks.recipe import recipe_sets, save_figure, side_by_side, train_run  # noqa: E402
 from train import compression  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train.config import load_config  # noqa: E402
@@ -127,16 +127,8 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(xs, ys, marker="o", label=name)
     bn = res["floor"]["languages"]["bn"]["ppmd16"]
     ax.axhline(bn, color="k", ls=":", label=f"PPMd-16 bn {bn:.2f}")
-    ax.set_xlabel("training minutes on 2 quiet-equivalent cores (calibrated step time × steps)")
-    ax.set_ylabel("validation bits/char, Bangla")
-    ax.set_title(f"candidates at a {res['budget_min']:g}-minute budget ({RECIPE})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, ax, path, "training minutes on 2 quiet-equivalent cores (calibrated step time × steps)",
+                "validation bits/char, Bangla", f"candidates at a {res['budget_min']:g}-minute budget ({RECIPE})")
 
 
 def main(argv=None) -> int:

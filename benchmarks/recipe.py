@@ -254,9 +254,18 @@ def plot(res: dict, path: Path) -> None:
         ys = [e["val"]["all"]["nll"] for e in r["evals"]]
         ax.plot(xs, ys, marker="o", ls="-" if r["recipe"] == "muon-linear" else "--",
                 label=f"{r['recipe']} lr {r['lr']:g} seed {r['seed']}")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation NLL (nats/token)")
-    ax.set_title(f"{res['preset']}: best learning rate of each recipe")
+    save_figure(fig, ax, path, "training tokens", "validation NLL (nats/token)",
+                f"{res['preset']}: best learning rate of each recipe")
+
+
+def save_figure(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label, grid and legend ``ax``, then write ``fig`` to ``path`` atomically (a temporary file renamed) and close
+    it."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
