@@ -222,7 +222,8 @@ def write_summary(out: Path) -> None:
              "| preset | steps | best lr (old / new) | seeds | tokens-to-target (per seed) | step-time ratio new ÷ old "
              "(per seed) | val bits/char old → new (per seed) |", "|---|---|---|---|---|---|---|"]
     order = {"tiny": 0, "small": 1}
-    for path in sorted(out.glob("recipe-*.json"), key=lambda q: (order.get(q.stem[7:], 9), q.stem)):
+    done = [q for q in out.glob("recipe-*.json") if not q.name.endswith(".partial.json")]
+    for path in sorted(done, key=lambda q: (order.get(q.stem[7:], 9), q.stem)):
         res = json.loads(path.read_text())
         s, (old, new) = res["summary"], list(RECIPES)
         ttt = ", ".join(f"{p['tokens_to_target']:.2f}×" if p["tokens_to_target"] else "not reached"
