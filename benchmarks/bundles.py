@@ -6,7 +6,7 @@
   by hand (README, benchmarks/export_small.py, benchmarks/eval.py)::
 
       python -m train.run --config NAME --name NAME-init --no-preflight --set train.max_steps=0
-      python -m export.onnx runs/NAME-init --no-parity [--quantize int8]
+      python -m export.onnx runs/NAME-init --no-parity [--quantize KIND]
 
   so the checkpoint is what ``train`` writes (its tokenizer trained on the config's data, ``run.seed``'s
   initialisation, SHA256SUMS) and the bundle is what ``export`` writes (safetensors, the ONNX graph that serving
@@ -70,9 +70,9 @@ def _run(cmd: list[str], log: Callable[[str], None]) -> None:
     log(f"  ({time.time() - t:.0f} s)")
 
 
-def _reusable(bundle: Path, int8: bool, parity: bool) -> bool:
-    """True when ``bundle`` holds a finished export (its manifest, written last) with the int8 graph when asked
-    for and a passed parity gate when asked for."""
+def _reusable(bundle: Path, quantize: str | None, parity: bool) -> bool:
+    """True when ``bundle`` holds a finished export (its manifest, written last) with the ``quantize`` graph when
+    asked for and a passed parity gate when asked for."""
     from serve.backends.onnx import MODEL_FILES
     from serve.bundle import BundleError, read_manifest
 
@@ -80,26 +80,27 @@ def _reusable(bundle: Path, int8: bool, parity: bool) -> bool:
         m = read_manifest(bundle)
     except BundleError:
         return False
-    return (not int8 or (bundle / MODEL_FILES["int8"]).is_file()) and (not parity or bool(m.get("parity", {}).get("ok")))
+    return ((quantize is None or (bundle / MODEL_FILES[quantize]).is_file())
+            and (not parity or bool(m.get("parity", {}).get("ok"))))
 
 
-def init_bundle(preset: str, *, int8: bool = False, parity: bool = False, runs: Path = RUNS,
+def init_bundle(preset: str, *, quantize: str | None = None, parity: bool = False, runs: Path = RUNS,
                 log: Callable[[str], None] = print) -> Path:
     """``runs/<preset>-init/bundle`` (see the module doc), built now unless a reusable one is there: with
-    ``model.int8.onnx`` when ``int8``, through the export's parity gate when ``parity`` (a rebuilt bundle
-    replaces one that lacks what is asked). ``runs`` is the runs folder (default the repository's).
+    the ONNX graph of ``quantize`` (export.onnx's ``--quantize``: "int8" adds model.int8.onnx) when given, through
+    the export's parity gate when ``parity`` (a rebuilt bundle replaces one that lacks what is asked). ``runs`` is the runs folder (default the repository's).
     Raises train.config.ConfigError for an unknown preset and RuntimeError when training or export fails."""
     shape(preset)  # an unknown preset fails here, with the list of presets
     name = f"{preset}-init"
     run, bundle = runs / name, runs / name / "bundle"
-    if _reusable(bundle, int8, parity):
+    if _reusable(bundle, quantize, parity):
         log(f"reusing {relative(bundle)} (delete {relative(run)} to rebuild it)")
         return bundle
     out_dir = [] if runs == RUNS else ["--set", f"run.out_dir={json.dumps(str(runs))}"]
     _run([sys.executable, "-m", "train.run", "--config", preset, "--name", name, "--no-preflight",
           "--set", "train.max_steps=0", *out_dir], log)
     _run([sys.executable, "-m", "export.onnx", relative(run)] + ([] if parity else ["--no-parity"])
-         + (["--quantize", "int8"] if int8 else []) + (["--force"] if bundle.exists() else []), log)
+         + (["--quantize", quantize] if quantize else []) + (["--force"] if bundle.exists() else []), log)
     return bundle
 
 

@@ -4,8 +4,8 @@
                                 [--prompt 64] [--new 64] [--backends NAME ...] [--out benchmarks/results] [--fresh]
 
 Bundles: ``--bundle`` folders, and for each ``--preset`` (a config of ``configs/``) its untrained twin
-``runs/NAME-init/bundle``, made by ``train.run`` and ``export.onnx --quantize int8`` when absent
-(benchmarks/bundles.py). Default: ``runs/small/bundle`` when it exists, else ``--preset small``.
+``runs/NAME-init/bundle``, made by ``train.run`` and ``export.onnx`` (with the int8 graph when an int8 ONNX lane is
+timed) when absent (benchmarks/bundles.py). Default: ``runs/small/bundle`` when it exists, else ``--preset small``.
 
 Backends (``--backends``; the lanes of benchmarks/lanes.py): ``rust-f32``, ``rust-int8`` (rust_runtime,
 quantize="int8" = candle q8_0), ``ort-fp32``, ``ort-int8`` (serve's OnnxBackend on model.onnx / model.int8.onnx),
@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = ROOT / "runs" / "small" / "bundle"
     presets = a.preset or ([] if a.bundle or trained.is_dir() else ["small"])
     folders = [Path(b) for b in a.bundle or ([] if presets else [trained])]
-    folders += [bundles.init_bundle(name, int8="ort-int8" in a.backends, log=log) for name in presets]
+    quantize = lanes.export_quantize(a.backends)
+    folders += [bundles.init_bundle(name, quantize=quantize, log=log) for name in presets]
     cores = timing.cores()
     threads = a.threads or sorted({cores, 1}, reverse=True)
     old = [] if a.fresh or not jpath.is_file() else json.loads(jpath.read_text()).get("groups", [])

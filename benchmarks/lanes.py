@@ -5,7 +5,8 @@ onnxruntime through serve's OnnxBackend; ``torch``: this repository's PyTorch mo
 ``llama``: llama.cpp on ``export.gguf``'s GGUF, a peer only), its kind (serve's ``quantize`` setting for rust and
 onnx, the GGUF type for llama) and the bytes each matmul weight costs a decoded token (the decode roofline).
 :func:`load` returns an object with ``new_sequence()`` whose sequences have ``prefill(ids)`` / ``decode(id)`` →
-float32 logits; :func:`unavailable` says why a lane cannot run here.
+float32 logits; :func:`unavailable` says why a lane cannot run here; :func:`export_quantize` is the quantized ONNX
+graph a set of lanes needs in the bundle.
 
 Adding a quantization kind is one row here (say ``Lane("rust-q4", "rust", "q4", "rust q4", 18 / 32)``, once
 ``serve.load`` takes ``quantize="q4"``), then naming it where a script pairs lanes: ``decode.py``'s ``TARGETS``,
@@ -14,6 +15,7 @@ Adding a quantization kind is one row here (say ``Lane("rust-q4", "rust", "q4", 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,10 +85,21 @@ def unavailable(lane: Lane, bundle: Path) -> str | None:
     if lane.runtime == "onnx":
         from serve.backends.onnx import MODEL_FILES
 
+        if lane.kind not in MODEL_FILES:
+            return f"serve's OnnxBackend has no graph for quantize={lane.kind!r}"
         graph = Path(bundle) / MODEL_FILES[lane.kind]
         if not graph.is_file():
             return f"no {graph.name} in {bundle} (python -m export.onnx RUN --quantize {lane.kind} --out {bundle} --force)"
     return None
+
+
+def export_quantize(names: Iterable[str]) -> str | None:
+    """The ``export.onnx --quantize`` kind the ONNX lanes among ``names`` need (None: float32 only). Raises
+    ValueError when they need two kinds (export writes one quantized graph)."""
+    kinds = {LANES[n].kind for n in names if LANES[n].runtime == "onnx" and LANES[n].kind}
+    if len(kinds) > 1:
+        raise ValueError(f"the onnx lanes need graphs of {sorted(kinds)}; export.onnx writes one quantized graph")
+    return next(iter(kinds), None)
 
 
 def load(lane: Lane, bundle: Path, threads: int, n_ctx: int | None = None, extra_bufts: bool = False):

@@ -113,7 +113,7 @@ def main() -> None:
 
     load_before = timing.loadavg()
     rows = []
-    bundle = bundles.init_bundle(args.preset, int8="int8" in args.graphs)
+    bundle = bundles.init_bundle(args.preset, quantize="int8" if "int8" in args.graphs else None)
     backends = {g: OnnxBackend(bundle, quantize=None if g == "fp32" else g, threads=args.threads)
                 for g in args.graphs}
     for backend in backends.values():

@@ -80,8 +80,7 @@ def worker(a: argparse.Namespace) -> int:
 
 def write_md(res: dict, path: Path) -> None:
     r = res
-    pair = ("Rust q8_0 vs onnxruntime int8 (dynamic, per channel)" if r.get("int8")
-            else "Rust f32 vs onnxruntime fp32")
+    pair = " vs ".join(lanes.LANES[name].label for name in r["lanes"].values())
     extra_gf = 2 * r["vocab_size"] * r["hidden_size"] / 1e9  # the lm_head on one more position, GFLOP
     longest = r["results"][-1]
     lines = [
@@ -100,8 +99,8 @@ def write_md(res: dict, path: Path) -> None:
         "| ORT GFLOP/s (% of peak) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    if r.get("int8"):
-        lines[2] += (" GFLOP/s counts the same FLOPs as f32, and % of peak is of the f32 peak: int8 dot products "
+    if r["kind"] != "f32":
+        lines[2] += (" GFLOP/s counts the same FLOPs as f32, and % of peak is of the f32 peak: integer dot products "
                      "(VNNI) can exceed it.")
     for row in r["results"]:
         lines.append(
@@ -147,7 +146,7 @@ def main() -> None:
 
     command = "python benchmarks/prefill.py " + " ".join(sys.argv[1:])
     load_before = timing.loadavg()
-    bundle = bundles.init_bundle(a.preset, int8=a.kind == "int8")
+    bundle = bundles.init_bundle(a.preset, quantize=lanes.export_quantize(PAIRS[a.kind]))
     shape = json.loads((bundle / "config.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         peak0 = roofline.matmul_peak_gflops(a.threads)
@@ -193,7 +192,7 @@ def main() -> None:
     res = dict(
         shape=a.preset, bundle=timing.relative(bundle), lanes=dict(zip(ROLES, PAIRS[a.kind], strict=True)),
         vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
-        threads=a.threads, rounds=a.rounds, command=command, int8=a.kind == "int8",
+        threads=a.threads, rounds=a.rounds, command=command, kind=a.kind,
         loadavg_before=load_before, loadavg_after=timing.loadavg(), simd=str(rust_runtime.simd_level),
         peak_gflops_before=peak0, peak_gflops_after=peak1, clock_ghz=stated[0], stated_peak_gflops=stated[1],
         flop_per_cycle=roofline.flop_per_cycle(avx512), results=rows,

@@ -89,7 +89,7 @@ def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_p
     monkeypatch.setattr(bundles, "_run", lambda cmd, log: ran.append(cmd[1:]))
     monkeypatch.setattr(bundles, "RUNS", tmp_path)  # the repository's runs/ folder, here
     run = tmp_path / "small-init"
-    assert bundles.init_bundle("small", int8=True, runs=tmp_path, log=print) == run / "bundle"
+    assert bundles.init_bundle("small", quantize="int8", runs=tmp_path, log=print) == run / "bundle"
     assert ran == [["-m", "train.run", "--config", "small", "--name", "small-init", "--no-preflight",
                     "--set", "train.max_steps=0"],
                    ["-m", "export.onnx", str(run), "--no-parity", "--quantize", "int8"]]
@@ -103,7 +103,7 @@ def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_p
     bundle.mkdir(parents=True)
     (bundle / "manifest.json").write_text('{"format": "shalik-bundle", "files": {}, "parity": {"ok": null}}')
     assert bundles.init_bundle("tiny", runs=other, log=print) == bundle and ran == []
-    bundles.init_bundle("tiny", int8=True, runs=other, log=print)  # no model.int8.onnx: rebuilt over it
+    bundles.init_bundle("tiny", quantize="int8", runs=other, log=print)  # no model.int8.onnx: rebuilt over it
     assert ran[1] == ["-m", "export.onnx", str(other / "tiny-init"), "--no-parity", "--quantize", "int8", "--force"]
     ran.clear()
     bundles.init_bundle("tiny", parity=True, runs=other, log=print)  # the gate asked for: this one never passed it
@@ -112,6 +112,8 @@ def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_p
 
 def test_every_lane_names_a_known_runtime_and_the_peers_name_lanes():
     assert {lane.runtime for lane in lanes.LANES.values()} <= {"rust", "onnx", "torch", "llama"}
+    assert lanes.export_quantize(["rust-f32", "rust-int8", "ort-fp32"]) is None
+    assert lanes.export_quantize(["ort-fp32", "ort-int8", "llama-q8_0"]) == "int8"
     import benchmarks.decode as decode
     import benchmarks.prefill as prefill
     import benchmarks.serve_batching as serve_batching
