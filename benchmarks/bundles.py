@@ -86,9 +86,10 @@ def _reusable(bundle: Path, quantize: str | None, parity: bool) -> bool:
 
 def init_bundle(preset: str, *, quantize: str | None = None, parity: bool = False, runs: Path = RUNS,
                 log: Callable[[str], None] = print) -> Path:
-    """``runs/<preset>-init/bundle`` (see the module doc), built now unless a reusable one is there: with
-    the ONNX graph of ``quantize`` (export.onnx's ``--quantize``: "int8" adds model.int8.onnx) when given, through
-    the export's parity gate when ``parity`` (a rebuilt bundle replaces one that lacks what is asked). ``runs`` is the runs folder (default the repository's).
+    """``runs/<preset>-init/bundle`` (see the module doc), built now unless a reusable one is there (exported from
+    the run's checkpoint when ``train.run`` has written one): with the ONNX graph of ``quantize`` (export.onnx's
+    ``--quantize``: "int8" adds model.int8.onnx) when given, through the export's parity gate when ``parity`` (a
+    rebuilt bundle replaces one that lacks what is asked). ``runs`` is the runs folder (default the repository's).
     Raises train.config.ConfigError for an unknown preset and RuntimeError when training or export fails."""
     shape(preset)  # an unknown preset fails here, with the list of presets
     name = f"{preset}-init"
@@ -96,9 +97,10 @@ def init_bundle(preset: str, *, quantize: str | None = None, parity: bool = Fals
     if _reusable(bundle, quantize, parity):
         log(f"reusing {relative(bundle)} (delete {relative(run)} to rebuild it)")
         return bundle
-    out_dir = [] if runs == RUNS else ["--set", f"run.out_dir={json.dumps(str(runs))}"]
-    _run([sys.executable, "-m", "train.run", "--config", preset, "--name", name, "--no-preflight",
-          "--set", "train.max_steps=0", *out_dir], log)
+    if not (run / "checkpoints" / "latest").is_file():  # train.checkpoint moves it last: the checkpoint is whole
+        out_dir = [] if runs == RUNS else ["--set", f"run.out_dir={json.dumps(str(runs))}"]
+        _run([sys.executable, "-m", "train.run", "--config", preset, "--name", name, "--no-preflight",
+              "--set", "train.max_steps=0", *out_dir], log)
     _run([sys.executable, "-m", "export.onnx", relative(run)] + ([] if parity else ["--no-parity"])
          + (["--quantize", quantize] if quantize else []) + (["--force"] if bundle.exists() else []), log)
     return bundle

@@ -103,11 +103,13 @@ def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_p
     bundle.mkdir(parents=True)
     (bundle / "manifest.json").write_text('{"format": "shalik-bundle", "files": {}, "parity": {"ok": null}}')
     assert bundles.init_bundle("tiny", runs=other, log=print) == bundle and ran == []
+    (other / "tiny-init" / "checkpoints").mkdir()
+    (other / "tiny-init" / "checkpoints" / "latest").write_text("step-000000\n")  # train.run's checkpoint is there
     bundles.init_bundle("tiny", quantize="int8", runs=other, log=print)  # no model.int8.onnx: rebuilt over it
-    assert ran[1] == ["-m", "export.onnx", str(other / "tiny-init"), "--no-parity", "--quantize", "int8", "--force"]
+    assert ran == [["-m", "export.onnx", str(other / "tiny-init"), "--no-parity", "--quantize", "int8", "--force"]]
     ran.clear()
     bundles.init_bundle("tiny", parity=True, runs=other, log=print)  # the gate asked for: this one never passed it
-    assert ran[1] == ["-m", "export.onnx", str(other / "tiny-init"), "--force"]
+    assert ran == [["-m", "export.onnx", str(other / "tiny-init"), "--force"]]
 
 
 def test_every_lane_names_a_known_runtime_and_the_peers_name_lanes():
