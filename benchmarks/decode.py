@@ -16,9 +16,10 @@ library is absent is skipped and the table says why; a missing GGUF is written f
 Method (benchmarks/timing.py). Every backend runs in its own worker process (its own thread pools and OpenMP
 runtime; workers sleep on a pipe while another measures), loaded once, warmed by one measurement — whose peak RSS
 (``VmHWM``: load + prefill ``--prompt`` + decode ``--new``, in a fresh process) is the memory figure — then driven
-round-robin: each round runs every backend once, in a rotated order, each after the quiet pause, so load from
-other jobs hits all alike. One measurement = prefill of the prompt (``<|endoftext|>`` + Bangla/English text, our
-token ids), then ``--new`` greedy steps through the backend's Sequence (``prefill``/``decode`` → logits → numpy
+round-robin: each round runs every backend once, in a rotated order, so load from other jobs hits all alike. (No
+quiet pause before a measurement, as before the timing module: in an A/B at load ~1.5 the prefill that starts it
+ran slower after one, 35-48 ms against 27-34 ms for rust f32.) One measurement = prefill of the prompt
+(``<|endoftext|>`` + Bangla/English text, our token ids), then ``--new`` greedy steps through the backend's Sequence (``prefill``/``decode`` → logits → numpy
 argmax → next id: the same Python loop for all). Reported: medians over rounds, and the median of per-round ratios
 for the two targets (rust f32 ≥ 1.5× ort fp32; rust int8 ≥ 1.0× llama.cpp q8_0). Every backend gets the same
 thread count; the default runs all cores and then 1 thread.
@@ -209,7 +210,6 @@ def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespac
         order = list(workers)
         for r in range(a.rounds):
             for name in timing.rotated(order, r):
-                timing.quiet()
                 per[name].append(workers[name].ask("run"))
             loads.append(timing.loadavg()[0])
             log(f"  round {r + 1}/{a.rounds}: " + ", ".join(
@@ -225,7 +225,7 @@ def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespac
     return {
         "bundle": timing.relative(bundle),
         "name": bundle.resolve().parent.name if bundle.name == "bundle" else bundle.name,
-        "threads": threads, "prompt": a.prompt, "new": a.new, "rounds": a.rounds, "quiet_s": timing.QUIET_S,
+        "threads": threads, "prompt": a.prompt, "new": a.new, "rounds": a.rounds,
         "matmul_weights": weights, "bandwidth_gbs": bw, "bandwidth_gbs_before_after": [bw0, bw1],
         "load_avg": {"start": load0, "min": min(loads), "max": max(loads), "median": timing.median(loads)},
         "backends": summarize(per, ready, weights, bw), "ratios": target_ratios(per),
@@ -264,7 +264,7 @@ def markdown(res: dict) -> str:
             f"Bandwidth {g['bandwidth_gbs']:.1f} GB/s (before/after: {g['bandwidth_gbs_before_after'][0]:.1f} / "
             f"{g['bandwidth_gbs_before_after'][1]:.1f}); load average {la['min']:.1f}–{la['max']:.1f} "
             f"(median {la['median']:.1f}) on {m['cores']} cores; {g['rounds']} rounds of prefill {g['prompt']} + "
-            f"decode {g['new']}" + (f", each after a {g['quiet_s']} s quiet pause." if "quiet_s" in g else "."),
+            f"decode {g['new']}.",
             "",
             "| backend | prefill ms | decode tok/s (min–max) | roofline tok/s | share of roofline | peak / steady RSS MB "
             "| greedy = torch |",
