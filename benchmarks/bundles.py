@@ -73,14 +73,13 @@ def _run(cmd: list[str], log: Callable[[str], None]) -> None:
 def _reusable(bundle: Path, quantize: str | None, parity: bool) -> bool:
     """True when ``bundle`` holds a finished export (its manifest, written last) with the ``quantize`` graph when
     asked for and a passed parity gate when asked for."""
-    from serve.backends.onnx import MODEL_FILES
-    from serve.bundle import BundleError, read_manifest
+    from serve.bundle import ONNX_GRAPHS, BundleError, read_manifest
 
     try:
         m = read_manifest(bundle)
     except BundleError:
         return False
-    return ((quantize is None or (bundle / MODEL_FILES[quantize]).is_file())
+    return ((quantize is None or (bundle / ONNX_GRAPHS[quantize]).is_file())
             and (not parity or bool(m.get("parity", {}).get("ok"))))
 
 
@@ -108,9 +107,9 @@ def init_bundle(preset: str, *, quantize: str | None = None, parity: bool = Fals
 
 def given_or_newest(path: str | Path | None, required: bool = True) -> Path | None:
     """The bundle a script measures: ``path`` when given, else the newest ``runs/*/bundle`` (the server's default
-    model, serve.settings.newest_bundle), else None when not ``required``. Raises SystemExit naming the command
+    model, serve.http.settings.newest_bundle), else None when not ``required``. Raises SystemExit naming the command
     that makes one when a required bundle is missing or ``path`` is not a folder."""
-    from serve.settings import newest_bundle
+    from serve.http.settings import newest_bundle
 
     bundle = Path(path) if path else newest_bundle(RUNS)
     if (bundle is None and required) or (bundle is not None and not bundle.is_dir()):
@@ -124,14 +123,18 @@ def eot_id(bundle: Path) -> int:
     it). Raises serve.bundle.BundleError when the tokenizer has none."""
     from tokenizers import Tokenizer
 
+    from serve.bundle import TOKENIZER
     from serve.bundle import eot_id as eot_of
 
-    return eot_of(Tokenizer.from_file(str(Path(bundle) / "tokenizer.json")))
+    return eot_of(Tokenizer.from_file(str(Path(bundle) / TOKENIZER)))
 
 
 def gguf_path(bundle: Path, kind: str) -> Path:
-    """Where the bundle's GGUF of type ``kind`` (f32, f16, q8_0) lies: ``bundle/model-<kind>.gguf``."""
-    return Path(bundle) / f"model-{kind}.gguf"
+    """Where the bundle's GGUF of type ``kind`` (f32, f16, q8_0) lies: ``bundle/model-<kind>.gguf``
+    (serve.bundle.gguf_file)."""
+    from serve.bundle import gguf_file
+
+    return Path(bundle) / gguf_file(kind)
 
 
 def gguf(bundle: Path, kind: str, log: Callable[[str], None] = print) -> Path:

@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from benchmarks import bundles, lanes, roofline, timing  # noqa: E402
+from serve.bundle import CONFIG, TOKENIZER  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -110,7 +111,7 @@ def prompt_ids(bundle: Path, n: int) -> list[int]:
     """``<|endoftext|>`` + PROMPT_TEXT's ids from the bundle's tokenizer, repeated to exactly ``n`` ids."""
     from tokenizers import Tokenizer
 
-    text = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(PROMPT_TEXT).ids
+    text = Tokenizer.from_file(str(bundle / TOKENIZER)).encode(PROMPT_TEXT).ids
     ids = [bundles.eot_id(bundle)] + (text * (n // max(1, len(text)) + 1))
     return ids[:n]
 
@@ -198,7 +199,7 @@ def target_ratios(per: dict[str, list[dict]]) -> list[dict]:
 def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespace, skipped: dict[str, str],
               logdir: Path, log: Callable[[str], None]) -> dict:
     """All rounds for one bundle at one thread count; ``skipped`` ({backend: why}) goes into the result."""
-    cfg = json.loads((bundle / "config.json").read_text())
+    cfg = json.loads((bundle / CONFIG).read_text())
     ids = prompt_ids(bundle, a.prompt)
     load0 = timing.loadavg()[0]
     bw0 = roofline.bandwidth_gbs(threads)
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"worker logs: {logdir}")
     groups = []
     for bundle in folders:
-        if not (bundle / "config.json").is_file():
+        if not (bundle / CONFIG).is_file():
             sys.exit(f"{bundle}: not a bundle (export one with python -m export.onnx RUN --quantize int8)")
         skipped = prepare(bundle, a.backends, log)
         names = [n for n in a.backends if n not in skipped]

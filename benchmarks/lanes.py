@@ -83,11 +83,11 @@ def unavailable(lane: Lane, bundle: Path) -> str | None:
     except ImportError as e:
         return f"{module} not importable ({e})"
     if lane.runtime == "onnx":
-        from serve.backends.onnx import MODEL_FILES
+        from serve.bundle import ONNX_GRAPHS
 
-        if lane.kind not in MODEL_FILES:
+        if lane.kind not in ONNX_GRAPHS:
             return f"serve's OnnxBackend has no graph for quantize={lane.kind!r}"
-        graph = Path(bundle) / MODEL_FILES[lane.kind]
+        graph = Path(bundle) / ONNX_GRAPHS[lane.kind]
         if not graph.is_file():
             return f"no {graph.name} in {bundle} (python -m export.onnx RUN --quantize {lane.kind} --out {bundle} --force)"
     return None
@@ -116,7 +116,7 @@ def load(lane: Lane, bundle: Path, threads: int, n_ctx: int | None = None, extra
         return OnnxBackend(bundle, quantize=lane.kind, threads=threads)
     if lane.runtime == "torch":
         return TorchBackend(bundle, threads)
-    from export.gguf import LlamaCppBackend
+    from serve.backends.llamacpp import LlamaCppBackend
 
     # llama.cpp's default f16 KV cache, as users run it; a context just large enough (it is allocated up front)
     return LlamaCppBackend(gguf_path(bundle, lane.kind), threads=threads, n_ctx=n_ctx, f32_cache=False,

@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import bundles, lanes, roofline, timing  # noqa: E402
+from serve.bundle import CONFIG  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 # kind → (Rust lane, onnxruntime lane): the lanes compared at that quantization kind
@@ -147,7 +148,7 @@ def main() -> None:
     command = "python benchmarks/prefill.py " + " ".join(sys.argv[1:])
     load_before = timing.loadavg()
     bundle = bundles.init_bundle(a.preset, quantize=lanes.export_quantize(PAIRS[a.kind]))
-    shape = json.loads((bundle / "config.json").read_text())
+    shape = json.loads((bundle / CONFIG).read_text())
     with tempfile.TemporaryDirectory() as tmp:
         peak0 = roofline.matmul_peak_gflops(a.threads)
         workers = {role: timing.Worker(lane, "benchmarks.prefill",

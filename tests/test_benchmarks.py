@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bundles, lanes, roofline, timing
+from serve.bundle import write_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 # the scripts that time lanes against each other (each uses benchmarks/timing.py)
@@ -101,7 +102,7 @@ def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_p
     ran.clear()
     bundle = other / "tiny-init" / "bundle"
     bundle.mkdir(parents=True)
-    (bundle / "manifest.json").write_text('{"format": "shalik-bundle", "files": {}, "parity": {"ok": null}}')
+    write_manifest(bundle, complete=False, parity={"ok": None})  # a finished export that never ran the gate
     assert bundles.init_bundle("tiny", runs=other, log=print) == bundle and ran == []
     (other / "tiny-init" / "checkpoints").mkdir()
     (other / "tiny-init" / "checkpoints" / "latest").write_text("step-000000\n")  # train.run's checkpoint is there
