@@ -430,7 +430,7 @@ def main() -> None:
     rows = []
     chunk = None
     per_slot = -(-(1 + args.prompt + args.new) // 64) * 64  # the context one stream needs, rounded up to 64
-    bundle = bundles.init_bundle(args.preset)
+    bundle = bundles.init_bundle(args.preset, quantize=lanes.export_quantize(ENGINES[e] for e in engines))
     eot = bundles.eot_id(bundle)
     # rust and onnx: the lane's backend, loaded once; llama: the lane's GGUF, served by a llama-server per cell
     models = {name: bundles.gguf(bundle, lane(name).kind) if lane(name).runtime == "llama"
