@@ -238,14 +238,16 @@ def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespac
 
 def markdown(res: dict) -> str:
     m = res["machine"]
+    shown = [lanes.LANES[n] for n in lanes.LANES if any(n in g["backends"] for g in res["groups"])]
+    per_weight = ", ".join(f"{lane.label} {lane.bytes_per_weight:.4g} B" for lane in shown)
     lines = [
         "# Decode speed at batch 1: Rust, onnxruntime, PyTorch, llama.cpp",
         "",
         f"Written by `python benchmarks/decode.py` on {m['cpu']} ({m['cores']} cores, shared with other jobs), "
         f"Python {m['python']}. Prompt of {res['groups'][0]['prompt'] if res['groups'] else '?'} token ids, then "
         "greedy decode; each backend in its own worker process, interleaved round by round; medians over rounds. "
-        "Roofline = measured read bandwidth ÷ matmul weight bytes per token (f32 4 B, q8_0 34/32 B, ORT int8 1 B "
-        "per weight, lm_head included). Peak RSS = VmHWM of the backend's fresh worker after load + prefill + "
+        f"Roofline = measured read bandwidth ÷ matmul weight bytes per token (per weight: {per_weight}; "
+        "lm_head included). Peak RSS = VmHWM of the backend's fresh worker after load + prefill + "
         "decode, steady = its VmRSS then (both count memory-mapped weight pages; a bare `python -c 'import numpy'` "
         f"peaks at {m['python_baseline_mb']:.0f} MB). \"greedy = torch\": leading greedy tokens equal to PyTorch's.",
         "",
