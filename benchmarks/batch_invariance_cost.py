@@ -3,7 +3,8 @@
     python benchmarks/batch_invariance_cost.py [--threads 2] [--rounds 5] [--ms 1 16 64 512]
                                                [--shapes small base-400m] [--out benchmarks/results]
 
-Shapes: the linears of benchmarks/rust_decode.py's presets as the Rust model runs them (y = x · Wᵀ, W out × in):
+Shapes: the linears of the presets of configs/ as the Rust model runs them (y = x · Wᵀ, W out × in;
+benchmarks/roofline.py's ``linears``):
 hidden → qkv (q, k, v fused), hidden → 2·intermediate (gate and up fused), intermediate → hidden (down) and
 hidden → vocab (lm_head), at m = 1 and 16 rows (a decode step of 1 and 16 sequences) and 64, 512 (prefill).
 
@@ -24,7 +25,7 @@ would take a core from the next kernel); reported are medians over rounds of the
 time a call, medians over rounds of the ratios packed / peer and packed / the faster peer of that round (> 1: the
 invariant kernel is slower, the cost of invariance) and GFLOP/s
 beside the physical limit: cores × 64 FLOP/cycle (two 512-bit FMA pipes) × the clock /proc/cpuinfo states, and
-numpy's measured 2048³ float32 GEMM (benchmarks/prefill.py's helpers). Times are wall-clock on a shared machine:
+numpy's measured 2048³ float32 GEMM (benchmarks/roofline.py). Times are wall-clock on a shared machine:
 the load average before and after is recorded. Writes ``--out``/batch_invariance_cost.json and .md.
 """
 
@@ -33,29 +34,27 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import QUIET_S, load_by_path  # noqa: E402
+from benchmarks import bundles, roofline, timing  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 KERNELS = ("packed", "gemm", "numpy")
 PEERS = ("gemm", "numpy")
+TIMED = ("hidden→qkv", "hidden→2·intermediate", "intermediate→hidden", "hidden→vocab")  # of roofline.linears
 
 
 def linears(shape: dict) -> list[tuple[str, int, int]]:
-    """(name, out, in) of the matmuls of one preset, fused as rust_runtime's model fuses them."""
-    h, nh, nkv, inter, vocab = (shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                                   "intermediate_size", "vocab_size"))
-    hd = h // nh
-    return [("hidden→qkv", (nh + 2 * nkv) * hd, h), ("hidden→2·intermediate", 2 * inter, h),
-            ("intermediate→hidden", h, inter), ("hidden→vocab", vocab, h)]
+    """(name, out, in) of the matmuls of one preset that are timed (:data:`TIMED`), fused as rust_runtime's model
+    fuses them."""
+    return [lin for lin in roofline.linears(shape) if lin[0] in TIMED]
 
 
 WARMUP = 2  # untimed calls before a Rust kernel's timed ones (see time_kernel)
@@ -111,13 +110,12 @@ def measure(a: argparse.Namespace) -> dict:
 
     import rust_runtime
 
-    rd, pf = load_by_path("rust_decode"), load_by_path("prefill")
-    load_before = pf.load_avg()
-    peak0 = pf.matmul_peak_gflops(a.threads)
+    load_before = timing.loadavg()
+    peak0 = roofline.matmul_peak_gflops(a.threads)
     rng = np.random.default_rng(0)
     rows = []
     for shape_name in a.shapes:
-        for name, out, inp in linears(rd.SHAPES[shape_name]):
+        for name, out, inp in linears(bundles.shape(shape_name)):
             w = (rng.standard_normal((out, inp), np.float32) / math.sqrt(inp)).astype(np.float32)
             xall = rng.standard_normal((max(a.ms), inp), np.float32)
             alone = {k: time_kernel(k, w, xall[:1], a.threads, 1)[0][0] for k in KERNELS}
@@ -129,31 +127,29 @@ def measure(a: argparse.Namespace) -> dict:
                 secs: dict[str, list[float]] = {k: [] for k in KERNELS}
                 delta: dict[str, float] = {}
                 for r in range(a.rounds):
-                    order = KERNELS[r % 3:] + KERNELS[:r % 3]
-                    for k in order:
-                        time.sleep(QUIET_S)  # let the previous kernel's threads go idle (benchmarks.common)
+                    for k in timing.rotated(KERNELS, r):
+                        timing.quiet()  # let the previous kernel's threads go idle
                         y, s = time_kernel(k, w, x, a.threads, repeats)
                         secs[k].append(s)
                         delta[k] = float(np.max(np.abs(y[0] - alone[k])))
-                med = {k: statistics.median(v) for k, v in secs.items()}
+                med = {k: timing.median(v) for k, v in secs.items()}
                 row = dict(shape=shape_name, linear=name, out=out, inp=inp, m=m, repeats=repeats,
                            us={k: med[k] * 1e6 for k in KERNELS},
                            gflops={k: flop / med[k] / 1e9 for k in KERNELS},
-                           ratio={p: statistics.median(a_ / b for a_, b in zip(secs["packed"], secs[p], strict=True))
-                                  for p in PEERS},
+                           ratio={p: timing.median_ratio(secs["packed"], secs[p]) for p in PEERS},
                            max_abs_delta_row0=delta, us_rounds={k: [round(s * 1e6, 1) for s in v]
                                                                  for k, v in secs.items()})
-                row["ratio_best_peer"] = statistics.median(
-                    secs["packed"][i] / min(secs[p][i] for p in PEERS) for i in range(a.rounds))
+                row["ratio_best_peer"] = timing.median_ratio(
+                    secs["packed"], [min(secs[p][i] for p in PEERS) for i in range(a.rounds)])
                 rows.append(row)
                 print(f"{shape_name} {name} {out}x{inp} m={m}: "
                       + ", ".join(f"{k} {row['us'][k]:.0f} us ({row['gflops'][k]:.0f} GFLOP/s)" for k in KERNELS)
                       + f"; packed/best peer {row['ratio_best_peer']:.2f}; row-0 |Δ| {delta}", flush=True)
-    peak1 = pf.matmul_peak_gflops(a.threads)
-    ghz, stated = pf.stated_peak_gflops(a.threads, "512" in str(rust_runtime.simd_level))
+    peak1 = roofline.matmul_peak_gflops(a.threads)
+    ghz, stated = roofline.stated_peak_gflops(a.threads, "512" in str(rust_runtime.simd_level))
     return dict(command="python benchmarks/batch_invariance_cost.py " + " ".join(sys.argv[1:]),
                 threads=a.threads, rounds=a.rounds, simd=str(rust_runtime.simd_level),
-                loadavg_before=load_before, loadavg_after=pf.load_avg(), peak_gflops_before=peak0,
+                loadavg_before=load_before, loadavg_after=timing.loadavg(), peak_gflops_before=peak0,
                 peak_gflops_after=peak1, clock_ghz=ghz, stated_peak_gflops=stated, results=rows,
                 summary=summary(rows))
 
@@ -214,7 +210,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["small", "base-400m"])
     ap.add_argument("--out", type=Path, default=HERE / "results")
     a = ap.parse_args()
-    shapes = load_by_path("rust_decode").SHAPES
+    shapes = bundles.preset_names()
     bad = [s for s in a.shapes if s not in shapes]
     if bad or a.threads < 1 or a.rounds < 1 or min(a.ms) < 1:
         sys.exit(f"--shapes must be among {sorted(shapes)} (got {a.shapes}); --threads, --rounds and --ms >= 1")

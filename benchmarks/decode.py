@@ -1,30 +1,35 @@
 """Batch-1 prefill time and decode speed of every CPU runtime on the same bundle, against the memory roofline.
 
-    python benchmarks/decode.py [--bundle DIR ...] [--threads N ...] [--rounds 5] [--prompt 64] [--new 64]
-                                [--backends NAME ...] [--out benchmarks/results] [--fresh]
+    python benchmarks/decode.py [--bundle DIR ...] [--preset NAME ...] [--threads N ...] [--rounds 5]
+                                [--prompt 64] [--new 64] [--backends NAME ...] [--out benchmarks/results] [--fresh]
 
-Backends (names for ``--backends``): ``rust-f32``, ``rust-int8`` (rust_runtime, quantize="int8" = candle q8_0),
-``ort-fp32``, ``ort-int8`` (serve's OnnxBackend on model.onnx / model.int8.onnx), ``torch`` (PyTorch eager: the
-bundle's model.safetensors through train.model, with its KV cache), ``llama-f32``, ``llama-q8_0`` (llama.cpp via
-llama-cpp-python on ``export.gguf``'s GGUF, fed our token ids). A backend whose library is absent is skipped and
-the table says why; a missing model.int8.onnx or GGUF is made first (``export.onnx --quantize int8`` has to be run
-by hand; the GGUF is written to ``BUNDLE/model-<type>.gguf``).
+Bundles: ``--bundle`` folders, and for each ``--preset`` (a config of ``configs/``) its untrained twin
+``runs/NAME-init/bundle``, made by ``train.run`` and ``export.onnx`` (with the int8 graph when an int8 ONNX lane is
+timed) when absent (benchmarks/bundles.py). Default: ``runs/small/bundle`` when it exists, else ``--preset small``.
 
-Method. Every backend runs in its own worker process (its own thread pools and OpenMP runtime; workers sleep on
-a pipe while another measures), loaded once, warmed by one measurement — whose peak RSS (``VmHWM``: load +
-prefill ``--prompt`` + decode ``--new``, in a fresh process) is the memory figure — then driven round-robin:
-each round runs every backend once, in a rotated order, so load from other jobs hits all alike. One measurement =
-prefill of the prompt (``<|endoftext|>`` + Bangla/English text, our token ids), then ``--new`` greedy steps through
-the backend's Sequence (``prefill``/``decode`` → logits → numpy argmax → next id: the same Python loop for all).
-Reported: medians over rounds, and the median of per-round ratios for the two targets (rust f32 ≥ 1.5× ort
-fp32; rust int8 ≥ 1.0× llama.cpp q8_0). Every backend gets the same thread count; the default runs all cores and
-then 1 thread.
+Backends (``--backends``; the lanes of benchmarks/lanes.py): ``rust-f32``, ``rust-int8`` (rust_runtime,
+quantize="int8" = candle q8_0), ``ort-fp32``, ``ort-int8`` (serve's OnnxBackend on model.onnx / model.int8.onnx),
+``torch`` (PyTorch eager: the bundle's model.safetensors through train.model, with its KV cache), ``llama-f32``,
+``llama-q8_0`` (llama.cpp via llama-cpp-python on ``export.gguf``'s GGUF, fed our token ids). A backend whose
+library is absent is skipped and the table says why; a missing GGUF is written first (``BUNDLE/model-<type>.gguf``).
 
-Roofline. Memory bandwidth is measured here (numpy: threads each ``dot`` two float32 arrays of 256 MiB total per
-pass; bytes read / time, best of several passes, before and after each group). Decode must read every matmul
-weight once per token (the lm_head included, the embedding lookup not): roofline tok/s = bandwidth ÷ weight
-bytes, at 4 bytes/weight for f32, 34/32 for q8_0 (a float16 scale per 32 int8s) and 1 for ORT's per-channel int8.
-A share above 100 % means the weights were (partly) served from cache (the 300 MiB L3 is shared with the host).
+Method (benchmarks/timing.py). Every backend runs in its own worker process (its own thread pools and OpenMP
+runtime; workers sleep on a pipe while another measures), loaded once, warmed by one measurement — whose peak RSS
+(``VmHWM``: load + prefill ``--prompt`` + decode ``--new``, in a fresh process) is the memory figure — then driven
+round-robin: each round runs every backend once, in a rotated order, so load from other jobs hits all alike. (No
+quiet pause before a measurement, as before the timing module: in an A/B at load ~1.5 the prefill that starts it
+ran slower after one, 35-48 ms against 27-34 ms for rust f32.) One measurement = prefill of the prompt
+(``<|endoftext|>`` + Bangla/English text, our token ids), then ``--new`` greedy steps through the backend's Sequence (``prefill``/``decode`` → logits → numpy
+argmax → next id: the same Python loop for all). Reported: medians over rounds, and the median of per-round ratios
+for the two targets (rust f32 ≥ 1.5× ort fp32; rust int8 ≥ 1.0× llama.cpp q8_0). Every backend gets the same
+thread count; the default runs all cores and then 1 thread.
+
+Roofline (benchmarks/roofline.py). Memory bandwidth is measured here (numpy: threads each ``dot`` two float32
+arrays of 256 MiB total per pass; bytes read / time, best of several passes, before and after each group). Decode
+must read every matmul weight once per token (the lm_head included, the embedding lookup not): roofline tok/s =
+bandwidth ÷ weight bytes, at 4 bytes/weight for f32, 34/32 for q8_0 (a float16 scale per 32 int8s) and 1 for
+ORT's per-channel int8. A share above 100 % means the weights were (partly) served from cache (the 300 MiB L3 is
+shared with the host).
 
 Output: ``--out``/decode.json (results keyed by bundle and thread count; a new run replaces only its own keys
 unless ``--fresh``), decode.md (tables) and decode.png (bar chart). Times are wall-clock on a machine shared with
@@ -35,87 +40,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import select
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
 
-from serve.bundle import CONFIG, ONNX_INT8, gguf_file  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import bundles, lanes, roofline, timing  # noqa: E402
+from serve.bundle import CONFIG, TOKENIZER  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
-# name → (label, bytes read per matmul weight per token, GGUF type for llama.cpp or None)
-BACKENDS: dict[str, tuple[str, float, str | None]] = {
-    "rust-f32": ("rust f32", 4.0, None),
-    "rust-int8": ("rust int8 (q8_0)", 34 / 32, None),
-    "ort-fp32": ("onnxruntime fp32", 4.0, None),
-    "ort-int8": ("onnxruntime int8", 1.0, None),
-    "torch": ("PyTorch eager fp32", 4.0, None),
-    "llama-f32": ("llama.cpp f32", 4.0, "f32"),
-    "llama-q8_0": ("llama.cpp q8_0", 34 / 32, "q8_0"),
-}
-TARGETS = (("rust-f32", "ort-fp32", 1.5), ("rust-int8", "llama-q8_0", 1.0))
+RESULTS = ROOT / "benchmarks" / "results"
+TARGETS = (("rust-f32", "ort-fp32", 1.5), ("rust-int8", "llama-q8_0", 1.0))  # (lane, peer lane, target ratio)
 PROMPT_TEXT = ("বাংলা ভাষা দক্ষিণ এশিয়ার একটি ইন্দো-আর্য ভাষা। আমি বাংলায় গান গাই, আমি বাংলার গান গাই। "
                "The history of the river is the history of the people who live beside it. ")
-WORKER_TIMEOUT_S = 1800
 
 
 # ---------------------------------------------------------------- worker side (one backend per process)
-
-def rss_mb(field: str = "VmHWM") -> float:
-    """This process's peak (``VmHWM``) or current (``VmRSS``) resident set in MB (1e6 bytes); file-backed mapped
-    pages (memory-mapped weights) included."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024 / 1e6
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
-
-
-def load_backend(name: str, bundle: Path, threads: int, n_ctx: int, extra_bufts: bool):
-    """An object with ``new_sequence()`` whose sequences have ``prefill(ids)`` / ``decode(id)`` → float32 [V].
-    Raises ImportError when the backend's library is absent."""
-    if name.startswith("rust"):
-        from serve.backends.rust import RustBackend
-
-        return RustBackend(bundle, quantize="int8" if name == "rust-int8" else None, threads=threads)
-    if name.startswith("ort"):
-        from serve.backends.onnx import OnnxBackend
-
-        return OnnxBackend(bundle, quantize="int8" if name == "ort-int8" else None, threads=threads)
-    if name == "torch":
-        import torch
-
-        from export.parity import TorchSequence
-        from train.checkpoint import load_model
-
-        torch.set_num_threads(threads)
-        model = load_model(bundle)[0].eval()
-
-        class TorchBackend:
-            def new_sequence(self):
-                return TorchSequence(model)
-
-        return TorchBackend()
-    from serve.backends.llamacpp import LlamaCppBackend
-
-    # llama.cpp's default f16 KV cache, as users run it; a context just large enough (it is allocated up front)
-    return LlamaCppBackend(bundle / gguf_file(BACKENDS[name][2]), threads=threads, n_ctx=n_ctx,
-                           f32_cache=False, extra_bufts=extra_bufts)
-
 
 def measure(backend, prompt: list[int], new: int) -> dict:
     """One prefill of ``prompt`` and ``new`` greedy decode steps: {prefill_ms, decode_tok_s, tokens}."""
@@ -132,154 +80,50 @@ def measure(backend, prompt: list[int], new: int) -> dict:
 
 
 def worker(a: argparse.Namespace) -> int:
-    """``--worker NAME``: load, warm up (report peak RSS), then answer "run" lines with one JSON line each."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # anything a native library prints goes to stderr, never into the protocol
-
-    def send(obj: dict) -> None:
-        proto.write(json.dumps(obj) + "\n")
-
+    """``--worker NAME``: load, warm up (report peak RSS), then answer each "run" with one measurement."""
+    channel = timing.Channel()
     prompt = [int(x) for x in a.ids.split(",")]
     t = time.perf_counter()
-    backend = load_backend(a.worker, Path(a.bundle[0]), a.threads[0], len(prompt) + a.new + 1, a.extra_bufts)
+    backend = lanes.load(lanes.LANES[a.worker], Path(a.bundle[0]), a.threads[0], len(prompt) + a.new + 1,
+                         a.extra_bufts)
     load_s = time.perf_counter() - t
     warm = measure(backend, prompt, a.new)
-    send({"ready": True, "load_s": load_s, "peak_rss_mb": rss_mb(), "rss_mb": rss_mb("VmRSS"), "warmup": warm})
-    for line in sys.stdin:
-        if line.strip() == "run":
-            send(measure(backend, prompt, a.new))
-        elif line.strip() == "quit":
-            break
+    channel.send({"ready": True, "load_s": load_s, "peak_rss_mb": timing.rss_mb(), "rss_mb": timing.rss_mb("VmRSS"),
+                  "warmup": warm})
+    for _ in channel.requests():
+        channel.send(measure(backend, prompt, a.new))
     if hasattr(backend, "close"):
         backend.close()  # llama-cpp-python frees its model here, not in a finalizer at interpreter exit
-    send({"bye": True, "peak_rss_mb_end": rss_mb()})
     return 0
 
 
-class WorkerDied(RuntimeError):
-    """A worker exited (or timed out) instead of answering; ``returncode`` < 0 is the signal that killed it."""
-
-    def __init__(self, msg: str, returncode: int | None):
-        super().__init__(msg)
-        self.returncode = returncode
-
-
-class Worker:
-    """The orchestrator's handle on one worker process (stdin/stdout JSON lines, stderr to a log file)."""
-
-    def __init__(self, name: str, bundle: Path, threads: int, ids: list[int], new: int, log: Path,
-                 extra_bufts: bool = False):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), RAYON_NUM_THREADS=str(threads),
-                   MKL_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--bundle", str(bundle),
-               "--threads", str(threads), "--new", str(new), "--ids", ",".join(map(str, ids))]
-        if extra_bufts:
-            cmd.append("--extra-bufts")
-        self.name, self.log = name, log
-        self._err = open(log, "w")
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                  env=env, cwd=ROOT)
-        self.ready = self._read()
-
-    def _read(self) -> dict:
-        r, _, _ = select.select([self.p.stdout], [], [], WORKER_TIMEOUT_S)
-        line = self.p.stdout.readline() if r else ""
-        if not line:
-            self.close(kill=True)
-            tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
-            raise WorkerDied(f"{self.name} worker exited with {self.p.returncode}: {' | '.join(tail)}",
-                             self.p.returncode)
-        return json.loads(line)
-
-    def run(self) -> dict:
-        """One measurement (see :func:`measure`)."""
-        self.p.stdin.write("run\n")
-        self.p.stdin.flush()
-        return self._read()
-
-    def close(self, kill: bool = False) -> dict:
-        """Stop the worker; returns its last message (peak RSS at the end) when it exits cleanly."""
-        last: dict = {}
-        if not kill and self.p.poll() is None:
-            try:
-                self.p.stdin.write("quit\n")
-                self.p.stdin.flush()
-                last = self._read()
-            except (OSError, WorkerDied):
-                pass
-        if self.p.poll() is None:
-            try:
-                self.p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self._err.close()
-        return last
+def start_worker(name: str, bundle: Path, threads: int, ids: list[int], new: int, log: Path,
+                 extra_bufts: bool) -> timing.Worker:
+    """One backend's worker process, loaded and warmed (its ``ready`` message holds the warm-up)."""
+    args = ["--worker", name, "--bundle", str(bundle), "--threads", str(threads), "--new", str(new),
+            "--ids", ",".join(map(str, ids))] + (["--extra-bufts"] if extra_bufts else [])
+    return timing.Worker(name, "benchmarks.decode", args, log, threads)
 
 
 # ---------------------------------------------------------------- orchestrator
-
-def bandwidth_gbs(threads: int, mib: int = 256, passes: int = 5) -> float:
-    """Read bandwidth in GB/s: ``threads`` Python threads each ``np.dot`` their share of two float32 arrays
-    (``mib`` MiB in all, far beyond the per-core L2); bytes read / wall time, best of ``passes``."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    n = mib * 2**20 // 8
-    a, b = np.ones(n, np.float32), np.full(n, 0.5, np.float32)
-    parts = list(zip(np.array_split(a, threads), np.array_split(b, threads)))
-    best = 0.0
-    with ThreadPoolExecutor(threads) as ex:
-        for _ in range(passes):
-            t = time.perf_counter()
-            list(ex.map(lambda p: float(np.dot(p[0], p[1])), parts))
-            best = max(best, (a.nbytes + b.nbytes) / (time.perf_counter() - t) / 1e9)
-    return best
-
-
-def matmul_weights(cfg: dict) -> int:
-    """Matmul weights read per decoded token: q, k, v, o, gate, up, down in every layer, plus the lm_head."""
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    kvd = kv * h // cfg["num_attention_heads"]
-    return layers * (2 * h * h + 2 * h * kvd + 3 * h * inter) + cfg["vocab_size"] * h
-
 
 def prompt_ids(bundle: Path, n: int) -> list[int]:
     """``<|endoftext|>`` + PROMPT_TEXT's ids from the bundle's tokenizer, repeated to exactly ``n`` ids."""
     from tokenizers import Tokenizer
 
-    from serve.bundle import TOKENIZER, eot_id
-
-    tok = Tokenizer.from_file(str(bundle / TOKENIZER))
-    eot = eot_id(tok)
-    text = tok.encode(PROMPT_TEXT).ids
-    ids = [eot] + (text * (n // max(1, len(text)) + 1))
+    text = Tokenizer.from_file(str(bundle / TOKENIZER)).encode(PROMPT_TEXT).ids
+    ids = [bundles.eot_id(bundle)] + (text * (n // max(1, len(text)) + 1))
     return ids[:n]
-
-
-def available(name: str) -> str | None:
-    """None when the backend's library imports here, else why not."""
-    mod = {"rust": "rust_runtime", "ort": "onnxruntime", "torch": "torch", "llama": "llama_cpp"}[name.split("-")[0]]
-    try:
-        __import__(mod)
-    except ImportError as e:
-        return f"{mod} not importable ({e})"
-    return None
 
 
 def prepare(bundle: Path, names: list[str], log: Callable[[str], None]) -> dict[str, str]:
     """Make the GGUF files the llama.cpp backends need; returns {backend: why it is skipped}."""
     skipped = {}
     for name in names:
-        why = available(name)
-        if why is None and name == "ort-int8" and not (bundle / ONNX_INT8).is_file():
-            why = f"no {ONNX_INT8} (python -m export.onnx RUN --quantize int8 --out {bundle} --force)"
-        if why is None and BACKENDS[name][2]:
-            path = bundle / gguf_file(BACKENDS[name][2])
-            if not path.is_file():
-                from export.gguf import export_gguf
-
-                export_gguf(bundle, path, BACKENDS[name][2], log=log, approximate_pretokenizer=True)
+        lane = lanes.LANES[name]
+        why = lanes.unavailable(lane, bundle)
+        if why is None and lane.runtime == "llama":
+            bundles.gguf(bundle, lane.kind, log=log)
         if why:
             skipped[name] = why
             log(f"skip {name}: {why}")
@@ -287,20 +131,21 @@ def prepare(bundle: Path, names: list[str], log: Callable[[str], None]) -> dict[
 
 
 def start_workers(bundle: Path, names: list[str], threads: int, ids: list[int], new: int, logdir: Path,
-                  log: Callable[[str], None]) -> tuple[dict[str, Worker], dict[str, str], dict[str, str]]:
+                  log: Callable[[str], None]) -> tuple[dict[str, timing.Worker], dict[str, str], dict[str, str]]:
     """Start (one after the other) and warm every worker. llama.cpp q8_0 first tries its extra buffer types (AMX,
     repacking) and falls back to ``use_extra_bufts=False`` if the worker dies (the AMX SIGILL of rust-facts §8).
     Returns (workers, {name: why it failed}, {name: note})."""
     workers, failed, notes = {}, {}, {}
     for name in names:
-        tries = [True, False] if name.startswith("llama") else [False]
-        for extra in tries:
+        llama = lanes.LANES[name].runtime == "llama"
+        for extra in [True, False] if llama else [False]:
             try:
-                workers[name] = Worker(name, bundle, threads, ids, new, logdir / f"{name}-{threads}t.log", extra)
-                if name.startswith("llama"):
+                workers[name] = start_worker(name, bundle, threads, ids, new, logdir / f"{name}-{threads}t.log",
+                                             extra)
+                if llama:
                     notes[name] = f"use_extra_bufts={extra}"
                 break
-            except WorkerDied as e:
+            except timing.WorkerDied as e:
                 if extra and e.returncode is not None and e.returncode < 0:
                     notes[name] = f"extra buffer types crashed (signal {-e.returncode}); use_extra_bufts=False"
                     log(f"{name}: {notes[name]}")
@@ -320,18 +165,18 @@ def summarize(per: dict[str, list[dict]], ready: dict[str, dict], weights: int, 
     ref = ready.get("torch", {}).get("warmup", {}).get("tokens")
     out = {}
     for name, runs in per.items():
-        label, bpw, _ = BACKENDS[name]
+        lane = lanes.LANES[name]
         dec = [r["decode_tok_s"] for r in runs]
-        roof = bw * 1e9 / (weights * bpw)
+        roof = bw * 1e9 / (weights * lane.bytes_per_weight)
         toks = ready[name]["warmup"]["tokens"]
         agree = None
         if ref is not None:
             agree = next((i for i, (x, y) in enumerate(zip(ref, toks)) if x != y), min(len(ref), len(toks)))
         out[name] = {
-            "label": label, "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
-            "decode_tok_s": statistics.median(dec), "decode_tok_s_min": min(dec), "decode_tok_s_max": max(dec),
-            "decode_tok_s_rounds": [round(x, 2) for x in dec], "weight_bytes_per_token": weights * bpw,
-            "roofline_tok_s": roof, "share_of_roofline": statistics.median(dec) / roof,
+            "label": lane.label, "prefill_ms": timing.median(r["prefill_ms"] for r in runs),
+            "decode_tok_s": timing.median(dec), "decode_tok_s_min": min(dec), "decode_tok_s_max": max(dec),
+            "decode_tok_s_rounds": [round(x, 2) for x in dec], "weight_bytes_per_token": weights * lane.bytes_per_weight,
+            "roofline_tok_s": roof, "share_of_roofline": timing.median(dec) / roof,
             "peak_rss_mb": ready[name]["peak_rss_mb"], "rss_mb": ready[name].get("rss_mb"),
             "load_s": ready[name]["load_s"],
             "greedy_agree_with_torch": agree, "tokens_first8": toks[:8],
@@ -339,13 +184,13 @@ def summarize(per: dict[str, list[dict]], ready: dict[str, dict], weights: int, 
     return out
 
 
-def ratios(per: dict[str, list[dict]]) -> list[dict]:
-    """The two targets as medians of per-round decode-speed ratios (same round = same machine load)."""
+def target_ratios(per: dict[str, list[dict]]) -> list[dict]:
+    """The targets as medians of per-round decode-speed ratios (same round = same machine load)."""
     rows = []
     for a, b, target in TARGETS:
         if a in per and b in per:
-            rs = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(per[a], per[b])]
-            med = statistics.median(rs)
+            rs = timing.ratios([x["decode_tok_s"] for x in per[a]], [y["decode_tok_s"] for y in per[b]])
+            med = timing.median(rs)
             rows.append({"what": f"{a} / {b}", "target": target, "median": med, "min": min(rs), "max": max(rs),
                          "met": med >= target})
     return rows
@@ -356,61 +201,53 @@ def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespac
     """All rounds for one bundle at one thread count; ``skipped`` ({backend: why}) goes into the result."""
     cfg = json.loads((bundle / CONFIG).read_text())
     ids = prompt_ids(bundle, a.prompt)
-    load0 = os.getloadavg()
-    bw0 = bandwidth_gbs(threads)
-    log(f"[{bundle}] {threads} thread(s): bandwidth {bw0:.1f} GB/s, load average {load0[0]:.1f}")
+    load0 = timing.loadavg()[0]
+    bw0 = roofline.bandwidth_gbs(threads)
+    log(f"[{timing.relative(bundle)}] {threads} thread(s): bandwidth {bw0:.1f} GB/s, load average {load0:.1f}")
     workers, failed, notes = start_workers(bundle, names, threads, ids, a.new, logdir, log)
     per: dict[str, list[dict]] = {n: [] for n in workers}
-    loads = [os.getloadavg()[0]]
+    loads = [timing.loadavg()[0]]
     try:
         order = list(workers)
         for r in range(a.rounds):
-            rot = order[r % len(order):] + order[:r % len(order)] if order else []
-            for name in rot:
-                res = workers[name].run()
-                per[name].append(res)
-            loads.append(os.getloadavg()[0])
+            for name in timing.rotated(order, r):
+                per[name].append(workers[name].ask("run"))
+            loads.append(timing.loadavg()[0])
             log(f"  round {r + 1}/{a.rounds}: " + ", ".join(
                 f"{n} {per[n][-1]['decode_tok_s']:.1f}" for n in order) + f" tok/s (load {loads[-1]:.1f})")
     finally:
         ends = {n: w.close() for n, w in workers.items()}
-    bw1 = bandwidth_gbs(threads)
-    bw = statistics.median([bw0, bw1])
+    bw1 = roofline.bandwidth_gbs(threads)
+    bw = timing.median([bw0, bw1])
     ready = {n: w.ready for n, w in workers.items()}
     for n, e in ends.items():
         ready[n]["peak_rss_mb_end"] = e.get("peak_rss_mb_end")
-    weights = matmul_weights(cfg)
+    weights = roofline.matmul_weights(cfg)
     return {
-        "bundle": str(bundle), "name": bundle.resolve().parent.name if bundle.name == "bundle" else bundle.name,
+        "bundle": timing.relative(bundle),
+        "name": bundle.resolve().parent.name if bundle.name == "bundle" else bundle.name,
         "threads": threads, "prompt": a.prompt, "new": a.new, "rounds": a.rounds,
         "matmul_weights": weights, "bandwidth_gbs": bw, "bandwidth_gbs_before_after": [bw0, bw1],
-        "load_avg": {"start": load0[0], "min": min(loads), "max": max(loads), "median": statistics.median(loads)},
-        "backends": summarize(per, ready, weights, bw), "ratios": ratios(per),
+        "load_avg": {"start": load0, "min": min(loads), "max": max(loads), "median": timing.median(loads)},
+        "backends": summarize(per, ready, weights, bw), "ratios": target_ratios(per),
         "skipped": {**skipped, **failed}, "notes": notes,
     }
-
-
-def python_baseline_mb() -> float:
-    """Peak RSS (VmHWM) of a fresh Python that imports numpy: what every worker pays before loading anything, MB.
-    (The child reports it itself: ``wait4``'s ru_maxrss would include the parent's memory copied at fork.)"""
-    code = ("import numpy, pathlib; print([l.split()[1] for l in pathlib.Path('/proc/self/status').read_text()"
-            ".splitlines() if l.startswith('VmHWM:')][0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return int(out.strip()) * 1024 / 1e6
 
 
 # ---------------------------------------------------------------- report
 
 def markdown(res: dict) -> str:
     m = res["machine"]
+    shown = [lanes.LANES[n] for n in lanes.LANES if any(n in g["backends"] for g in res["groups"])]
+    per_weight = ", ".join(f"{lane.label} {lane.bytes_per_weight:.4g} B" for lane in shown)
     lines = [
         "# Decode speed at batch 1: Rust, onnxruntime, PyTorch, llama.cpp",
         "",
         f"Written by `python benchmarks/decode.py` on {m['cpu']} ({m['cores']} cores, shared with other jobs), "
         f"Python {m['python']}. Prompt of {res['groups'][0]['prompt'] if res['groups'] else '?'} token ids, then "
         "greedy decode; each backend in its own worker process, interleaved round by round; medians over rounds. "
-        "Roofline = measured read bandwidth ÷ matmul weight bytes per token (f32 4 B, q8_0 34/32 B, ORT int8 1 B "
-        "per weight, lm_head included). Peak RSS = VmHWM of the backend's fresh worker after load + prefill + "
+        f"Roofline = measured read bandwidth ÷ matmul weight bytes per token (per weight: {per_weight}; "
+        "lm_head included). Peak RSS = VmHWM of the backend's fresh worker after load + prefill + "
         "decode, steady = its VmRSS then (both count memory-mapped weight pages; a bare `python -c 'import numpy'` "
         f"peaks at {m['python_baseline_mb']:.0f} MB). \"greedy = torch\": leading greedy tokens equal to PyTorch's.",
         "",
@@ -467,7 +304,7 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7.5), squeeze=False)
     for col, g in enumerate(groups):
         names = list(g["backends"])
-        colors = [f"C{list(BACKENDS).index(n)}" for n in names]
+        colors = [f"C{list(lanes.LANES).index(n)}" for n in names]
         top, bottom = axes[0][col], axes[1][col]
         bars = top.bar(range(len(names)), [g["backends"][n]["decode_tok_s"] for n in names], color=colors)
         for bar, n in zip(bars, names):
@@ -486,26 +323,19 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", action="append", default=None,
-                   help="bundle folder (repeatable; default runs/small/bundle, else runs/small-init/bundle)")
+                   help="bundle folder (repeatable; default runs/small/bundle, else --preset small)")
+    p.add_argument("--preset", action="append", default=None, choices=bundles.preset_names(),
+                   help="time runs/NAME-init/bundle, the untrained twin of configs/NAME.toml, built when absent "
+                        "(repeatable)")
     p.add_argument("--threads", type=int, action="append", default=None,
                    help="thread count for every backend (repeatable; default: all cores, then 1)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--prompt", type=int, default=64, help="prompt length in tokens (default 64)")
     p.add_argument("--new", type=int, default=64, help="greedy tokens decoded (default 64)")
-    p.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
+    p.add_argument("--backends", nargs="+", choices=list(lanes.LANES), default=list(lanes.LANES))
     p.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     p.add_argument("--fresh", action="store_true", help="drop earlier results in decode.json instead of merging")
     p.add_argument("--report", action="store_true", help="only re-render decode.md and decode.png from decode.json")
@@ -519,11 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    bundles = [Path(b) for b in a.bundle] if a.bundle else [
-        next((ROOT / "runs" / n / "bundle" for n in ("small", "small-init") if (ROOT / "runs" / n / "bundle").is_dir()),
-             ROOT / "runs" / "small" / "bundle")]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = a.threads or sorted({cores, 1}, reverse=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath = out / "decode.json"
@@ -532,11 +357,18 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(out / "decode.md", markdown(res))
         plot(res, out / "decode.png")
         return 0
+    trained = ROOT / "runs" / "small" / "bundle"
+    presets = a.preset or ([] if a.bundle or trained.is_dir() else ["small"])
+    folders = [Path(b) for b in a.bundle or ([] if presets else [trained])]
+    quantize = lanes.export_quantize(a.backends)
+    folders += [bundles.init_bundle(name, quantize=quantize, log=log) for name in presets]
+    cores = timing.cores()
+    threads = a.threads or sorted({cores, 1}, reverse=True)
     old = [] if a.fresh or not jpath.is_file() else json.loads(jpath.read_text()).get("groups", [])
     logdir = Path(tempfile.mkdtemp(prefix="decode-bench-"))
     log(f"worker logs: {logdir}")
     groups = []
-    for bundle in bundles:
+    for bundle in folders:
         if not (bundle / CONFIG).is_file():
             sys.exit(f"{bundle}: not a bundle (export one with python -m export.onnx RUN --quantize int8)")
         skipped = prepare(bundle, a.backends, log)
@@ -559,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         versions["rust_runtime"] = f"{rust_runtime.__version__} ({rust_runtime.simd_level})"
     except ImportError:
         versions["rust_runtime"] = None
-    res = {"machine": {"cpu": cpu_name(), "cores": cores, "python": platform.python_version(),
-                       "python_baseline_mb": python_baseline_mb()},
+    res = {"machine": {"cpu": timing.cpu_name(), "cores": cores, "python": platform.python_version(),
+                       "python_baseline_mb": timing.bare_python_rss_mb()},
            "versions": versions, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "groups": merged}
     atomic_write_json(jpath, res)
     atomic_write_text(out / "decode.md", markdown(res))

@@ -2,12 +2,10 @@
 left-padded) against B ``OnnxSequence.decode`` calls, over the same sequences, at B = 1, 2, 4, 8, 16, for the fp32
 graph and its int8 one.
 
-Builds a random-init model of the `small` shape (benchmarks/rust_decode.py's: hidden 512, 6 layers, 8 heads / 4 KV
-heads, intermediate 1280, vocab 32000, tied, context 512) with train.model, exports its graph with
-export.graph.export_graph (the exporter of ``python -m export.onnx``) into a temporary folder beside a config.json,
-quantizes it as ``--quantize int8`` does (export.quantize), and opens both with serve's OnnxBackend. For each B and
-graph, three sets of B sequences get the same prompts (lengths 8 to 32, all different, so the batch is padded) and
-then the same greedy tokens, round by round, interleaved:
+The model is ``runs/PRESET-init/bundle`` (default ``small``: configs/small.toml untrained, made by ``train.run``
+and ``export.onnx --quantize int8`` when absent; benchmarks/bundles.py); its model.onnx and model.int8.onnx are
+opened with serve's OnnxBackend. For each B and graph, three sets of B sequences get the same prompts (lengths 8 to
+32, all different, so the batch is padded) and then the same greedy tokens, round by round, interleaved:
 
 * ``batched``: ``decode_batch`` (the padded presents kept between steps);
 * ``single``: one ``decode`` per sequence per step;
@@ -18,19 +16,14 @@ Decode tokens/s = tokens appended / wall time of the steps; per B the median ove
 ratio batched / single, and max |logit| difference of batched and repadded against single (same tokens).
 Writes benchmarks/results/onnx_batching.{json,md}.
 
-    nice python benchmarks/onnx_batching.py [--threads 2] [--batch 1 2 4 8 16] [--rounds 5] [--steps 16]
-        [--graphs fp32 int8]
+    nice python benchmarks/onnx_batching.py [--preset small] [--threads 2] [--batch 1 2 4 8 16] [--rounds 5]
+        [--steps 16] [--graphs fp32 int8]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,33 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SMALL = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-             intermediate_size=1280, vocab_size=32000, max_position_embeddings=512)
+from benchmarks import bundles, timing  # noqa: E402
+
 MODES = ("batched", "single", "repadded")
 
 
-def build_bundle(out: Path, int8: bool) -> None:
-    """config.json + model.onnx (and model.int8.onnx when ``int8``) of a random-init (seed 0) `small` model."""
-    import torch
-
-    from export.graph import export_graph
-    from export.quantize import quantize_int8
-    from serve.bundle import CONFIG, ONNX, ONNX_INT8
-    from train.model import LlamaForCausalLM, ModelConfig
-
-    cfg = ModelConfig(**SMALL, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    out.mkdir(parents=True, exist_ok=True)
-    export_graph(model, out / ONNX)
-    (out / CONFIG).write_text(json.dumps(cfg.hf_config(), indent=2))
-    if int8:
-        quantize_int8(out / ONNX, out / ONNX_INT8)
-
-
-def prompts(b: int) -> list[list[int]]:
+def prompts(b: int, vocab_size: int) -> list[list[int]]:
     """B prompts of different lengths (8..32 tokens), ids spread over the vocabulary."""
-    return [[(17 + 131 * j + 7919 * i) % SMALL["vocab_size"] for i in range(8 + (j * 11) % 25)] for j in range(b)]
+    return [[(17 + 131 * j + 7919 * i) % vocab_size for i in range(8 + (j * 11) % 25)] for j in range(b)]
 
 
 def step(backend, mode: str, seqs, toks):
@@ -84,7 +58,7 @@ def run_batch(backend, b: int, rounds: int, steps: int) -> dict:
     sets = {m: [backend.new_sequence() for _ in range(b)] for m in MODES}
     toks = []
     for m in MODES:
-        toks = [int(s.prefill(p).argmax()) for s, p in zip(sets[m], prompts(b), strict=True)]
+        toks = [int(s.prefill(p).argmax()) for s, p in zip(sets[m], prompts(b, backend.vocab_size), strict=True)]
     times = {m: [] for m in MODES}
     diff = {m: 0.0 for m in MODES}
     agree, total = 0, 0
@@ -109,10 +83,10 @@ def run_batch(backend, b: int, rounds: int, steps: int) -> dict:
             agree += int((a.argmax(-1) == s.argmax(-1)).sum())
             total += a.shape[0]
     tps = {m: [b * steps / t for t in times[m]] for m in MODES}
-    med = {m: statistics.median(v) for m, v in tps.items()}
+    med = {m: timing.median(v) for m, v in tps.items()}
     return {
         "batch": b, "rounds": rounds, "steps": steps,
-        "prompt_lengths": [len(p) for p in prompts(b)],
+        "prompt_lengths": [len(p) for p in prompts(b, backend.vocab_size)],
         "tokens_per_s": med, "tokens_per_s_rounds": tps,
         "ratio_batched_vs_single": med["batched"] / med["single"],
         "ratio_repadded_vs_batched": med["repadded"] / med["batched"],
@@ -121,13 +95,9 @@ def run_batch(backend, b: int, rounds: int, steps: int) -> dict:
     }
 
 
-def loadavg() -> list[str]:
-    p = Path("/proc/loadavg")
-    return p.read_text().split()[:3] if p.exists() else []
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=bundles.preset_names())
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=5)
@@ -141,40 +111,34 @@ def main() -> None:
     from serve.backends.onnx import OnnxBackend
     from train.atomic import atomic_write_json, atomic_write_text
 
-    load_before = loadavg()
+    load_before = timing.loadavg()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="onnx-batching-") as tmp:
-        t0 = time.time()
-        build_bundle(Path(tmp), "int8" in args.graphs)
-        print(f"exported small in {time.time() - t0:.0f} s", flush=True)
-        backends = {g: OnnxBackend(tmp, quantize=None if g == "fp32" else g, threads=args.threads)
-                    for g in args.graphs}
-        for backend in backends.values():
-            run_batch(backend, 2, 1, 2)  # warm-up
-        for b in args.batch:
-            for graph, backend in backends.items():
-                r = {"graph": graph, **run_batch(backend, b, args.rounds, args.steps)}
-                rows.append(r)
-                t = r["tokens_per_s"]
-                print(f"{graph} B={b:2d}: batched {t['batched']:7.1f}  single {t['single']:7.1f}  repadded "
-                      f"{t['repadded']:7.1f} tok/s  batched/single {r['ratio_batched_vs_single']:.2f}  max|dlogit| "
-                      f"{r['max_abs_logit_diff_vs_single']['batched']:.1e}", flush=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    meta = {"shape": "small", "threads": args.threads, "rounds": args.rounds, "steps": args.steps,
-            "onnxruntime": ort.__version__, "cores": os.cpu_count(), "commit": commit,
-            "loadavg_before": load_before, "loadavg_after": loadavg()}
+    bundle = bundles.init_bundle(args.preset, quantize="int8" if "int8" in args.graphs else None)
+    backends = {g: OnnxBackend(bundle, quantize=None if g == "fp32" else g, threads=args.threads)
+                for g in args.graphs}
+    for backend in backends.values():
+        run_batch(backend, 2, 1, 2)  # warm-up
+    for b in args.batch:
+        for graph, backend in backends.items():
+            r = {"graph": graph, **run_batch(backend, b, args.rounds, args.steps)}
+            rows.append(r)
+            t = r["tokens_per_s"]
+            print(f"{graph} B={b:2d}: batched {t['batched']:7.1f}  single {t['single']:7.1f}  repadded "
+                  f"{t['repadded']:7.1f} tok/s  batched/single {r['ratio_batched_vs_single']:.2f}  max|dlogit| "
+                  f"{r['max_abs_logit_diff_vs_single']['batched']:.1e}", flush=True)
+    commit = timing.git_commit()
+    meta = {"shape": args.preset, "bundle": timing.relative(bundle), "threads": args.threads, "rounds": args.rounds,
+            "steps": args.steps, "onnxruntime": ort.__version__, "cores": timing.cores(), "commit": commit,
+            "loadavg_before": load_before, "loadavg_after": timing.loadavg()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out.with_suffix(".json"), {"meta": meta, "rows": rows})
     lines = [
         "# onnx_batching: OnnxBackend.decode_batch vs one decode per sequence",
         "",
-        f"`small` random-init, onnxruntime {meta['onnxruntime']}, {args.threads} threads, {args.rounds} "
+        f"`{args.preset}` random-init, onnxruntime {meta['onnxruntime']}, {args.threads} threads, {args.rounds} "
         f"interleaved rounds of {args.steps} steps per B (median), commit {commit}; load average "
-        f"{' '.join(load_before)} before, {' '.join(meta['loadavg_after'])} after, on {meta['cores']} cores.",
+        f"{' '.join(map(str, load_before))} before, {' '.join(map(str, meta['loadavg_after']))} after, on "
+        f"{meta['cores']} cores.",
         "",
         "| graph | B | batched tok/s | single tok/s | batched / single | repadded tok/s | repadded / batched "
         "| max abs logit diff batched vs single | same greedy token as single |",

@@ -35,20 +35,21 @@ import os
 import random
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import iter_documents, list_input_files  # noqa: E402
 from train.data import build_shards  # noqa: E402
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="prepare-scale-"))
-    load_before = os.getloadavg()
+    load_before = timing.loadavg()
     try:
         text_bytes = make_corpus(work / "corpus", args.mb)
         files = list_input_files([str(work / "corpus")])
@@ -177,9 +178,8 @@ def main(argv=None) -> int:
                         ("prepare", lambda n=n: prepare_run(cfg, files, inputs, tok_dir, n))]
                 if n == min(args.workers) and r == 0:  # a reference figure: once is enough
                     runs.append(("shipped", lambda n=n: limit_run(n, "shipped")))
-                shift = (r + k) % len(runs)
-                for name, fn in runs[shift:] + runs[:shift]:
-                    loads.append({"round": r, "run": name, "processes": n, "load": os.getloadavg()[0]})
+                for name, fn in timing.rotated(runs, r + k):
+                    loads.append({"round": r, "run": name, "processes": n, "load": timing.loadavg()[0]})
                     res = fn()
                     sec, cpu = res[0], res[1]
                     if name == "prepare":
@@ -190,18 +190,18 @@ def main(argv=None) -> int:
                           f"(CPU {cpu:.1f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    load_after = os.getloadavg()
-    mbs = {name: {n: nfc_bytes / 1e6 / statistics.median(v) for n, v in d.items()} for name, d in times.items()}
+    load_after = timing.loadavg()
+    mbs = {name: {n: nfc_bytes / 1e6 / timing.median(v) for n, v in d.items()} for name, d in times.items()}
     ns = args.workers
     n_max = max(ns)
-    ratios = {n: [a / b for a, b in zip(times["limit"][n], times["prepare"][n])] for n in ns}  # side by side
-    ratio = {n: statistics.median(v) for n, v in ratios.items()}
-    cpu_ratio = {n: statistics.median(a / b for a, b in zip(cpus["limit"][n], cpus["prepare"][n])) for n in ns}
+    ratios = {n: timing.ratios(times["limit"][n], times["prepare"][n]) for n in ns}  # side by side
+    ratio = {n: timing.median(v) for n, v in ratios.items()}
+    cpu_ratio = {n: timing.median_ratio(cpus["limit"][n], cpus["prepare"][n]) for n in ns}
     # speed-up paired by round (the runs of one round are minutes apart; this VM's speed drifts by up to ±15 %
     # over tens of minutes, which a ratio of medians over all rounds would mix in)
-    speedups = {name: [a / b for a, b in zip(times[name][min(ns)], times[name][n_max])] for name in ("limit", "prepare")}
-    speedup = statistics.median(speedups["prepare"])
-    limit_speedup = statistics.median(speedups["limit"])
+    speedups = {name: timing.ratios(times[name][min(ns)], times[name][n_max]) for name in ("limit", "prepare")}
+    speedup = timing.median(speedups["prepare"])
+    limit_speedup = timing.median(speedups["limit"])
     tokens_per_mb = tokens / (nfc_bytes / 1e6)
     per_proc = mbs["prepare"][n_max] / n_max
     hours_2b = 2e9 / tokens_per_mb / (per_proc * 16) / 3600

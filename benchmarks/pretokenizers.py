@@ -104,7 +104,7 @@ def split_throughput(splits: list, texts: list[str], rounds: int = 5) -> list[fl
     """MB/s of each split's pre-tokenizer (``pre_tokenize_str``: the regexes and the byte-level mapping, the part
     of encoding that differs between rows) on ``texts``, one thread, the median of ``rounds`` rounds that visit
     every split in turn (interleaved, so the load of a shared machine hits all alike)."""
-    import statistics
+    from benchmarks import timing
 
     pts = [s.pre_tokenizer() for s in splits]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
@@ -115,7 +115,7 @@ def split_throughput(splits: list, texts: list[str], rounds: int = 5) -> list[fl
             for x in texts:
                 pt.pre_tokenize_str(x)
             times[i].append(time.perf_counter() - t0)
-    return [mb / statistics.median(ts) for ts in times]
+    return [mb / timing.median(ts) for ts in times]
 
 
 def main(argv=None) -> int:

@@ -5,22 +5,24 @@ inter-token latency (ITL p50/p99), each as a ratio to one stream, and Shalik / l
 ITL is the gap between consecutive tokens of one stream, from its first token on (the wait for the first token
 is TTFT, not ITL), pooled over the streams of a run (and over --rounds runs).
 
-Builds the random-init `small` model of benchmarks/rust_decode.py in a temporary folder. For each engine and each
+The model is ``runs/PRESET-init/bundle`` (default ``small``: configs/small.toml untrained, made by ``train.run``
+and ``export.onnx`` when absent; benchmarks/bundles.py), the same bundle for every engine. For each engine and each
 concurrency C, C requests go in at once, each read by a Python thread of its own; every request is the same token
 id list on every engine (``<|endoftext|>`` + ``--prompt`` ids), ``--new`` greedy tokens with end-of-text ignored,
 so that every lane produces exactly C × --new tokens (the tokens actually produced are counted and checked). Runs
 are interleaved (each round: every concurrency, every engine) so that load from other jobs hits every cell alike;
 tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/results/serve_batching.{json,md,png}.
 
-    python benchmarks/serve_batching.py [--threads 2] [--prompt 32] [--new 64] [--concurrency 1 2 4 8 16 32]
-        [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines ...] [--llama-server PATH]
+    python benchmarks/serve_batching.py [--preset small] [--threads 2] [--prompt 32] [--new 64]
+        [--concurrency 1 2 4 8 16 32] [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines ...]
+        [--llama-server PATH]
 
-Engines:
+Engines (``ENGINES``: each a lane of benchmarks/lanes.py, served by its runtime's engine):
 
 * ``rust f32``, ``rust int8`` (q8_0-style): rust_runtime.Engine with max_batch = C, in-process.
 * ``onnx f32``: serve's own engine (serve.engine.StepEngine, the Python scheduler the onnx backend serves through)
-  over onnxruntime with OnnxBackend.decode_batch, on the `small` graph of benchmarks/onnx_batching.py (same shape,
-  other random weights), with the same max_batch / token_budget / prefill_chunk; in-process.
+  over the bundle's model.onnx with OnnxBackend.decode_batch, with the same max_batch / token_budget /
+  prefill_chunk; in-process.
 * ``llama-server f32``, ``llama-server q8_0``: llama.cpp's server on the same model as GGUF (``python -m export.gguf
   BUNDLE --type f32|q8_0 --approximate-pretokenizer``), started per cell (not timed) with ``--parallel C -t T -tb T
   -c C × per-slot context`` and its defaults otherwise (continuous batching, f16 KV cache, flash attention auto,
@@ -44,7 +46,6 @@ import http.client
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,16 +59,22 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import free_port, load_by_path  # noqa: E402
+from benchmarks import bundles, lanes, timing  # noqa: E402
+from benchmarks.common import free_port  # noqa: E402
 from train.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
-EOT = 0  # <|endoftext|> of the `small` bundle's tokenizer
-RUST = {"rust f32": None, "rust int8": "int8"}
-LLAMA = {"llama-server f32": "f32", "llama-server q8_0": "q8_0"}
-ENGINES = [*RUST, "onnx f32", *LLAMA]
+# engine → the lane it serves (benchmarks/lanes.py); the lane's runtime picks the engine: rust → rust_runtime.Engine,
+# onnx → serve.engine.StepEngine, llama → llama-server on the lane's GGUF
+ENGINES = {"rust f32": "rust-f32", "rust int8": "rust-int8", "onnx f32": "ort-fp32",
+           "llama-server f32": "llama-f32", "llama-server q8_0": "llama-q8_0"}
 PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0"}  # Shalik lane → its llama-server lane
 BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
               "`--llama-server PATH` for a binary elsewhere")
+
+
+def lane(engine: str) -> lanes.Lane:
+    """The lane an engine name serves."""
+    return lanes.LANES[ENGINES[engine]]
 
 
 class RustClient:
@@ -95,7 +102,7 @@ class StepEngineClient:
     def __init__(self, backend, max_batch: int, token_budget: int, prefill_chunk: int):
         from serve.engine import StepEngine
 
-        self.engine = StepEngine(backend, eot_id=EOT, max_batch=max_batch, token_budget=token_budget,
+        self.engine = StepEngine(backend, eot_id=backend.eot_id, max_batch=max_batch, token_budget=token_budget,
                                  prefill_chunk=prefill_chunk)
 
     def stream(self, ids: list[int], new: int) -> Iterator[int]:
@@ -186,40 +193,12 @@ class LlamaServer:
                 self.proc.wait()
 
 
-def sign_bundle(bundle: Path) -> None:
-    """Give the benchmark's hand-made bundle the manifest.json that export/ writes (format, sha256 of every file),
-    which the GGUF exporter requires and the Rust loader checks."""
-    from serve.bundle import write_manifest
-
-    write_manifest(bundle, complete=False)
+def request_ids(j: int, prompt_len: int, eot: int) -> list[int]:
+    """Stream j's token ids: ``<|endoftext|>`` (id ``eot``) + ``prompt_len`` ids spread over ids 2..391."""
+    return [eot, *(2 + (j * 37 + i * 11) % 390 for i in range(prompt_len))]
 
 
-def export_gguf(bundle: Path, kind: str, out: Path) -> Path:
-    """``python -m export.gguf BUNDLE --type kind --out out --approximate-pretokenizer`` (the project's exporter)."""
-    subprocess.run([sys.executable, "-m", "export.gguf", str(bundle), "--type", kind, "--out", str(out),
-                    "--approximate-pretokenizer"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    return out
-
-
-def loadavg() -> list[str]:
-    """The 1, 5 and 15 minute load averages (empty where /proc/loadavg is missing)."""
-    p = Path("/proc/loadavg")
-    return p.read_text().split()[:3] if p.exists() else []
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
-def request_ids(j: int, prompt_len: int) -> list[int]:
-    """Stream j's token ids: ``<|endoftext|>`` + ``prompt_len`` ids spread over the tokenizer's 400 ids."""
-    return [EOT, *(2 + (j * 37 + i * 11) % 390 for i in range(prompt_len))]
-
-
-def run_concurrency(client, c: int, prompt_len: int, new: int) -> dict:
+def run_concurrency(client, c: int, prompt_len: int, new: int, eot: int) -> dict:
     """C requests at once; each stream read by its own thread. Returns the figures of one run: tokens, wall_s,
     merged (tokens that came in a chunk with the one after them), and the raw latencies in seconds, `ttft` (one
     per stream) and `itl` (consecutive-token gaps within a stream, after its first token). A token that comes in
@@ -229,7 +208,7 @@ def run_concurrency(client, c: int, prompt_len: int, new: int) -> dict:
     barrier = threading.Barrier(c + 1)
 
     def reader(j: int) -> None:
-        ids = request_ids(j, prompt_len)
+        ids = request_ids(j, prompt_len, eot)
         barrier.wait()
         t0 = time.perf_counter()
         stamps, merged = [], 0
@@ -283,13 +262,13 @@ def summarize(c: int, runs: list[dict], servers: list[dict]) -> dict:
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
         "rounds_tokens_per_s": [r["tokens"] / r["wall_s"] for r in runs],
-        "tokens_per_s_median": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+        "tokens_per_s_median": timing.median(r["tokens"] / r["wall_s"] for r in runs),
         "rounds_loadavg_1m": [r.get("loadavg_1m", float("nan")) for r in runs],
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
-        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "ttft_p50_ms": 1e3 * timing.percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * timing.percentile(ttft, 99),
         "itl_n": len(itl),
-        "itl_p50_ms": 1e3 * percentile(itl, 50),
-        "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "itl_p50_ms": 1e3 * timing.percentile(itl, 50),
+        "itl_p99_ms": 1e3 * timing.percentile(itl, 99),
         "itl_max_ms": 1e3 * max(itl, default=float("nan")),
     }
     if servers:
@@ -298,8 +277,8 @@ def summarize(c: int, runs: list[dict], servers: list[dict]) -> dict:
             "tokens": s_tokens,
             "wall_s": s_wall,
             "tokens_per_s": s_tokens / s_wall if s_wall else float("nan"),
-            "ttft_p50_ms": 1e3 * percentile([x for s in servers for x in s["ttft"]], 50),
-            "per_token_p50_ms": 1e3 * percentile([x for s in servers for x in s["per_token"]], 50),
+            "ttft_p50_ms": 1e3 * timing.percentile([x for s in servers for x in s["ttft"]], 50),
+            "per_token_p50_ms": 1e3 * timing.percentile([x for s in servers for x in s["per_token"]], 50),
         }
     return row
 
@@ -402,7 +381,7 @@ def plot(path: Path, rows: list[dict], threads: int) -> None:
     for name in [e for e in ENGINES if any(r["engine"] == e for r in rows)]:
         mine = [r for r in rows if r["engine"] == name]
         (line,) = ax.plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=name,
-                          linestyle="--" if name in LLAMA else "-")
+                          linestyle="--" if lane(name).runtime == "llama" else "-")
         ax.plot([r["concurrency"] for r in mine], [max(r["rounds_tokens_per_s"]) for r in mine], marker="x",
                 linestyle=":", color=line.get_color(), alpha=0.5)
     ax.set_xscale("log", base=2)
@@ -417,6 +396,7 @@ def plot(path: Path, rows: list[dict], threads: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=bundles.preset_names())
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=32, help="prompt ids after <|endoftext|>")
     ap.add_argument("--new", type=int, default=64)
@@ -424,7 +404,7 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="Engine prefill_chunk (default: the Engine's)")
     ap.add_argument("--rounds", type=int, default=1, help="runs per (engine, concurrency), pooled")
-    ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--llama-server", default=None,
                     help="llama-server binary (default: benchmarks/build_llama_server.sh's build, else PATH)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_batching")
@@ -438,42 +418,31 @@ def main() -> None:
         plot(args.out.with_suffix(".png"), rows, saved["meta"]["threads"])
         return
 
-    import rust_runtime
-
     binary = args.llama_server or default_llama_server()
     missing = None
-    if any(e in LLAMA for e in args.engines):
+    if any(lane(e).runtime == "llama" for e in args.engines):
         if binary is None:
             missing = "no llama-server binary found"
         elif not os.access(binary, os.X_OK):
             missing = f"{binary} is not an executable file"
-    engines = [e for e in args.engines if not (missing and e in LLAMA)]
-    load_start = loadavg()
-    rd = load_by_path("rust_decode")
+    engines = [e for e in args.engines if not (missing and lane(e).runtime == "llama")]
+    load_start = timing.loadavg()
     rows = []
     chunk = None
     per_slot = -(-(1 + args.prompt + args.new) // 64) * 64  # the context one stream needs, rounded up to 64
+    bundle = bundles.init_bundle(args.preset, quantize=lanes.export_quantize(ENGINES[e] for e in engines))
+    eot = bundles.eot_id(bundle)
+    # rust and onnx: the lane's backend, loaded once; llama: the lane's GGUF, served by a llama-server per cell
+    models = {name: bundles.gguf(bundle, lane(name).kind) if lane(name).runtime == "llama"
+              else lanes.load(lane(name), bundle, args.threads) for name in engines}
     with tempfile.TemporaryDirectory() as tmp:
-        bundle = Path(tmp) / "bundle"
-        rd.build_bundle(bundle, "small")
-        sign_bundle(bundle)
-        models = {name: rust_runtime.Model.load(str(bundle), threads=args.threads, quantize=RUST[name])
-                  for name in engines if name in RUST}
-        if "onnx f32" in engines:
-            from serve.backends.onnx import OnnxBackend
-
-            onnx_dir = Path(tmp) / "onnx"
-            load_by_path("onnx_batching").build_bundle(onnx_dir, int8=False)
-            models["onnx f32"] = OnnxBackend(onnx_dir, threads=args.threads)
-        for name in engines:
-            if name in LLAMA:
-                models[name] = export_gguf(bundle, LLAMA[name], Path(tmp) / f"model-{LLAMA[name]}.gguf")
 
         def open_client(name: str, c: int):
-            if name in RUST:
-                return RustClient(models[name], c, args.token_budget, args.prefill_chunk)
-            if name in LLAMA:
-                log = Path(tmp) / f"llama-server-{LLAMA[name]}-{c}.log"
+            runtime = lane(name).runtime
+            if runtime == "rust":
+                return RustClient(models[name].model, c, args.token_budget, args.prefill_chunk)
+            if runtime == "llama":
+                log = Path(tmp) / f"llama-server-{lane(name).kind}-{c}.log"
                 return LlamaServer(binary, models[name], c, args.threads, c * per_slot, log)
             from serve.engine import DEFAULT_PREFILL_CHUNK
 
@@ -486,14 +455,14 @@ def main() -> None:
             for c in args.concurrency:
                 for name in engines:
                     client = open_client(name, c)
-                    load1 = (loadavg() or ["nan"])[0]
+                    load1 = (timing.loadavg() or [float("nan")])[0]
                     try:
                         chunk = getattr(client, "prefill_chunk", chunk)
-                        run_concurrency(client, 1, 4, 2)  # warm-up
-                        if name in LLAMA:
+                        run_concurrency(client, 1, 4, 2, eot)  # warm-up
+                        if isinstance(client, LlamaServer):
                             client.timings.clear()
-                        r = run_concurrency(client, c, args.prompt, args.new)
-                        if name in LLAMA:
+                        r = run_concurrency(client, c, args.prompt, args.new, eot)
+                        if isinstance(client, LlamaServer):
                             servers[(name, c)].append(server_figures(client.timings))
                     finally:
                         client.close()
@@ -515,13 +484,14 @@ def main() -> None:
         "threads": args.threads,
         "prompt": args.prompt,
         "new": args.new,
-        "shape": "small",
+        "shape": args.preset,
+        "bundle": timing.relative(bundle),
         "token_budget": args.token_budget,
         "prefill_chunk": chunk,
         "rounds": args.rounds,
         "llama_server_ctx_per_slot": per_slot,
         "loadavg_start": load_start,
-        "loadavg_end": loadavg(),
+        "loadavg_end": timing.loadavg(),
     }
     for r in rows:
         base = next(x for x in rows if x["engine"] == r["engine"] and x["concurrency"] == args.concurrency[0])

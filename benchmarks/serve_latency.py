@@ -8,7 +8,8 @@ BUNDLE defaults to the newest ``runs/*/bundle``. Engines: ``onnx`` (fp32), ``onn
 model.int8.onnx), ``rust`` / ``rust-int8`` (when ``rust_runtime`` is built) and ``torch`` (this repository's
 PyTorch model, eager, with its KV cache, behind the same backend protocol — so every engine shares the
 tokenizer, sampler and detokenizer and only the model differs). Engines run interleaved, round by round, so
-load from other jobs on the machine hits them alike; figures are medians over rounds.
+load from other jobs on the machine hits them alike (in an order rotated every round, benchmarks/timing.py);
+figures are medians over rounds.
 
 ``torch-1t`` is the same model at one thread (OpenMP's spinning barriers make PyTorch at N threads collapse
 when other jobs share the cores). ``vs torch`` compares with the faster of the two.
@@ -29,41 +30,19 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import bundles, timing  # noqa: E402
+from benchmarks.lanes import TorchBackend  # noqa: E402
 
 PROMPT_TEXT = ("বাংলা ভাষা দক্ষিণ এশিয়ার একটি ইন্দো-আর্য ভাষা। আমি বাংলায় গান গাই। "
                "The river runs through the old town, and the boats come in at dusk. ") * 40
-
-
-class TorchBackend:
-    """The checkpoint's PyTorch model (eager, KV cache) behind serve's backend protocol, run with
-    ``threads`` intra-op threads (set before every sequence: one process can time several counts)."""
-
-    name = "torch"
-
-    def __init__(self, bundle: Path, threads: int, model=None):
-        from export.parity import TorchSequence
-        from train.checkpoint import load_model
-
-        if model is None:
-            model, _ = load_model(bundle)
-            model.eval()
-        self.model, self.threads = model, threads
-        self.vocab_size = model.config.vocab_size
-        self.max_position_embeddings = model.config.max_position_embeddings
-        self._seq = TorchSequence
-
-    def new_sequence(self):
-        import torch
-
-        torch.set_num_threads(self.threads)
-        return self._seq(self.model)
 
 
 def engines(bundle: Path, threads: int | None) -> dict:
@@ -116,13 +95,13 @@ def latency(lms: dict, prompt_tokens: int, new_tokens: int, rounds: int) -> dict
     for lm in lms.values():  # warm-up: first-run allocations, thread pools
         time_one(lm, ids[:8], 4)
     raw = {name: {"ttft_s": [], "decode_tok_s": []} for name in lms}
-    for _ in range(rounds):
-        for name, lm in lms.items():
-            ttft, dec = time_one(lm, ids, new_tokens)
+    for r in range(rounds):
+        for name in timing.rotated(list(lms), r):
+            ttft, dec = time_one(lms[name], ids, new_tokens)
             raw[name]["ttft_s"].append(ttft)
             raw[name]["decode_tok_s"].append(dec)
-    return {name: {"ttft_ms": 1000 * statistics.median(r["ttft_s"]),
-                   "decode_tok_s": statistics.median(r["decode_tok_s"]),
+    return {name: {"ttft_ms": 1000 * timing.median(r["ttft_s"]),
+                   "decode_tok_s": timing.median(r["decode_tok_s"]),
                    "rounds": {"ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"]}} for name, r in raw.items()}
 
 
@@ -196,8 +175,6 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve.http.settings import newest_bundle
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: newest runs/*/bundle)")
@@ -209,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-chars", type=int, default=100_000, help="characters per language to score (0 = skip)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    bundle = Path(args.bundle) if args.bundle else newest_bundle(ROOT / "runs")
-    if bundle is None or not bundle.is_dir():
-        raise SystemExit("no bundle: pass one (python -m export.onnx runs/NAME writes runs/NAME/bundle)")
+    bundle = bundles.given_or_newest(args.bundle)
     lms = engines(bundle, args.threads)
     onnx = lms["onnx"]
     ctx = onnx.context_length
@@ -224,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     from serve.bundle import MANIFEST, read_manifest
 
     manifest = read_manifest(bundle) if (bundle / MANIFEST).exists() else {}
-    result = {"meta": {"bundle": str(bundle), "params": manifest.get("params"), "context": ctx,
+    result = {"meta": {"bundle": timing.relative(bundle), "params": manifest.get("params"), "context": ctx,
                        "vocab": onnx.vocab_size, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                        "rounds": args.rounds, "threads": args.threads or os.cpu_count(), "val": args.val,
                        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                       "loadavg": ", ".join(f"{x:.1f}" for x in os.getloadavg())},
+                       "loadavg": ", ".join(f"{x:.1f}" for x in timing.loadavg())},
               "latency": lat, "bpc": bpc}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_latency.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")

@@ -34,7 +34,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks import bundles, timing  # noqa: E402
 from benchmarks.common import free_port  # noqa: E402
 
 PROMPTS = ["বাংলা ভাষা", "আমি বাংলায় গান গাই", "The river", "Once upon a time", "কলকাতা শহরের", "In the morning"]
@@ -197,8 +199,6 @@ def markdown(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve.http.settings import newest_bundle
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: newest runs/*/bundle)")
@@ -210,11 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=2, help="SHALIK_MAX_CONCURRENCY of the normal run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    bundle = Path(args.bundle) if args.bundle else newest_bundle(ROOT / "runs")
-    if bundle is None or not bundle.is_dir():
-        raise SystemExit("no bundle: pass one (python -m export.onnx runs/NAME writes runs/NAME/bundle)")
-    meta = {"bundle": str(bundle), "backend": args.backend, "clients": args.clients, "max_tokens": args.max_tokens,
-            "concurrency": args.concurrency, "loadavg": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+    bundle = bundles.given_or_newest(args.bundle)
+    meta = {"bundle": timing.relative(bundle), "backend": args.backend, "clients": args.clients,
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+            "loadavg": ", ".join(f"{x:.1f}" for x in timing.loadavg()),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"}
     with server(bundle, args.backend, max_concurrency=args.concurrency, max_queue=args.clients) as url:
         normal = summarize(*asyncio.run(drive(url, args.clients, args.requests, args.max_tokens)))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
+from benchmarks import timing  # noqa: E402
 from train.checkpoint import hf_state_dict  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.device import autocast_ctx, peak_flops, resolve_device, resolve_dtype, setup_cuda_fast_paths  # noqa: E402
@@ -103,16 +104,15 @@ def main(argv=None) -> int:
         step()
     times: dict[str, list[float]] = {k: [] for k in steps}
     for r in range(args.rounds):
-        order = list(steps.items()) if r % 2 == 0 else list(steps.items())[::-1]  # ABBA: neither always goes first
-        for name, step in order:
+        for name in timing.rotated(list(steps), r):  # ABBA: neither always goes first
             t0 = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append(time.perf_counter() - t0)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {b * s / v[-1]:,.0f} tok/s" for k, v in times.items()),
               flush=True)
     tokens = b * s
-    per_round = [theirs_t / ours_t for ours_t, theirs_t in zip(times["shalik"], times["transformers"])]
-    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    per_round = timing.ratios(times["transformers"], times["shalik"])
+    tps = {k: tokens / timing.median(v) for k, v in times.items()}
     peak = peak_flops(device, dtype)
     fpt = ours.flops_per_token(s)
     result = {
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         mfu = f"{result['mfu'][k]:.1%}" if result["mfu"] else "—"
         lines.append(f"| {k} | {v:,.0f} | {mfu} |")
     lines += ["", f"Ratio Shalik / transformers: **{result['ratio_shalik_over_transformers']:.2f}×** (ratio of the "
-              f"medians; per round {min(per_round):.2f}–{max(per_round):.2f}, median {statistics.median(per_round):.2f}). "
+              f"medians; per round {min(per_round):.2f}–{max(per_round):.2f}, median {timing.median(per_round):.2f}). "
               "Both steps run the same kernels (a profile shows the same matmul time), so on CPU the ratio is parity "
               "up to the machine's noise.", ""]
     (out / f"train_throughput-{tag}.md").write_text("\n".join(lines))

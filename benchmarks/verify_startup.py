@@ -14,30 +14,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
+from benchmarks import bundles, timing  # noqa: E402
 from serve import load  # noqa: E402
 from serve.bundle import ONNX, backend_files, external_data, sha256_file  # noqa: E402
-from serve.http.settings import newest_bundle  # noqa: E402
 
 
 def time_load(bundle: Path, backend: str, rounds: int) -> dict[str, float]:
     """Median seconds of ``load`` with and without verification, interleaved."""
     times: dict[str, list[float]] = {"verify": [], "no_verify": []}
     for r in range(rounds):
-        order = ("verify", "no_verify") if r % 2 == 0 else ("no_verify", "verify")
-        for kind in order:
+        for kind in timing.rotated(("verify", "no_verify"), r):
             t = time.perf_counter()
             load(bundle, backend=backend, threads=1, verify=kind == "verify")
             times[kind].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: timing.median(v) for k, v in times.items()}
 
 
 def time_synthetic(params: int, rounds: int) -> dict[str, float]:
@@ -55,7 +54,7 @@ def time_synthetic(params: int, rounds: int) -> dict[str, float]:
             t = time.perf_counter()
             sha256_file(path)
             secs.append(time.perf_counter() - t)
-    return {"bytes": size, "hash_s": statistics.median(secs), "GB_per_s": size / statistics.median(secs) / 1e9}
+    return {"bytes": size, "hash_s": timing.median(secs), "GB_per_s": size / timing.median(secs) / 1e9}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
-    bundle = Path(args.bundle) if args.bundle else newest_bundle(ROOT / "runs")
-    result: dict = {"load_avg": os.getloadavg()}
+    bundle = bundles.given_or_newest(args.bundle, required=False)
+    result: dict = {"load_avg": timing.loadavg()}
     if bundle is not None:
         files = [f for f in backend_files(args.backend, None) if (bundle / f).is_file()]
         t = time_load(bundle, args.backend, args.rounds)

@@ -1,6 +1,7 @@
 """Helpers of the client and benchmark tests: a real ``uvicorn serve.app:app`` process on a free loopback port,
 configured by SHALIK_* variables like a deployment (the OpenAI SDK and lm-evaluation-harness talk to it over
-sockets), and loading a script of ``benchmarks/`` (not a package) as a module."""
+sockets), and loading a file of ``benchmarks/eval_tasks/`` (lm-evaluation-harness's task folder, not a package) as
+a module."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(relative: str):
-    """A Python file of the repository (e.g. ``benchmarks/eval.py``) as a module, registered in sys.modules."""
+    """A Python file of the repository outside a package (e.g. ``benchmarks/eval_tasks/build.py``) as a module,
+    registered in sys.modules."""
     path = ROOT / relative
     name = "shalik_" + "_".join(Path(relative).with_suffix("").parts)
     if name in sys.modules:

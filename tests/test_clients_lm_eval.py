@@ -30,10 +30,10 @@ def run(bundle, tmp_path_factory):
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
+    import benchmarks.eval as bench
     from serve import load
 
     lm = load(bundle, threads=1)
-    bench = load_script("benchmarks/eval.py")
     items = bench.read_items(TASK_DIR / "bn_next_sentence.jsonl")
     size = {it["id"]: max(len(lm.tokenize(it["context"] + " " + c)) for c in it["choices"]) for it in items}
     items = sorted(items, key=lambda it: (size[it["id"]], it["id"]))[:N_ITEMS]

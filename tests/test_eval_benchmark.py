@@ -23,7 +23,9 @@ def build():
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("benchmarks/eval.py")
+    import benchmarks.eval
+
+    return benchmarks.eval
 
 
 def test_task_files_rebuild_identically_from_the_val_split(build, tmp_path):

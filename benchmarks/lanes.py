@@ -1,0 +1,123 @@
+"""The lanes a benchmark can time: one runtime at one quantization kind, loaded from a bundle as serving loads it.
+
+A lane is a row of :data:`LANES`: its runtime (``rust``: rust_runtime through serve's RustBackend; ``onnx``:
+onnxruntime through serve's OnnxBackend; ``torch``: this repository's PyTorch model, eager, with its KV cache;
+``llama``: llama.cpp on ``export.gguf``'s GGUF, a peer only), its kind (serve's ``quantize`` setting for rust and
+onnx, the GGUF type for llama) and the bytes each matmul weight costs a decoded token (the decode roofline).
+:func:`load` returns an object with ``new_sequence()`` whose sequences have ``prefill(ids)`` / ``decode(id)`` →
+float32 logits; :func:`unavailable` says why a lane cannot run here; :func:`export_quantize` is the quantized ONNX
+graph a set of lanes needs in the bundle.
+
+Adding a quantization kind is one row here (say ``Lane("rust-q4", "rust", "q4", "rust q4", 18 / 32)``, once
+``serve.load`` takes ``quantize="q4"``), then naming it where a script pairs lanes: ``decode.py``'s ``TARGETS``,
+``prefill.py``'s ``PAIRS``, ``serve_batching.py``'s ``ENGINES`` / ``PEERS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.bundles import gguf_path
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One runtime at one kind: ``name`` (the command-line name), ``runtime`` (rust, onnx, torch, llama),
+    ``kind`` (None = float32, else serve's quantize setting, or the GGUF type for llama), ``label`` (for tables)
+    and ``bytes_per_weight`` (bytes read per matmul weight per decoded token)."""
+
+    name: str
+    runtime: str
+    kind: str | None
+    label: str
+    bytes_per_weight: float
+
+
+LANES: dict[str, Lane] = {lane.name: lane for lane in (
+    Lane("rust-f32", "rust", None, "rust f32", 4.0),
+    Lane("rust-int8", "rust", "int8", "rust int8 (q8_0)", 34 / 32),  # candle q8_0: a float16 scale per 32 int8s
+    Lane("ort-fp32", "onnx", None, "onnxruntime fp32", 4.0),
+    Lane("ort-int8", "onnx", "int8", "onnxruntime int8", 1.0),  # per-channel int8 (export.quantize)
+    Lane("torch", "torch", None, "PyTorch eager fp32", 4.0),
+    Lane("llama-f32", "llama", "f32", "llama.cpp f32", 4.0),
+    Lane("llama-q8_0", "llama", "q8_0", "llama.cpp q8_0", 34 / 32),
+)}
+
+_LIBRARY = {"rust": "rust_runtime", "onnx": "onnxruntime", "torch": "torch", "llama": "llama_cpp"}
+
+
+class TorchBackend:
+    """The bundle's ``model.safetensors`` in this repository's PyTorch model (train.model, eager, its KV cache)
+    behind serve's backend protocol, on ``threads`` intra-op threads (set at every new sequence, so one process
+    can time several counts over one ``model``)."""
+
+    name = "torch"
+
+    def __init__(self, bundle: Path, threads: int, model=None):
+        from train.checkpoint import load_model
+
+        if model is None:
+            model = load_model(bundle)[0].eval()
+        self.model, self.threads = model, threads
+        self.vocab_size = model.config.vocab_size
+        self.max_position_embeddings = model.config.max_position_embeddings
+
+    def new_sequence(self):
+        import torch
+
+        from export.parity import TorchSequence
+
+        torch.set_num_threads(self.threads)
+        return TorchSequence(self.model)
+
+
+def unavailable(lane: Lane, bundle: Path) -> str | None:
+    """None when ``lane`` can run on ``bundle`` here, else why not: its library does not import, or the bundle
+    lacks its graph (an int8 ONNX graph comes from ``export.onnx --quantize int8``; a missing GGUF is made by
+    :func:`benchmarks.bundles.gguf`, so it is not a reason)."""
+    module = _LIBRARY[lane.runtime]
+    try:
+        __import__(module)
+    except ImportError as e:
+        return f"{module} not importable ({e})"
+    if lane.runtime == "onnx":
+        from serve.bundle import ONNX_GRAPHS
+
+        if lane.kind not in ONNX_GRAPHS:
+            return f"serve's OnnxBackend has no graph for quantize={lane.kind!r}"
+        graph = Path(bundle) / ONNX_GRAPHS[lane.kind]
+        if not graph.is_file():
+            return f"no {graph.name} in {bundle} (python -m export.onnx RUN --quantize {lane.kind} --out {bundle} --force)"
+    return None
+
+
+def export_quantize(names: Iterable[str]) -> str | None:
+    """The ``export.onnx --quantize`` kind the ONNX lanes among ``names`` need (None: float32 only). Raises
+    ValueError when they need two kinds (export writes one quantized graph)."""
+    kinds = {LANES[n].kind for n in names if LANES[n].runtime == "onnx" and LANES[n].kind}
+    if len(kinds) > 1:
+        raise ValueError(f"the onnx lanes need graphs of {sorted(kinds)}; export.onnx writes one quantized graph")
+    return next(iter(kinds), None)
+
+
+def load(lane: Lane, bundle: Path, threads: int, n_ctx: int | None = None, extra_bufts: bool = False):
+    """``lane``'s backend over ``bundle`` on ``threads`` threads. ``n_ctx`` (llama only): the KV cache positions
+    llama.cpp allocates up front; ``extra_bufts`` (llama only): its extra weight buffer types (AMX, repacking).
+    Raises ImportError when the lane's library is absent, and the backend's own error for a bad bundle."""
+    if lane.runtime == "rust":
+        from serve.backends.rust import RustBackend
+
+        return RustBackend(bundle, quantize=lane.kind, threads=threads)
+    if lane.runtime == "onnx":
+        from serve.backends.onnx import OnnxBackend
+
+        return OnnxBackend(bundle, quantize=lane.kind, threads=threads)
+    if lane.runtime == "torch":
+        return TorchBackend(bundle, threads)
+    from serve.backends.llamacpp import LlamaCppBackend
+
+    # llama.cpp's default f16 KV cache, as users run it; a context just large enough (it is allocated up front)
+    return LlamaCppBackend(gguf_path(bundle, lane.kind), threads=threads, n_ctx=n_ctx, f32_cache=False,
+                           extra_bufts=extra_bufts)

@@ -1,0 +1,144 @@
+"""The benchmarks' shared modules (benchmarks/timing.py, roofline.py, bundles.py, lanes.py) and the rule that every
+script runs by path and loads no other script by path."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bundles, lanes, roofline, timing
+from serve.bundle import write_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+# the scripts that time lanes against each other (each uses benchmarks/timing.py)
+TIMED_SCRIPTS = ("decode", "prefill", "onnx_batching", "serve_batching", "batch_invariance_cost", "serve_latency",
+                 "serve_load", "verify_startup", "train_throughput", "prepare_scale")
+
+
+def test_rotated_gives_every_item_the_lead_equally_often():
+    assert [timing.rotated("AB", r) for r in range(4)] == [list("AB"), list("BA"), list("AB"), list("BA")]
+    orders = [timing.rotated(("x", "y", "z"), r) for r in range(6)]
+    assert orders[:3] == [["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"]] and orders[3:] == orders[:3]
+    assert timing.rotated([], 3) == []
+
+
+def test_median_ratio_is_the_median_of_the_rounds_own_ratios():
+    a, b = [10.0, 30.0, 20.0], [5.0, 10.0, 20.0]
+    assert timing.ratios(a, b) == [2.0, 3.0, 1.0]
+    assert timing.median_ratio(a, b) == 2.0
+    assert timing.median_ratio([1.0, 9.0, 4.0], [1.0, 3.0, 1.0]) == 3.0  # the ratio of the medians says 4.0
+    with pytest.raises(ValueError):
+        timing.median_ratio([1.0, 2.0], [1.0])
+    assert math.isnan(timing.median([]))
+
+
+def test_percentile_is_the_nearest_rank():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [timing.percentile(xs, q) for q in (0, 50, 99, 100)] == [1.0, 3.0, 5.0, 5.0]
+    assert math.isnan(timing.percentile([], 50))
+
+
+def test_relative_keeps_machine_paths_out_of_results(tmp_path):
+    assert timing.relative(ROOT / "runs" / "small" / "bundle") == "runs/small/bundle"
+    assert timing.relative(tmp_path) == str(tmp_path)
+
+
+def test_shapes_come_from_configs():
+    assert bundles.preset_names() == ["base-400m", "small", "tiny"]
+    small = bundles.shape("small")
+    assert {k: small[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                  "intermediate_size", "max_position_embeddings", "vocab_size")} == {
+        "hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "intermediate_size": 1280, "max_position_embeddings": 512, "vocab_size": 32000}
+    from train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="presets are"):
+        bundles.shape("no-such-preset")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "base-400m"])
+def test_matmul_weights_are_the_model_parameters_but_the_norms(preset):
+    """The roofline's weight count equals train.model's parameter count less the RMSNorm weights (2 a layer and the
+    final one; tied embeddings: the lm_head is the embedding, read once per token)."""
+    import torch
+
+    from train.model import LlamaForCausalLM, ModelConfig
+
+    cfg = bundles.shape(preset)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ModelConfig(**cfg))
+    norms = (2 * cfg["num_hidden_layers"] + 1) * cfg["hidden_size"]
+    assert roofline.matmul_weights(cfg) + norms == model.num_params()
+
+
+def test_prefill_flops_of_base_400m_are_the_committed_ones():
+    """benchmarks/results/prefill.md's GFLOP column (written before the count moved to roofline.py)."""
+    cfg = bundles.shape("base-400m")
+    assert [round(roofline.prefill_gflop(cfg, t), 1) for t in (64, 512)] == [48.6, 399.5]
+
+
+def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_path, monkeypatch):
+    """``runs/NAME-init`` is made by the two documented command lines (benchmarks/export_small.py, eval.py); a
+    bundle whose manifest is there (with the int8 graph when asked for) is reused without running anything."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(bundles, "_run", lambda cmd, log: ran.append(cmd[1:]))
+    monkeypatch.setattr(bundles, "RUNS", tmp_path)  # the repository's runs/ folder, here
+    run = tmp_path / "small-init"
+    assert bundles.init_bundle("small", quantize="int8", runs=tmp_path, log=print) == run / "bundle"
+    assert ran == [["-m", "train.run", "--config", "small", "--name", "small-init", "--no-preflight",
+                    "--set", "train.max_steps=0"],
+                   ["-m", "export.onnx", str(run), "--no-parity", "--quantize", "int8"]]
+    ran.clear()
+    other = tmp_path / "elsewhere"
+    bundles.init_bundle("tiny", runs=other, log=print)
+    assert ran[0][-2:] == ["--set", f'run.out_dir="{other}"']
+    assert ran[1] == ["-m", "export.onnx", str(other / "tiny-init"), "--no-parity"]
+    ran.clear()
+    bundle = other / "tiny-init" / "bundle"
+    bundle.mkdir(parents=True)
+    write_manifest(bundle, complete=False, parity={"ok": None})  # a finished export that never ran the gate
+    assert bundles.init_bundle("tiny", runs=other, log=print) == bundle and ran == []
+    (other / "tiny-init" / "checkpoints").mkdir()
+    (other / "tiny-init" / "checkpoints" / "latest").write_text("step-000000\n")  # train.run's checkpoint is there
+    bundles.init_bundle("tiny", quantize="int8", runs=other, log=print)  # no model.int8.onnx: rebuilt over it
+    assert ran == [["-m", "export.onnx", str(other / "tiny-init"), "--no-parity", "--quantize", "int8", "--force"]]
+    ran.clear()
+    bundles.init_bundle("tiny", parity=True, runs=other, log=print)  # the gate asked for: this one never passed it
+    assert ran == [["-m", "export.onnx", str(other / "tiny-init"), "--force"]]
+
+
+def test_every_lane_names_a_known_runtime_and_the_peers_name_lanes():
+    assert {lane.runtime for lane in lanes.LANES.values()} <= {"rust", "onnx", "torch", "llama"}
+    assert lanes.export_quantize(["rust-f32", "rust-int8", "ort-fp32"]) is None
+    assert lanes.export_quantize(["ort-fp32", "ort-int8", "llama-q8_0"]) == "int8"
+    import benchmarks.decode as decode
+    import benchmarks.prefill as prefill
+    import benchmarks.serve_batching as serve_batching
+
+    assert {n for a, b, _ in decode.TARGETS for n in (a, b)} <= set(lanes.LANES)
+    assert {n for pair in prefill.PAIRS.values() for n in pair} <= set(lanes.LANES)
+    assert set(serve_batching.ENGINES.values()) <= set(lanes.LANES)
+    assert all(a in serve_batching.ENGINES and b in serve_batching.ENGINES for a, b in serve_batching.PEERS.items())
+
+
+def test_no_script_loads_another_by_path():
+    offenders = [f.name for f in (ROOT / "benchmarks").glob("*.py")
+                 if re.search(r"spec_from_file_location|load_by_path|runpy\.", f.read_text(encoding="utf-8"))]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("script", TIMED_SCRIPTS)
+def test_timed_scripts_run_by_path_and_use_the_timing_module(script):
+    path = ROOT / "benchmarks" / f"{script}.py"
+    assert re.search(r"from benchmarks(\.| import .*)timing|from benchmarks import .*timing",
+                     path.read_text(encoding="utf-8")), f"{script}.py does not use benchmarks/timing.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script puts the root on sys.path itself
+    out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd=ROOT / "tests",
+                         env=env, timeout=120)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-500:]
