@@ -63,16 +63,20 @@ def test_greedy_32_steps_4_prompt_lengths(backend, tol):
     batched, toks_b = prefilled(backend)
     single, toks_s = prefilled(backend)
     assert toks_b == toks_s
-    gen_b, gen_s, worst = [], [], 0.0
-    for _ in range(32):
-        lb = backend.decode_batch(batched, toks_b)
+    worst, flips, decided = 0.0, 0, 0
+    for _ in range(32):  # both fed the single sequences' greedy tokens, so one near-tie cannot fork the rest
+        lb = backend.decode_batch(batched, toks_s)
         ls = np.stack([s.decode(t) for s, t in zip(single, toks_s, strict=True)])
         assert lb.shape == (4, backend.vocab_size) and lb.dtype == np.float32
         worst = max(worst, float(np.abs(lb - ls).max()))
-        toks_b, toks_s = [int(t) for t in lb.argmax(-1)], [int(t) for t in ls.argmax(-1)]
-        gen_b.append(toks_b)
-        gen_s.append(toks_s)
-    assert gen_b == gen_s
+        top2 = np.sort(ls, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * tol  # a margin the batch's deviation cannot cross
+        decided += int(clear.sum())
+        flips += int((lb.argmax(-1) != ls.argmax(-1))[clear].sum())
+        toks_s = [int(t) for t in ls.argmax(-1)]
+    # float32: every step is decided (tol 1e-4); int8 rows are quantized on the batch's wider activation grid, so
+    # a greedy choice closer than the int8 model's own error may go either way; every clear one must agree
+    assert flips == 0 and decided >= (120 if backend.quantize is None else 64), (flips, decided)
     assert worst < tol, worst
     assert [s.position for s in batched] == [len(p) + 32 for p in PROMPTS] == [s.position for s in single]
     for a, b in zip(batched, single, strict=True):  # the caches too, row by row, without their padding
