@@ -201,8 +201,10 @@ def test_the_timeout_of_serve_engine_reaches_rust(model):
     eng = RustEngine(rust_runtime.Engine(model, max_batch=4))
     try:
         p = prompt_ids(6, seed=9)
+        # 1 ms: far less than 400 decode steps of two sequences take (at 50 ms, a quiet run of this machine's CI
+        # finished all 400 first and ended "length")
         sub = eng.submit(p, 400, SamplingParams(temperature=0.9, top_k=2**70, seed=-1), n=2, ignore_eos=True,
-                         timeout_s=0.05)
+                         timeout_s=1e-3)
         for i in range(2):
             evs = list(sub.events(i))
             assert evs[-1].finish == "timeout" and len(evs) < 400
