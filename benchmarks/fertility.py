@@ -117,6 +117,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def grouped_bars(ax, rows: list[dict], groups: list[str], value) -> None:
+    """One bar per row (labelled ``row["name"]``) in each group, ``value(row, group)`` high, ticks at the groups."""
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        ax.bar([x + i * width for x in range(len(groups))], [value(r, g) for g in groups], width, label=r["name"])
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], groups)
+
+
 def _plot(rows, groups, path: Path) -> None:
     import matplotlib
 
@@ -124,11 +132,7 @@ def _plot(rows, groups, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
-    width = 0.8 / len(rows)
-    for i, r in enumerate(rows):
-        vals = [r["by_file"].get(g, {}).get("chars_per_token", 0) for g in groups]
-        ax.bar([x + i * width for x in range(len(groups))], vals, width, label=r["name"])
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], groups)
+    grouped_bars(ax, rows, groups, lambda r, g: r["by_file"].get(g, {}).get("chars_per_token", 0))
     ax.set_ylabel("NFC characters per token (val)")
     ax.set_title("Tokenizer fertility: higher is better")
     ax.legend(fontsize=8, ncol=2)

@@ -21,6 +21,7 @@ context length, and the recipe's learning rate (``--lr``; the best of ``benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -77,15 +78,17 @@ def _child_cmd(args, name: str, steps: int, calib: bool) -> list[str]:
 
 
 def params(name: str, base: str) -> dict:
-    """Parameter counts of a candidate (all, and without the token embedding), from the config alone."""
+    """Parameter counts of a candidate (all, and without the token embedding), from the model built on the meta
+    device (no memory, no init cost): :meth:`train.model.LlamaForCausalLM.num_params`."""
+    import torch  # noqa: PLC0415
+
+    from train.model import LlamaForCausalLM, ModelConfig  # noqa: PLC0415
+
     cfg = load_config(base, CANDIDATES[name])
-    m, v = cfg.model, cfg.tokenizer.vocab_size
-    hd = m.hidden_size // m.num_attention_heads
-    attn = m.hidden_size * hd * (2 * m.num_attention_heads + 2 * m.num_key_value_heads)
-    layer = attn + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
-    body = m.num_hidden_layers * layer + m.hidden_size
-    head = 0 if m.tie_word_embeddings else v * m.hidden_size
-    return {"params": body + v * m.hidden_size + head, "non_embedding": body + head, "vocab": v}
+    with torch.device("meta"):
+        m = LlamaForCausalLM(ModelConfig(vocab_size=cfg.tokenizer.vocab_size, **dataclasses.asdict(cfg.model)))
+    return {"params": m.num_params(), "non_embedding": m.num_params(non_embedding=True),
+            "vocab": cfg.tokenizer.vocab_size}
 
 
 def report(res: dict) -> str:

@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.fertility import grouped_bars  # noqa: E402
 from serve.bundle import TOKENIZER  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
@@ -276,14 +277,10 @@ def _plot(rows, path: Path) -> None:
 
     groups = sorted({g for r in rows for g in r["by_file"]})
     fig, ax = plt.subplots(figsize=(11, 4.5), dpi=110)
-    width = 0.8 / len(rows)
-    for i, r in enumerate(rows):
-        base = rows[0]["by_file"]
-        vals = [100 * (r["by_file"][g]["chars_per_token"] / base[g]["chars_per_token"] - 1) if g in r["by_file"]
-                else 0 for g in groups]
-        ax.bar([x + i * width for x in range(len(groups))], vals, width, label=r["name"])
+    base = rows[0]["by_file"]
+    grouped_bars(ax, rows, groups, lambda r, g: 100 * (r["by_file"][g]["chars_per_token"] / base[g]["chars_per_token"]
+                                                       - 1) if g in r["by_file"] else 0)
     ax.axhline(-100 * MAX_LOSS, color="red", lw=1, ls="--", label=f"-{MAX_LOSS:.0%} limit")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], groups)
     ax.set_ylabel("characters per token vs format 2 (%)")
     ax.set_title("Shalik's tokenizer with each llama.cpp pre-tokenizer (val split; higher is better)")
     ax.legend(fontsize=7, ncol=3)
