@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.client_helpers import uvicorn_server
+from tests.polling import wait_until
 
 rr = pytest.importorskip("rust_runtime", reason="rust_runtime is not built (pip install -e '.[all]' builds it)")
 if not hasattr(rr, "Engine"):  # pragma: no cover - the package without its compiled module
@@ -69,7 +70,7 @@ def test_cancel_from_another_thread_while_next_blocks(bundle):
         t.join(30)
         assert not t.is_alive()
         assert got[-1][4] in ("cancelled", "length"), got[-1]
-        assert e.stats()["running"] == 0
+        assert wait_until(lambda: e.stats()["running"] == 0)  # published after the scheduler's next pass
     finally:
         e.close()
 
@@ -137,7 +138,7 @@ def test_disconnected_streams_leave_the_rust_engine(slow_bundle):
             t.join(120)
         assert len(stayed) == 5
         decoded = metric(url, "shalik_engine_decode_tokens_total") - before
-        assert metric(url, "shalik_engine_running_sequences") == 0
+        assert wait_until(lambda: metric(url, "shalik_engine_running_sequences") == 0)
         assert 5 * per_seq + 3 * 9 <= decoded < 5 * per_seq + 3 * 100, decoded
 
 

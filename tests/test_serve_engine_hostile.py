@@ -17,18 +17,8 @@ from serve.errors import ContextLengthError, RequestError
 from serve.http.app import create_app
 from serve.http.settings import Settings
 from serve.lm import LM, MAX_CHOICES, MAX_TOP_LOGPROBS
+from tests.polling import wait_until
 from tests.scripted import ScriptedBackend, scripted_lm, scripted_tokenizer
-
-
-def wait_until(pred, limit_s: float = 60.0) -> bool:
-    """Poll ``pred`` until it holds (True) or ``limit_s`` passes (False): for state another thread settles. The limit
-    is for a broken engine only, not a pace a loaded machine must keep (issue 29)."""
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def running(lm: LM) -> int:
@@ -429,7 +419,7 @@ def test_rust_forty_threads_bit_identical_to_alone(rust_lm):
     for t in threads:
         t.join(timeout=60)
     assert [(c.token_ids, c.logprobs) for c in together] == [(c.token_ids, c.logprobs) for c in alone]
-    assert running(rust_lm) == 0
+    assert wait_until(lambda: running(rust_lm) == 0)  # published after the scheduler's next pass
 
 
 # ---------------------------------------------------------------- HTTP
