@@ -117,6 +117,14 @@ pub fn gemv_bench(threads: usize, ms: &[usize], shapes: &[(usize, usize)]) {
     }
 }
 
+/// Seconds of CPU time the calling thread has used.
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 /// `OUTxIN,OUTxIN,...`, or `default` when absent.
 fn parse_shapes(
     arg: Option<&String>,
@@ -144,7 +152,7 @@ pub fn linear_bench(threads: usize, ms: &[usize], shapes: &[(usize, usize)], kin
     for &(rows, k) in shapes {
         let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919) % 2001) as f32 * 1e-3 - 1.0).collect();
         for q in kinds {
-            let part = Part { name: "bench".into(), w: w.clone(), rows, kind: q.storage(Role::AttnQk) };
+            let part = Part { name: "bench".into(), w: w.clone(), rows, kind: q.storage(Role::QProj) };
             let lin = Linear::new(vec![part], k).expect("a linear");
             let mut base = 0.0;
             for &m in ms {
@@ -153,18 +161,22 @@ pub fn linear_bench(threads: usize, ms: &[usize], shapes: &[(usize, usize)], kin
                 par.install(|| lin.forward(&par, &x, m, &mut y)).unwrap();
                 let reps = (100_000_000 / (rows * k * m.min(8))).max(2);
                 let mut dt = f64::INFINITY;
+                let mut cpu = f64::INFINITY;
                 for _ in 0..5 {
-                    let t = Instant::now();
+                    let (t, c) = (Instant::now(), thread_cpu_s());
                     for _ in 0..reps {
                         par.install(|| lin.forward(&par, &x, m, &mut y)).unwrap();
                     }
                     dt = dt.min(t.elapsed().as_secs_f64() / reps as f64);
+                    cpu = cpu.min((thread_cpu_s() - c) / reps as f64);
                 }
                 if base == 0.0 {
                     base = dt;
                 }
+                // with one thread, the calling thread's CPU time leaves out the time other jobs took the core
+                let cpu_gops = if threads == 1 { format!("{:6.1}", (2 * m * rows * k) as f64 / cpu / 1e9) } else { "-".into() };
                 println!(
-                    "{:6} {m:3}x{k} · {k}x{rows}: {:9.1} us  x first {:6.2}  {:6.1} GOP/s  {:5.1} GB/s of weights",
+                    "{:6} {m:3}x{k} · {k}x{rows}: {:9.1} us  x first {:6.2}  {:6.1} GOP/s ({cpu_gops} GOP/s of CPU time)  {:5.1} GB/s of weights",
                     q.name(),
                     dt * 1e6,
                     dt / base,

@@ -48,6 +48,9 @@ const CHUNK_BYTES: usize = 16 << 10;
 /// Groups a one-token matmul (decode) streams at once on AVX-512: that many sequential streams
 /// for the hardware prefetchers.
 const GEMV_GROUPS: usize = 4;
+/// Token rows that run over every group before the next rows start (a multiple of TILE): their
+/// quantized activations stay in L2 across the groups, and the outputs they write touch few pages.
+const TOKEN_BLOCK: usize = 60;
 
 /// How one block of 32 weights is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -78,6 +81,15 @@ impl BlockKind {
     /// Bytes from one block of a group to the next.
     pub const fn block_stride(self) -> usize {
         SCALE_BYTES + self.quant_bytes()
+    }
+
+    /// The kind a kernel's `Q4` parameter names.
+    const fn of<const Q4: bool>() -> Self {
+        if Q4 {
+            BlockKind::Q4_0
+        } else {
+            BlockKind::Q8_0
+        }
     }
 
     /// The unsigned offset of the stored quants (stored = q + offset for q8_0, the nibble for q4_0).
@@ -303,62 +315,84 @@ impl PackedQ {
         let stride = kind.block_stride();
         let data = self.data();
         let group_bytes = nb * stride;
+        #[cfg(target_arch = "x86_64")]
+        if m == 1 && level == IntLevel::Avx512Vnni {
+            // decode: up to GEMV_GROUPS whole groups at once, straight into y; a partial last
+            // group goes through the tiles below
+            let whole = (out / GROUP).min(range.end);
+            let mut g = range.start;
+            while g < whole {
+                let n = (whole - g).min(GEMV_GROUPS);
+                let (w, yy) = (data.as_ptr().add(g * group_bytes), y.add(g * GROUP));
+                match (kind, n) {
+                    (BlockKind::Q8_0, 1) => x86::gemv_vnni::<false, 1>(w, group_bytes, x, nb, yy),
+                    (BlockKind::Q8_0, 2) => x86::gemv_vnni::<false, 2>(w, group_bytes, x, nb, yy),
+                    (BlockKind::Q8_0, 3) => x86::gemv_vnni::<false, 3>(w, group_bytes, x, nb, yy),
+                    (BlockKind::Q8_0, _) => x86::gemv_vnni::<false, 4>(w, group_bytes, x, nb, yy),
+                    (BlockKind::Q4_0, 1) => x86::gemv_vnni::<true, 1>(w, group_bytes, x, nb, yy),
+                    (BlockKind::Q4_0, 2) => x86::gemv_vnni::<true, 2>(w, group_bytes, x, nb, yy),
+                    (BlockKind::Q4_0, 3) => x86::gemv_vnni::<true, 3>(w, group_bytes, x, nb, yy),
+                    (BlockKind::Q4_0, _) => x86::gemv_vnni::<true, 4>(w, group_bytes, x, nb, yy),
+                }
+                g += n;
+            }
+            if g < range.end {
+                self.tiles(level, x, g..range.end, y, ys);
+            }
+            return;
+        }
+        self.tiles(level, x, range, y, ys)
+    }
+
+    /// Groups `range` through the register tiles (see `groups`).
+    unsafe fn tiles(&self, level: IntLevel, x: &QuantRows, range: Range<usize>, y: *mut f32, ys: usize) {
+        let (m, out, nb, kind) = (x.m, self.out, self.nb, self.kind);
+        let stride = kind.block_stride();
+        let data = self.data();
+        let group_bytes = nb * stride;
+        // one token tile: k whole; more: k in chunks that stay in L1 while every tile of the
+        // token block runs over them
         let chunk = if m <= TILE { nb } else { (CHUNK_BYTES / stride).clamp(1, nb) };
+        let mc = m.min(TOKEN_BLOCK);
         thread_local! {
-            /// This thread's partial sums of one group (m × 32), parked between k chunks.
+            /// This thread's partial sums of one group and token block (TOKEN_BLOCK × 32), parked between k chunks.
             static ACC: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
         }
-        let mut g = range.start;
-        while g < range.end {
-            let rows = GROUP.min(out - g * GROUP);
-            #[cfg(target_arch = "x86_64")]
-            if m == 1 && level == IntLevel::Avx512Vnni {
-                // decode: up to GEMV_GROUPS whole groups at once, straight into y
-                let n = (range.end - g).min(GEMV_GROUPS).min(out / GROUP - (g).min(out / GROUP));
-                if n >= 1 {
-                    let w = data.as_ptr().add(g * group_bytes);
-                    let yy = y.add(g * GROUP);
-                    match (kind, n) {
-                        (BlockKind::Q8_0, 1) => x86::gemv_vnni::<false, 1>(w, group_bytes, x, nb, yy),
-                        (BlockKind::Q8_0, 2) => x86::gemv_vnni::<false, 2>(w, group_bytes, x, nb, yy),
-                        (BlockKind::Q8_0, 3) => x86::gemv_vnni::<false, 3>(w, group_bytes, x, nb, yy),
-                        (BlockKind::Q8_0, _) => x86::gemv_vnni::<false, 4>(w, group_bytes, x, nb, yy),
-                        (BlockKind::Q4_0, 1) => x86::gemv_vnni::<true, 1>(w, group_bytes, x, nb, yy),
-                        (BlockKind::Q4_0, 2) => x86::gemv_vnni::<true, 2>(w, group_bytes, x, nb, yy),
-                        (BlockKind::Q4_0, 3) => x86::gemv_vnni::<true, 3>(w, group_bytes, x, nb, yy),
-                        (BlockKind::Q4_0, _) => x86::gemv_vnni::<true, 4>(w, group_bytes, x, nb, yy),
+        with_acc(&ACC, mc * GROUP, |acc| {
+            for tb in (0..m).step_by(mc) {
+                let tn = mc.min(m - tb);
+                for g in range.clone() {
+                    let gw = data.as_ptr().add(g * group_bytes);
+                    for b0 in (0..nb).step_by(chunk) {
+                        for t0 in (0..tn).step_by(TILE) {
+                            let t = tb + t0;
+                            let tile = Tile {
+                                w: gw.add(b0 * stride),
+                                stride,
+                                x: x.q.as_ptr().add(t * x.kp + b0 * QK),
+                                xs: x.kp,
+                                sx: x.s.as_ptr().add(t * nb + b0),
+                                dx: x.d.as_ptr().add(t * nb + b0),
+                                ds: nb,
+                                blocks: chunk.min(nb - b0),
+                                y: acc.as_mut_ptr().add(t0 * GROUP),
+                                resume: b0 > 0,
+                            };
+                            run_tile(level, kind, TILE.min(tn - t0), &tile);
+                        }
                     }
-                    g += n;
-                    continue;
+                    let rows = GROUP.min(out - g * GROUP);
+                    for t in 0..tn {
+                        let (src, dst) = (acc.as_ptr().add(t * GROUP), y.add((tb + t) * ys + g * GROUP));
+                        if rows == GROUP {
+                            std::ptr::copy_nonoverlapping(src, dst, GROUP);
+                        } else {
+                            std::ptr::copy_nonoverlapping(src, dst, rows);
+                        }
+                    }
                 }
             }
-            let gw = data.as_ptr().add(g * group_bytes);
-            with_acc(&ACC, m * GROUP, |acc| {
-                for b0 in (0..nb).step_by(chunk) {
-                    let nbk = chunk.min(nb - b0);
-                    for t0 in (0..m).step_by(TILE) {
-                        let n = TILE.min(m - t0);
-                        let tile = Tile {
-                            w: gw.add(b0 * stride),
-                            stride,
-                            x: x.q.as_ptr().add(t0 * x.kp + b0 * QK),
-                            xs: x.kp,
-                            sx: x.s.as_ptr().add(t0 * nb + b0),
-                            dx: x.d.as_ptr().add(t0 * nb + b0),
-                            ds: nb,
-                            blocks: nbk,
-                            y: acc.as_mut_ptr().add(t0 * GROUP),
-                            resume: b0 > 0,
-                        };
-                        run_tile(level, kind, n, &tile);
-                    }
-                }
-                for t in 0..m {
-                    std::ptr::copy_nonoverlapping(acc.as_ptr().add(t * GROUP), y.add(t * ys + g * GROUP), rows);
-                }
-            });
-            g += 1;
-        }
+        });
     }
 }
 
@@ -450,22 +484,45 @@ struct Shared<T>(*mut T);
 unsafe impl<T> Send for Shared<T> {}
 unsafe impl<T> Sync for Shared<T> {}
 
-/// One row: per 32-block the int8 quants, their sum and the scale (see `QuantRows`).
+/// One row: per 32-block the int8 quants, their sum and the scale (see `QuantRows`). Written so
+/// that it vectorizes (lane-wise max, rounding with the 1.5·2²³ trick, which rounds half to even
+/// for |v| < 2²²), and the same code serves every SIMD level.
 pub fn quantize_row(x: &[f32], q: &mut [i8], s: &mut [i32], d: &mut [f32]) {
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
     for (b, xb) in x.chunks_exact(QK).enumerate() {
-        let mut amax = 0f32;
-        let mut finite = true;
-        for &v in xb {
-            amax = amax.max(v.abs());
-            finite &= v.is_finite();
+        let mut bad = [false; QK];
+        for i in 0..QK {
+            bad[i] = !(xb[i].abs() < f32::INFINITY); // NaN or ±inf
         }
-        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let finite = !bad.iter().any(|&v| v);
+        // max |x| as a tree of lane-wise maxima (32 → 16 → … → 1)
+        let mut mx = [0f32; QK];
+        for i in 0..QK {
+            mx[i] = xb[i].abs();
+        }
+        let mut w = QK / 2;
+        while w > 0 {
+            for i in 0..w {
+                mx[i] = if mx[i + w] > mx[i] { mx[i + w] } else { mx[i] };
+            }
+            w /= 2;
+        }
+        let amax = mx[0];
+        let id = if amax > 0.0 && finite { 127.0 / amax } else { 0.0 };
         let qb = &mut q[b * QK..(b + 1) * QK];
+        let mut r = [0i32; QK];
+        for i in 0..QK {
+            // |xb·id| ≤ 127 (or NaN · 0 = NaN when not finite: then id is 0 and the lane is zeroed)
+            let v = xb[i] * id;
+            let v = if v == v { v } else { 0.0 };
+            let rv = ((v + ROUND) - ROUND).clamp(-127.0, 127.0);
+            // SAFETY: rv is an integer in [-127, 127] (finite: NaN was zeroed above)
+            r[i] = unsafe { rv.to_int_unchecked::<i32>() };
+        }
         let mut sum = 0i32;
-        for (o, &v) in qb.iter_mut().zip(xb) {
-            let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i32;
-            *o = r as i8;
-            sum += r;
+        for i in 0..QK {
+            qb[i] = r[i] as i8;
+            sum += r[i];
         }
         s[b] = sum;
         d[b] = if finite { amax / 127.0 } else { f32::NAN };
@@ -604,7 +661,7 @@ fn with_acc<R>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{QuantRows, Tile, GROUP, PANEL, QK, SCALE_BYTES};
+    use super::{BlockKind, QuantRows, Tile, GROUP, PANEL, QK, SCALE_BYTES};
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -628,7 +685,7 @@ mod x86 {
                 }
             }
         }
-        let off: i32 = if Q4 { 8 } else { 128 };
+        let off = BlockKind::of::<Q4>().offset();
         let low = _mm512_set1_epi8(0x0F);
         for b in 0..t.blocks {
             let gb = t.w.add(b * t.stride);
@@ -691,8 +748,7 @@ mod x86 {
         nb: usize,
         y: *mut f32,
     ) {
-        let stride = if Q4 { super::BlockKind::Q4_0 } else { super::BlockKind::Q8_0 }.block_stride();
-        let off: i32 = if Q4 { 8 } else { 128 };
+        let (stride, off) = (BlockKind::of::<Q4>().block_stride(), BlockKind::of::<Q4>().offset());
         let low = _mm512_set1_epi8(0x0F);
         let mut accf = [[_mm512_setzero_ps(); 2]; G];
         let xq = x.q.as_ptr();
@@ -771,7 +827,7 @@ mod x86 {
             let mut acc = [[_mm256_setzero_si256(); 2]; T];
             if Q4 {
                 for i in 0..T {
-                    let c = _mm256_set1_epi32(-8 * *t.sx.add(i * t.ds + b));
+                    let c = _mm256_set1_epi32(-BlockKind::Q4_0.offset() * *t.sx.add(i * t.ds + b));
                     acc[i] = [c, c];
                 }
                 for j in 0..4 {

@@ -2,7 +2,7 @@
 //!
 //! f32 weights are packed once at load (`kernels::PackedF32`); quantized ones are packed for the
 //! integer kernels (`kernels_int::PackedQ`, q8_0 or q4_0), possibly in row ranges of different
-//! kinds (the fused q/k/v matrix keeps v at 8 bits under `q4_mix`). Either way each output
+//! kinds (the fused q/k/v matrix keeps v at 8 bits under `q4_k_m`). Either way each output
 //! element is one fixed chain, so results do not depend on the batch.
 
 use crate::error::{Error, Result};

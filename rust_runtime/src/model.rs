@@ -15,7 +15,7 @@ use crate::cache::{KvCache, CHUNK};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::{self, Panels, Par, SyncPtr};
-use crate::kernels_int::PackedQ;
+use crate::kernels_int::{BlockKind, PackedQ};
 use crate::linear::{Linear, Part};
 use crate::loader::{layer_tensor, Loader};
 pub use crate::quant::Quantize;
@@ -92,37 +92,34 @@ impl Model {
             cfg.vocab_size,
         );
         // one matrix from tensors stacked by rows, each stored as `quantize` says for its role
-        let lin = |inp: usize, parts: Vec<(String, Vec<f32>, usize, Role)>| {
-            let parts = parts
-                .into_iter()
-                .map(|(name, w, rows, role)| Part { name, w, rows, kind: quantize.storage(role) })
-                .collect();
+        let lin = |inp: usize, parts: Vec<(String, Vec<f32>, usize, Option<BlockKind>)>| {
+            let parts = parts.into_iter().map(|(name, w, rows, kind)| Part { name, w, rows, kind }).collect();
             Linear::new(parts, inp)
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
-            let part = |p: &str, rows: usize, role: Role| -> Result<(String, Vec<f32>, usize, Role)> {
+            let part = |p: &str, rows: usize, role: Role| -> Result<(String, Vec<f32>, usize, Option<BlockKind>)> {
                 let name = layer_tensor(&cfg, l, p).0;
-                Ok((name, ld.layer(&cfg, l, p)?, rows, role))
+                Ok((name, ld.layer(&cfg, l, p)?, rows, quantize.storage(role)))
             };
             layers.push(Layer {
                 qkv: lin(
                     h,
                     vec![
-                        part("self_attn.q_proj.weight", nh * hd, Role::AttnQk)?,
-                        part("self_attn.k_proj.weight", nkv * hd, Role::AttnQk)?,
-                        part("self_attn.v_proj.weight", nkv * hd, Role::AttnV)?,
+                        part("self_attn.q_proj.weight", nh * hd, Role::QProj)?,
+                        part("self_attn.k_proj.weight", nkv * hd, Role::KProj)?,
+                        part("self_attn.v_proj.weight", nkv * hd, Role::VProj)?,
                     ],
                 )?,
-                o: lin(nh * hd, vec![part("self_attn.o_proj.weight", h, Role::AttnO)?])?,
+                o: lin(nh * hd, vec![part("self_attn.o_proj.weight", h, Role::OProj)?])?,
                 gate_up: lin(
                     h,
                     vec![
-                        part("mlp.gate_proj.weight", inter, Role::MlpGateUp)?,
-                        part("mlp.up_proj.weight", inter, Role::MlpGateUp)?,
+                        part("mlp.gate_proj.weight", inter, Role::GateProj)?,
+                        part("mlp.up_proj.weight", inter, Role::UpProj)?,
                     ],
                 )?,
-                down: lin(inter, vec![part("mlp.down_proj.weight", h, Role::MlpDown)?])?,
+                down: lin(inter, vec![part("mlp.down_proj.weight", h, Role::DownProj)?])?,
                 attn_norm: ld.layer(&cfg, l, "input_layernorm.weight")?,
                 mlp_norm: ld.layer(&cfg, l, "post_attention_layernorm.weight")?,
             });
@@ -133,16 +130,17 @@ impl Model {
         let (embed, lm_head) = if cfg.tie_word_embeddings {
             // transformers ties lm_head to embed_tokens (an lm_head.weight in the file is ignored);
             // the embedding rows are read from the head, f32 or quantized
-            (Embedding::Tied, lin(h, vec![(embed_name, embed_w, vocab, Role::Head)])?)
+            (Embedding::Tied, lin(h, vec![(embed_name, embed_w, vocab, quantize.tied_storage())])?)
         } else {
-            let embed = match quantize.storage(Role::Embedding) {
+            let embed = match quantize.storage(Role::EmbedTokens) {
                 None => Embedding::F32(embed_w),
                 Some(kind) => Embedding::Quant(
                     PackedQ::quantize(kind, &embed_w, vocab, h)
                         .map_err(|e| Error::format(format!("{embed_name}: {e}")))?,
                 ),
             };
-            (embed, lin(h, vec![("lm_head.weight".into(), ld.load("lm_head.weight")?, vocab, Role::Head)])?)
+            let head = ld.load("lm_head.weight")?;
+            (embed, lin(h, vec![("lm_head.weight".into(), head, vocab, quantize.storage(Role::LmHead))])?)
         };
         let (cos, sin) = rope_tables(&cfg);
         Ok(Model { cfg, quantize, par: Par::new(threads)?, embed, layers, norm, lm_head, cos, sin })
@@ -695,9 +693,9 @@ pub(crate) mod tests {
         let ids: Vec<u32> = (0..16).map(|i| (i * 5 + 1) % 96).collect();
         let a = f.forward(&mut f.new_cache(), &ids, true).unwrap();
         // relative RMS of the logits on this random model (uniform weights, 2 layers): measured
-        // q8_0 3.1 %, q4_mix 24 %, q4_0 34 % (candle's q8_0 gave 5–10 %)
+        // q8_0 3.1 %, q4_k_m 24 %, q4_0 34 % (candle's q8_0 gave 5–10 %)
         let mut errs = Vec::new();
-        for (q, limit) in [(Quantize::Q8_0, 0.05), (Quantize::Q4Mix, 0.3), (Quantize::Q4_0, 0.4)] {
+        for (q, limit) in [(Quantize::Q8_0, 0.05), (Quantize::Q4KM, 0.3), (Quantize::Q4_0, 0.4)] {
             for threads in [1, 2] {
                 let m = Model::load(&fx.dir, q, threads).unwrap();
                 let b = m.forward(&mut m.new_cache(), &ids, true).unwrap();
@@ -708,12 +706,16 @@ pub(crate) mod tests {
         }
         // 8 bits beat the mix, which beats 4 bits everywhere
         assert!(errs[0] < errs[2] && errs[2] < errs[4], "{errs:?}");
-        // q8_0 weights take 34/32 bytes, q4_0 18/32 (the f32 model: 4)
-        let w8 = Model::load(&fx.dir, Quantize::Q8_0, 1).unwrap().weight_bytes() as f64;
-        let w4 = Model::load(&fx.dir, Quantize::Q4_0, 1).unwrap().weight_bytes() as f64;
-        assert!(
-            (w4 / w8 - 18.0 / 34.0).abs() < 0.02 && (f.weight_bytes() as f64 / w8 - 4.0 / (34.0 / 32.0)).abs() < 0.1
-        );
+        // the fixture: 2 layers of 8192 + 4096 + 16384 + 8192 weights (qkv, o, gate_up, down), a tied head of
+        // 96 × 64; rows are whole groups of 32, so no padding: q8_0 is 34 bytes a block of 32, q4_0 18
+        let (layers, head) = (2 * (8192 + 4096 + 16384 + 8192), 96 * 64);
+        let bytes = |q: Quantize| Model::load(&fx.dir, q, 1).unwrap().weight_bytes();
+        assert_eq!(bytes(Quantize::None), (layers + head) * 4);
+        assert_eq!(bytes(Quantize::Q8_0), (layers + head) / 32 * 34);
+        assert_eq!(bytes(Quantize::Q4_0), layers / 32 * 18 + head / 32 * 34);
+        // q4_k_m: v (2 × 32 × 64) and down (2 × 64 × 128) at q8_0 too
+        let (v, down) = (2 * 32 * 64, 2 * 64 * 128);
+        assert_eq!(bytes(Quantize::Q4KM), (layers - v - down) / 32 * 18 + (v + down + head) / 32 * 34);
     }
 
     /// Issue 27: the integer kernels keep a sequence's logits the same bits alone, beside others
@@ -722,7 +724,7 @@ pub(crate) mod tests {
     fn quantized_forward_is_bit_identical_alone_batched_and_chunked() {
         let fx = fixture_ctx("qinvariance", 2, None, None, 80);
         let ids: Vec<u32> = (0..70).map(|i| (i * 13 + 5) % 96).collect();
-        for q in [Quantize::Q8_0, Quantize::Q4_0, Quantize::Q4Mix] {
+        for q in [Quantize::Q8_0, Quantize::Q4_0, Quantize::Q4KM] {
             for threads in [1, 2] {
                 let m = Model::load(&fx.dir, q, threads).unwrap();
                 let alone = m.forward(&mut m.new_cache(), &ids, true).unwrap();
@@ -781,7 +783,7 @@ pub(crate) mod tests {
             })
             .collect();
         safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-        for q in [Quantize::Q8_0, Quantize::Q4_0, Quantize::Q4Mix] {
+        for q in [Quantize::Q8_0, Quantize::Q4_0, Quantize::Q4KM] {
             let e = Model::load(&dir, q, 1).err().unwrap();
             let msg = e.to_string();
             assert!(matches!(e, Error::Format(_)), "{msg}");

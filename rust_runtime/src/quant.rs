@@ -1,13 +1,16 @@
 //! The quantization kinds a model can be loaded with (the names Python passes as `quantize=`),
-//! and which storage each weight matrix gets under each kind. One table: `KINDS`.
+//! and which storage each weight matrix gets under each kind: one table (`KINDS`, `Quantize::storage`),
+//! which Python's list of schemes (names, and the roles kept at 8 bits) must equal
+//! (`rust_runtime.QUANTIZE_NAMES`, `rust_runtime.quantize_plan`, tests/test_rust_quant.py).
 //!
 //! * `none`: every matrix f32 (packed, `kernels::PackedF32`).
 //! * `int8`: every matrix q8_0, the lm_head (tied or not) included.
-//! * `q4_0`: every matrix q4_0, the lm_head included (what a "pure" GGUF Q4_0 holds).
-//! * `q4_mix`: q4_0 where 4 bits cost least, q8_0 where they cost most, in the spirit of llama.cpp's
-//!   Q4_K_M (which keeps attn_v, ffn_down and the output at more bits): see `Quantize::storage`.
-//!   The choice was measured on a trained `small` model (ΔNLL per tensor kind at 4 bits:
-//!   `benchmarks/quant_mix.py`, `benchmarks/results/quant_mix.md`).
+//! * `q4_0`: every matrix q4_0 except the embedding and the lm_head, which stay q8_0 (llama.cpp's
+//!   Q4_0 file type keeps its output matrix at more bits too).
+//! * `q4_k_m`: in the spirit of llama.cpp's Q4_K_M: 4 bits for q/k/o/gate/up, and q8_0 for the
+//!   matrices where 4 bits cost the most: the embedding and lm_head, v_proj and down_proj (llama.cpp
+//!   gives its output, and half of attn_v and ffn_down, 6 bits). Chosen by measurement: ΔNLL per
+//!   role at 4 bits on a trained model, `benchmarks/results/quant_mix.md`.
 
 use crate::error::{Error, Result};
 use crate::kernels_int::BlockKind;
@@ -18,44 +21,54 @@ pub enum Quantize {
     None,
     Q8_0,
     Q4_0,
-    Q4Mix,
+    Q4KM,
 }
 
-/// Every kind and its name, in the order Python lists them (`rust_runtime.QUANTIZE_KINDS`).
+/// Every kind and its name, in the order Python lists them (`rust_runtime.QUANTIZE_NAMES`).
 pub const KINDS: [(&str, Quantize); 4] =
-    [("none", Quantize::None), ("int8", Quantize::Q8_0), ("q4_0", Quantize::Q4_0), ("q4_mix", Quantize::Q4Mix)];
+    [("none", Quantize::None), ("int8", Quantize::Q8_0), ("q4_0", Quantize::Q4_0), ("q4_k_m", Quantize::Q4KM)];
 
-/// What a weight matrix is in the model: the unit `Quantize::storage` decides on.
+/// What a weight matrix is in the model, by its Hugging Face name (`model.layers.N.self_attn.q_proj.weight`
+/// → `QProj`): the unit `Quantize::storage` decides on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
-    /// self_attn.q_proj and k_proj
-    AttnQk,
-    AttnV,
-    AttnO,
-    /// mlp.gate_proj and up_proj
-    MlpGateUp,
-    MlpDown,
-    /// lm_head, or the embedding it is tied to
-    Head,
-    /// model.embed_tokens of an untied model (only looked up, never multiplied)
-    Embedding,
+    EmbedTokens,
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+    LmHead,
 }
 
-/// Every role, in the order of a layer then the model's ends.
-pub const ROLES: [Role; 7] =
-    [Role::AttnQk, Role::AttnV, Role::AttnO, Role::MlpGateUp, Role::MlpDown, Role::Head, Role::Embedding];
+/// Every role, in Python's order (`serve.quant.ROLES`).
+pub const ROLES: [Role; 9] = [
+    Role::EmbedTokens,
+    Role::QProj,
+    Role::KProj,
+    Role::VProj,
+    Role::OProj,
+    Role::GateProj,
+    Role::UpProj,
+    Role::DownProj,
+    Role::LmHead,
+];
 
 impl Role {
-    /// The name used in errors and in `rust_runtime.quantize_plan`.
+    /// The Hugging Face name part (`q_proj`, `lm_head`, ...), as Python spells the role.
     pub fn name(self) -> &'static str {
         match self {
-            Role::AttnQk => "attn_qk",
-            Role::AttnV => "attn_v",
-            Role::AttnO => "attn_o",
-            Role::MlpGateUp => "mlp_gate_up",
-            Role::MlpDown => "mlp_down",
-            Role::Head => "lm_head",
-            Role::Embedding => "embed_tokens",
+            Role::EmbedTokens => "embed_tokens",
+            Role::QProj => "q_proj",
+            Role::KProj => "k_proj",
+            Role::VProj => "v_proj",
+            Role::OProj => "o_proj",
+            Role::GateProj => "gate_proj",
+            Role::UpProj => "up_proj",
+            Role::DownProj => "down_proj",
+            Role::LmHead => "lm_head",
         }
     }
 }
@@ -78,14 +91,24 @@ impl Quantize {
 
     /// How a matrix of `role` is stored: `None` for f32, else its block kind.
     pub fn storage(&self, role: Role) -> Option<BlockKind> {
+        let kept = |r: Role| match self {
+            Quantize::Q4_0 => matches!(r, Role::EmbedTokens | Role::LmHead),
+            _ => matches!(r, Role::EmbedTokens | Role::LmHead | Role::VProj | Role::DownProj),
+        };
         match self {
             Quantize::None => None,
             Quantize::Q8_0 => Some(BlockKind::Q8_0),
+            Quantize::Q4_0 | Quantize::Q4KM if kept(role) => Some(BlockKind::Q8_0),
             Quantize::Q4_0 => Some(BlockKind::Q4_0),
-            Quantize::Q4Mix => Some(match role {
-                Role::AttnV | Role::MlpDown | Role::Head | Role::Embedding => BlockKind::Q8_0,
-                Role::AttnQk | Role::AttnO | Role::MlpGateUp => BlockKind::Q4_0,
-            }),
+            Quantize::Q4KM => Some(BlockKind::Q4_0),
+        }
+    }
+
+    /// The storage of a tied embedding, which is the lm_head too: the finer of the two roles'.
+    pub fn tied_storage(&self) -> Option<BlockKind> {
+        match (self.storage(Role::EmbedTokens), self.storage(Role::LmHead)) {
+            (None, _) | (_, None) => None,
+            (Some(a), Some(b)) => Some(if a.bits_per_weight() >= b.bits_per_weight() { a } else { b }),
         }
     }
 }
@@ -108,12 +131,38 @@ mod tests {
     }
 
     #[test]
-    fn the_mix_keeps_the_sensitive_matrices_at_8_bits() {
-        let q = Quantize::Q4Mix;
-        assert_eq!(q.storage(Role::AttnQk), Some(BlockKind::Q4_0));
-        assert_eq!(q.storage(Role::MlpDown), Some(BlockKind::Q8_0));
-        assert_eq!(q.storage(Role::Head), Some(BlockKind::Q8_0));
+    fn the_4_bit_kinds_keep_the_sensitive_matrices_at_8_bits() {
+        let at8 = |q: Quantize| -> Vec<&str> {
+            ROLES.iter().filter(|r| q.storage(**r) == Some(BlockKind::Q8_0)).map(|r| r.name()).collect()
+        };
+        assert_eq!(at8(Quantize::Q4_0), ["embed_tokens", "lm_head"]);
+        assert_eq!(at8(Quantize::Q4KM), ["embed_tokens", "v_proj", "down_proj", "lm_head"]);
+        assert_eq!(at8(Quantize::Q8_0).len(), 9);
         assert!(ROLES.iter().all(|r| Quantize::None.storage(*r).is_none()));
-        assert!(ROLES.iter().all(|r| Quantize::Q4_0.storage(*r) == Some(BlockKind::Q4_0)));
+        assert_eq!(Quantize::Q4_0.storage(Role::QProj), Some(BlockKind::Q4_0));
+        assert_eq!(Quantize::Q4KM.tied_storage(), Some(BlockKind::Q8_0));
+        assert_eq!(Quantize::None.tied_storage(), None);
     }
+}
+
+/// The module attributes that let Python hold its list of schemes to this one:
+/// `QUANTIZE_NAMES` (a tuple, `KINDS`' order) and `QUANTIZE_PLAN` ({name: {role: "q8_0" | "q4_0" | None}}),
+/// plus `int_simd_level` (the integer kernels' level, `kernels_int::int_level`).
+#[cfg(feature = "python")]
+pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+    use pyo3::prelude::*;
+    use pyo3::types::{PyDict, PyTuple};
+    let py = m.py();
+    m.add("QUANTIZE_NAMES", PyTuple::new(py, KINDS.iter().map(|(n, _)| *n))?)?;
+    let plan = PyDict::new(py);
+    for (name, q) in KINDS {
+        let roles = PyDict::new(py);
+        for r in ROLES {
+            roles.set_item(r.name(), q.storage(r).map(|k| k.name()))?;
+        }
+        plan.set_item(name, roles)?;
+    }
+    m.add("QUANTIZE_PLAN", plan)?;
+    m.add("int_simd_level", format!("{:?}", crate::kernels_int::int_level()))?;
+    Ok(())
 }
