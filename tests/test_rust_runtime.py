@@ -510,15 +510,18 @@ def test_quantize_names_and_plan_are_what_serve_passes():
     kept = {n: {r for r, k in p.items() if k == "q8_0"} for n, p in plan.items()}
     assert kept == {"none": set(), "int8": set(roles), "q4_0": {"embed_tokens", "lm_head"},
                     "q4_k_m": {"embed_tokens", "lm_head", "v_proj", "down_proj"}}
-    assert all(k == "q4_0" for n in ("q4_0", "q4_k_m") for r, k in plan[n].items() if r not in kept[n])
+    assert all(k == "q4_0" for r, k in plan["q4_0"].items() if r not in kept["q4_0"])
+    assert all(k == "q4_k" for r, k in plan["q4_k_m"].items() if r not in kept["q4_k_m"])
     assert set(plan["none"].values()) == {None}
     assert rust_runtime.int_simd_level in ("Avx512Vnni", "Avx2", "Generic")
 
 
 # 4 bits vs f32: the error of the logits at most Q4_VS_ROUNDING × the error of rounding the weights alone (the
-# activations' int8 rounding adds a little): measured 1.008 (q4_0) and 1.007 (q4_k_m) on `wide`, whose random
-# uniform weights make 4-bit rounding alone cost 52–56 % of the logits' RMS; int8 measured 1.32 / 1.25
+# activations' int8 rounding adds a little): q4_0 measured 1.008 on `wide`, whose random uniform weights make
+# 4-bit rounding alone cost 56 % of the logits' RMS (int8: 1.32 / 1.25). q4_k_m's q4_K matrices beat q4_0's
+# rounding of the same matrices: measured 0.86 of it
 Q4_VS_ROUNDING = 1.1
+Q4K_VS_Q4_0_ROUNDING = 0.95
 
 
 @pytest.mark.parametrize("quantize", ["q4_0", "q4_k_m"])
@@ -533,7 +536,9 @@ def test_4_bit_close_to_rounding_the_weights(quantize, wide):
     ids = prompt_ids(48, seed=9)
     a, b = f32.logits(ids), q4.logits(ids)
     plan = rust_runtime.QUANTIZE_PLAN[quantize]
-    rnd = {"q8_0": q8_0_round, "q4_0": q4_0_round}
+    # q4_K's rounding (a searched scale and min per 32) is not in gguf-py; q4_0's rounding of those matrices
+    # bounds it from above (the Rust tests check q4_K's numbers, src/qblocks.rs and src/kernels_int.rs)
+    rnd = {"q8_0": q8_0_round, "q4_0": q4_0_round, "q4_k": q4_0_round}
 
     def rounded_weight(name: str, v: torch.Tensor) -> torch.Tensor:
         if v.ndim != 2:
@@ -545,7 +550,8 @@ def test_4_bit_close_to_rounding_the_weights(quantize, wide):
     rounded.load_state_dict({k: rounded_weight(k, v) for k, v in hf.state_dict().items()})
     ref, r = hf_logits(hf, ids), hf_logits(rounded, ids)
     err, rounding = rel_rms(b, a), rel_rms(r, ref)
-    assert err < Q4_VS_ROUNDING * rounding, f"{quantize} error {err:.3f} vs weight rounding alone {rounding:.3f}"
+    limit = Q4_VS_ROUNDING if quantize == "q4_0" else Q4K_VS_Q4_0_ROUNDING
+    assert err < limit * rounding, f"{quantize} error {err:.3f} vs weight rounding alone {rounding:.3f}"
     assert err > rel_rms(rust_runtime.Model.load(str(d), threads=1, quantize="int8").logits(ids), a)
     seq = q4.new_sequence()
     seq.prefill(ids[:40])

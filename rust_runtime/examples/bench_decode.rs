@@ -174,7 +174,8 @@ pub fn linear_bench(threads: usize, ms: &[usize], shapes: &[(usize, usize)], kin
                     base = dt;
                 }
                 // with one thread, the calling thread's CPU time leaves out the time other jobs took the core
-                let cpu_gops = if threads == 1 { format!("{:6.1}", (2 * m * rows * k) as f64 / cpu / 1e9) } else { "-".into() };
+                let cpu_gops =
+                    if threads == 1 { format!("{:6.1}", (2 * m * rows * k) as f64 / cpu / 1e9) } else { "-".into() };
                 println!(
                     "{:6} {m:3}x{k} · {k}x{rows}: {:9.1} us  x first {:6.2}  {:6.1} GOP/s ({cpu_gops} GOP/s of CPU time)  {:5.1} GB/s of weights",
                     q.name(),

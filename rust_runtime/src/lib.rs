@@ -16,6 +16,7 @@ pub mod linear;
 pub mod loader;
 pub mod model;
 pub mod policy;
+pub mod qblocks;
 pub mod quant;
 pub mod sampling;
 pub mod tokenizer;

@@ -7,7 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::{PackedF32, Par};
-use crate::kernels_int::{BlockKind, PackedQ, QuantRows, QK};
+use crate::kernels_int::{BlockKind, PackedQ, QuantRows};
 use std::cell::RefCell;
 
 pub use crate::quant::Quantize;
@@ -43,13 +43,14 @@ impl Linear {
                 return Err(Error::Internal(format!("{}: {} weights for {} × {inp}", p.name, p.w.len(), p.rows)));
             }
             if let Some(kind) = p.kind {
-                if inp % QK != 0 {
+                if inp % kind.block() != 0 {
                     return Err(Error::format(format!(
                         "{}: shape [{}, {inp}] cannot be stored as {}: its in_features must be a multiple of the \
-                         block size {QK}; load this model with quantize=\"none\"",
+                         block size {}; load this model with quantize=\"none\"",
                         p.name,
                         p.rows,
-                        kind.name()
+                        kind.name(),
+                        kind.block()
                     )));
                 }
             }

@@ -7,13 +7,14 @@
 //! * `int8`: every matrix q8_0, the lm_head (tied or not) included.
 //! * `q4_0`: every matrix q4_0 except the embedding and the lm_head, which stay q8_0 (llama.cpp's
 //!   Q4_0 file type keeps its output matrix at more bits too).
-//! * `q4_k_m`: in the spirit of llama.cpp's Q4_K_M: 4 bits for q/k/o/gate/up, and q8_0 for the
-//!   matrices where 4 bits cost the most: the embedding and lm_head, v_proj and down_proj (llama.cpp
-//!   gives its output, and half of attn_v and ffn_down, 6 bits). Chosen by measurement: ΔNLL per
-//!   role at 4 bits on a trained model, `benchmarks/results/quant_mix.md`.
+//! * `q4_k_m`: in the spirit of llama.cpp's Q4_K_M: GGML's q4_K (super-blocks of 256, a 6-bit
+//!   scale and min per 32) for q/k/o/gate/up, and q8_0 for the matrices where 4 bits cost the
+//!   most: the embedding and lm_head, v_proj and down_proj (llama.cpp gives its output, and half of
+//!   attn_v and ffn_down, 6 bits). Chosen by measurement: ΔNLL per role at 4 bits on a trained
+//!   model, `benchmarks/results/quant_mix.md`.
 
 use crate::error::{Error, Result};
-use crate::kernels_int::BlockKind;
+use crate::kernels_int::{bits_per_weight, BlockKind};
 
 /// How the weights of a model are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,7 +101,7 @@ impl Quantize {
             Quantize::Q8_0 => Some(BlockKind::Q8_0),
             Quantize::Q4_0 | Quantize::Q4KM if kept(role) => Some(BlockKind::Q8_0),
             Quantize::Q4_0 => Some(BlockKind::Q4_0),
-            Quantize::Q4KM => Some(BlockKind::Q4_0),
+            Quantize::Q4KM => Some(BlockKind::Q4K),
         }
     }
 
@@ -108,7 +109,7 @@ impl Quantize {
     pub fn tied_storage(&self) -> Option<BlockKind> {
         match (self.storage(Role::EmbedTokens), self.storage(Role::LmHead)) {
             (None, _) | (_, None) => None,
-            (Some(a), Some(b)) => Some(if a.bits_per_weight() >= b.bits_per_weight() { a } else { b }),
+            (Some(a), Some(b)) => Some(if bits_per_weight(a) >= bits_per_weight(b) { a } else { b }),
         }
     }
 }
@@ -140,6 +141,7 @@ mod tests {
         assert_eq!(at8(Quantize::Q8_0).len(), 9);
         assert!(ROLES.iter().all(|r| Quantize::None.storage(*r).is_none()));
         assert_eq!(Quantize::Q4_0.storage(Role::QProj), Some(BlockKind::Q4_0));
+        assert_eq!(Quantize::Q4KM.storage(Role::GateProj), Some(BlockKind::Q4K));
         assert_eq!(Quantize::Q4KM.tied_storage(), Some(BlockKind::Q8_0));
         assert_eq!(Quantize::None.tied_storage(), None);
     }
