@@ -153,7 +153,7 @@ pub fn linear_bench(threads: usize, ms: &[usize], shapes: &[(usize, usize)], kin
         let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919) % 2001) as f32 * 1e-3 - 1.0).collect();
         for q in kinds {
             let part = Part { name: "bench".into(), w: w.clone(), rows, kind: q.storage(Role::QProj) };
-            let lin = Linear::new(vec![part], k).expect("a linear");
+            let lin = Linear::new(vec![part], k, &par).expect("a linear");
             let mut base = 0.0;
             for &m in ms {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();

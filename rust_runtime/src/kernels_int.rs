@@ -185,11 +185,12 @@ fn quant_at(rr: usize, i: usize, four_bit: bool) -> (usize, bool) {
 }
 
 impl PackedQ {
-    /// Quantize row-major `w` (out × inp) to `kind` with GGML's rounding (`qblocks`).
+    /// Quantize row-major `w` (out × inp) to `kind` with GGML's rounding (`qblocks`), groups split
+    /// over `par`'s threads.
     ///
     /// Errors (`Err(message)`) when `inp` is not a multiple of the kind's block (32, or 256 for
     /// q4_K: nothing is padded) or a weight is NaN or infinite; `w.len()` must be out × inp.
-    pub fn quantize(kind: BlockKind, w: &[f32], out: usize, inp: usize) -> Result<Self, String> {
+    pub fn quantize(kind: BlockKind, w: &[f32], out: usize, inp: usize, par: &Par) -> Result<Self, String> {
         if w.len() != out * inp {
             return Err(format!("{} weights for a {out} × {inp} matrix", w.len()));
         }
@@ -219,39 +220,21 @@ impl PackedQ {
             let header = if kind == BlockKind::Q4K { K_HEADER } else { SCALES };
             unit[header..].fill(zero);
         }
-        for r in 0..out {
-            let (g, rr) = (r / GROUP, r % GROUP);
-            for u in 0..units {
-                let src = &w[r * inp + u * kind.block()..][..kind.block()];
-                let unit = &mut data[(g * units + u) * ub..][..ub];
-                match kind {
-                    BlockKind::Q8_0 => {
-                        let mut q = [0i8; QK];
-                        let d = qblocks::q8_0(src.try_into().expect("a block"), &mut q);
-                        unit[rr * 2..rr * 2 + 2].copy_from_slice(&d.to_le_bytes());
-                        for (i, &v) in q.iter().enumerate() {
-                            unit[SCALES + quant_at(rr, i, false).0] = (v as i32 + 128) as u8;
-                        }
-                    }
-                    BlockKind::Q4_0 => {
-                        let mut q = [0u8; QK];
-                        let d = qblocks::q4_0(src.try_into().expect("a block"), &mut q);
-                        unit[rr * 2..rr * 2 + 2].copy_from_slice(&d.to_le_bytes());
-                        put_nibbles(&mut unit[SCALES..], rr, &q);
-                    }
-                    BlockKind::Q4K => {
-                        let b = qblocks::q4_k(src.try_into().expect("a super-block"));
-                        unit[rr * 2..rr * 2 + 2].copy_from_slice(&b.d.to_le_bytes());
-                        unit[K_DMIN + rr * 2..K_DMIN + rr * 2 + 2].copy_from_slice(&b.dmin.to_le_bytes());
-                        for j in 0..8 {
-                            unit[K_SC + j * GROUP + rr] = b.sc[j];
-                            unit[K_M + j * GROUP + rr] = b.m[j];
-                            let q: &[u8; QK] = b.q[j * QK..(j + 1) * QK].try_into().expect("a sub-block");
-                            put_nibbles(&mut unit[K_HEADER + j * Q4_BYTES..], rr, q);
-                        }
-                    }
+        let dp = Shared(data.as_mut_ptr());
+        let fill = |groups: Range<usize>| {
+            let dp = dp;
+            for g in groups {
+                // SAFETY: group g's units are written by this unit of work only.
+                let gdata = unsafe { std::slice::from_raw_parts_mut(dp.0.add(g * units * ub), units * ub) };
+                for r in g * GROUP..out.min((g + 1) * GROUP) {
+                    quantize_row_into(kind, &w[r * inp..(r + 1) * inp], r % GROUP, gdata);
                 }
             }
+        };
+        if par.threads > 1 && out * inp >= 1 << 16 {
+            par.install(|| par.run(out.div_ceil(GROUP), fill));
+        } else {
+            fill(0..out.div_ceil(GROUP));
         }
         Ok(PackedQ { kind, out, inp, nb, buf, off })
     }
@@ -419,6 +402,41 @@ impl PackedQ {
                 }
             }
         });
+    }
+}
+
+/// Quantize one row (`w`: in_features weights) into row `rr` of its group's units `gdata`.
+fn quantize_row_into(kind: BlockKind, w: &[f32], rr: usize, gdata: &mut [u8]) {
+    let ub = kind.unit_bytes();
+    for (u, src) in w.chunks_exact(kind.block()).enumerate() {
+        let unit = &mut gdata[u * ub..(u + 1) * ub];
+        match kind {
+            BlockKind::Q8_0 => {
+                let mut q = [0i8; QK];
+                let d = qblocks::q8_0(src.try_into().expect("a block"), &mut q);
+                unit[rr * 2..rr * 2 + 2].copy_from_slice(&d.to_le_bytes());
+                for (i, &v) in q.iter().enumerate() {
+                    unit[SCALES + quant_at(rr, i, false).0] = (v as i32 + 128) as u8;
+                }
+            }
+            BlockKind::Q4_0 => {
+                let mut q = [0u8; QK];
+                let d = qblocks::q4_0(src.try_into().expect("a block"), &mut q);
+                unit[rr * 2..rr * 2 + 2].copy_from_slice(&d.to_le_bytes());
+                put_nibbles(&mut unit[SCALES..], rr, &q);
+            }
+            BlockKind::Q4K => {
+                let b = qblocks::q4_k(src.try_into().expect("a super-block"));
+                unit[rr * 2..rr * 2 + 2].copy_from_slice(&b.d.to_le_bytes());
+                unit[K_DMIN + rr * 2..K_DMIN + rr * 2 + 2].copy_from_slice(&b.dmin.to_le_bytes());
+                for j in 0..8 {
+                    unit[K_SC + j * GROUP + rr] = b.sc[j];
+                    unit[K_M + j * GROUP + rr] = b.m[j];
+                    let q: &[u8; QK] = b.q[j * QK..(j + 1) * QK].try_into().expect("a sub-block");
+                    put_nibbles(&mut unit[K_HEADER + j * Q4_BYTES..], rr, q);
+                }
+            }
+        }
     }
 }
 
@@ -1128,7 +1146,7 @@ mod tests {
     fn packing_round_trips_the_quantized_values() {
         let w = weights(40, 512, 3);
         for kind in KINDS {
-            let p = PackedQ::quantize(kind, &w, 40, 512).unwrap();
+            let p = PackedQ::quantize(kind, &w, 40, 512, &Par::new(2).unwrap()).unwrap();
             let got = dequantized(&p);
             for r in [0, 17, 31, 32, 39] {
                 for b in 0..512 / kind.block() {
@@ -1157,11 +1175,11 @@ mod tests {
                 }
             }
         }
-        let e = PackedQ::quantize(BlockKind::Q4_0, &[0.0; 48], 1, 48).unwrap_err();
+        let e = PackedQ::quantize(BlockKind::Q4_0, &[0.0; 48], 1, 48, &Par::new(1).unwrap()).unwrap_err();
         assert!(e.contains("[1, 48]") && e.contains("multiple of its block size 32"), "{e}");
-        let e = PackedQ::quantize(BlockKind::Q4K, &[0.0; 96], 1, 96).unwrap_err();
+        let e = PackedQ::quantize(BlockKind::Q4K, &[0.0; 96], 1, 96, &Par::new(1).unwrap()).unwrap_err();
         assert!(e.contains("q4_k") && e.contains("256"), "{e}");
-        let e = PackedQ::quantize(BlockKind::Q8_0, &[f32::NAN; 32], 1, 32).unwrap_err();
+        let e = PackedQ::quantize(BlockKind::Q8_0, &[f32::NAN; 32], 1, 32, &Par::new(1).unwrap()).unwrap_err();
         assert!(e.contains("NaN") && e.contains("[0, 0]"), "{e}");
         assert_eq!(bits_per_weight(BlockKind::Q4_0), 4.5);
         assert_eq!(bits_per_weight(BlockKind::Q8_0), 8.5);
@@ -1190,7 +1208,7 @@ mod tests {
         let mut xr = QuantRows::default();
         xr.quantize(&Par::new(1).unwrap(), &x, 1, 256);
         for kind in KINDS {
-            let p = PackedQ::quantize(kind, &weights(3, 256, 1), 3, 256).unwrap();
+            let p = PackedQ::quantize(kind, &weights(3, 256, 1), 3, 256, &Par::new(1).unwrap()).unwrap();
             for level in int_levels() {
                 let mut y = vec![0f32; 3];
                 p.matmul_at(level, &Par::new(1).unwrap(), &xr, &mut y, 3);
@@ -1212,7 +1230,7 @@ mod tests {
             let mut xa = QuantRows::default();
             xa.quantize(&serial, &x, mmax, k);
             for kind in KINDS {
-                let p = PackedQ::quantize(kind, &w, rows, k).unwrap();
+                let p = PackedQ::quantize(kind, &w, rows, k, &serial).unwrap();
                 let wq = dequantized(&p);
                 let mut first: Option<Vec<f32>> = None;
                 for level in int_levels() {
@@ -1269,7 +1287,7 @@ mod tests {
         xq.quantize(&Par::new(1).unwrap(), &x, m, k);
         let mut errs = Vec::new();
         for kind in KINDS {
-            let p = PackedQ::quantize(kind, &w, rows, k).unwrap();
+            let p = PackedQ::quantize(kind, &w, rows, k, &Par::new(1).unwrap()).unwrap();
             let wq = dequantized(&p);
             let mut y = vec![0f32; m * rows];
             p.matmul(&Par::new(1).unwrap(), &xq, &mut y, rows);

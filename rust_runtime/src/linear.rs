@@ -34,10 +34,10 @@ pub enum Linear {
 
 impl Linear {
     /// Build one matrix from tensors stacked by rows (q, k, v → qkv), each `inp` wide. Adjacent
-    /// parts of the same kind are packed together. Errors name the tensor: a length that is not
+    /// parts of the same kind are packed together (quantized on `par`'s threads). Errors name the tensor: a length that is not
     /// rows × inp, an f32 part beside a quantized one, an `inp` that a block kind cannot cover
     /// (not a multiple of 32), a NaN or infinite weight.
-    pub fn new(parts: Vec<Part>, inp: usize) -> Result<Self> {
+    pub fn new(parts: Vec<Part>, inp: usize, par: &Par) -> Result<Self> {
         for p in &parts {
             if p.w.len() != p.rows * inp {
                 return Err(Error::Internal(format!("{}: {} weights for {} × {inp}", p.name, p.w.len(), p.rows)));
@@ -78,7 +78,7 @@ impl Linear {
                 ws.push(next.w);
             }
             let w = concat(ws);
-            let q = PackedQ::quantize(kind, &w, rows, inp)
+            let q = PackedQ::quantize(kind, &w, rows, inp, par)
                 .map_err(|e| Error::format(format!("{}: {e}", names.join(" + "))))?;
             packed.push((row0, q));
             row0 += rows;

@@ -91,10 +91,11 @@ impl Model {
             cfg.intermediate_size,
             cfg.vocab_size,
         );
+        let par = Par::new(threads)?;
         // one matrix from tensors stacked by rows, each stored as `quantize` says for its role
         let lin = |inp: usize, parts: Vec<(String, Vec<f32>, usize, Option<BlockKind>)>| {
             let parts = parts.into_iter().map(|(name, w, rows, kind)| Part { name, w, rows, kind }).collect();
-            Linear::new(parts, inp)
+            Linear::new(parts, inp, &par)
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
@@ -135,7 +136,7 @@ impl Model {
             let embed = match quantize.storage(Role::EmbedTokens) {
                 None => Embedding::F32(embed_w),
                 Some(kind) => Embedding::Quant(
-                    PackedQ::quantize(kind, &embed_w, vocab, h)
+                    PackedQ::quantize(kind, &embed_w, vocab, h, &par)
                         .map_err(|e| Error::format(format!("{embed_name}: {e}")))?,
                 ),
             };
@@ -143,7 +144,7 @@ impl Model {
             (embed, lin(h, vec![("lm_head.weight".into(), head, vocab, quantize.storage(Role::LmHead))])?)
         };
         let (cos, sin) = rope_tables(&cfg);
-        Ok(Model { cfg, quantize, par: Par::new(threads)?, embed, layers, norm, lm_head, cos, sin })
+        Ok(Model { cfg, quantize, par, embed, layers, norm, lm_head, cos, sin })
     }
 
     /// Bytes of weights one forward reads (every matrix once, the lm_head included; norms and an
