@@ -1,8 +1,8 @@
 //! A weight matrix y = x·Wᵀ (W out × in, the nn.Linear layout), f32 or block-quantized.
 //!
 //! f32 weights are packed once at load (`kernels::PackedF32`); quantized ones are packed for the
-//! integer kernels (`kernels_int::PackedQ`, q8_0 or q4_0), possibly in row ranges of different
-//! kinds (the fused q/k/v matrix keeps v at 8 bits under `q4_k_m`). Either way each output
+//! integer kernels (`kernels_int::PackedQ`: q8_0, q4_0 or q4_K), possibly in row ranges of different
+//! kinds (the fused q/k/v matrix keeps v at 8 bits under `q4_mix`). Either way each output
 //! element is one fixed chain, so results do not depend on the batch.
 
 use crate::error::{Error, Result};
@@ -163,4 +163,25 @@ fn concat(parts: Vec<Vec<f32>>) -> Vec<f32> {
         out.extend_from_slice(&p);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_width_a_block_cannot_cover_is_refused_naming_the_tensor_and_the_block() {
+        let par = Par::new(1).unwrap();
+        for (kind, inp, block) in [(BlockKind::Q4K, 64, 256), (BlockKind::Q4_0, 48, 32), (BlockKind::Q8_0, 40, 32)] {
+            let part = Part {
+                name: "model.layers.0.self_attn.q_proj.weight".into(),
+                w: vec![0.5; 8 * inp],
+                rows: 8,
+                kind: Some(kind),
+            };
+            let msg = Linear::new(vec![part], inp, &par).err().unwrap().to_string();
+            assert!(msg.contains("q_proj.weight") && msg.contains(&format!("[8, {inp}]")), "{msg}");
+            assert!(msg.contains(kind.name()) && msg.contains(&format!("block size {block};")), "{msg}");
+        }
+    }
 }

@@ -102,8 +102,8 @@ pub struct PyModel {
 #[pymethods]
 impl PyModel {
     /// Load a bundle directory (model.safetensors, config.json, tokenizer.json).
-    /// quantize: None / "none" (f32), "int8" (q8_0 for every linear incl. lm_head), "q4_0" or "q4_k_m"
-    /// (4 bits, some matrices at q8_0: `QUANTIZE_PLAN`); weights are quantized at load.
+    /// quantize: None / "none" (f32), "int8" (q8_0 for every linear incl. lm_head), "q4_0" (4 bits everywhere) or
+    /// "q4_mix" (4 bits, the embedding / lm_head / v / down at q8_0): `QUANTIZE_PLAN`; weights are quantized at load.
     /// threads: compute threads (default: the process-wide pool size, see README).
     /// verify: check config.json, model.safetensors and tokenizer.json against the sha256 sums
     /// of the bundle's manifest.json, refusing a bundle without one (False: skip the manifest).

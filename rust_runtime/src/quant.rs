@@ -1,17 +1,18 @@
 //! The quantization kinds a model can be loaded with (the names Python passes as `quantize=`),
 //! and which storage each weight matrix gets under each kind: one table (`KINDS`, `Quantize::storage`),
-//! which Python's list of schemes (names, and the roles kept at 8 bits) must equal
-//! (`rust_runtime.QUANTIZE_NAMES`, `rust_runtime.quantize_plan`, tests/test_rust_quant.py).
+//! which Python's list of schemes (`serve.quant`: its names, and the roles each keeps at 8 bits) must
+//! equal (`rust_runtime.QUANTIZE_NAMES`, `rust_runtime.QUANTIZE_PLAN`, tests/test_rust_runtime.py).
 //!
 //! * `none`: every matrix f32 (packed, `kernels::PackedF32`).
 //! * `int8`: every matrix q8_0, the lm_head (tied or not) included.
-//! * `q4_0`: every matrix q4_0 except the embedding and the lm_head, which stay q8_0 (llama.cpp's
-//!   Q4_0 file type keeps its output matrix at more bits too).
-//! * `q4_k_m`: in the spirit of llama.cpp's Q4_K_M: GGML's q4_K (super-blocks of 256, a 6-bit
-//!   scale and min per 32) for q/k/o/gate/up, and q8_0 for the matrices where 4 bits cost the
-//!   most: the embedding and lm_head, v_proj and down_proj (llama.cpp gives its output, and half of
-//!   attn_v and ffn_down, 6 bits). Chosen by measurement: ΔNLL per role at 4 bits on a trained
-//!   model, `benchmarks/results/quant_mix.md`.
+//! * `q4_0`: every matrix q4_0, the embedding and lm_head included (what a pure GGUF Q4_0 holds).
+//! * `q4_mix`: in the spirit of llama.cpp's Q4_K_M: q4_0 for q/k/o/gate/up, and q8_0 for the
+//!   matrices where 4 bits cost the most: the embedding and lm_head, v_proj and down_proj
+//!   (llama.cpp gives its output, and half of attn_v and ffn_down, 6 bits). The same blocks of 32 as
+//!   q4_0 and q8_0, so ONNX's `MatMulNBits` form computes from the same numbers.
+//!
+//! GGML's q4_K (`BlockKind::Q4K`, super-blocks of 256) has kernels too (`kernels_int`, `qblocks`)
+//! but no name: serve.quant has no Rust scheme that uses it.
 
 use crate::error::{Error, Result};
 use crate::kernels_int::{bits_per_weight, BlockKind};
@@ -22,12 +23,12 @@ pub enum Quantize {
     None,
     Q8_0,
     Q4_0,
-    Q4KM,
+    Q4Mix,
 }
 
 /// Every kind and its name, in the order Python lists them (`rust_runtime.QUANTIZE_NAMES`).
 pub const KINDS: [(&str, Quantize); 4] =
-    [("none", Quantize::None), ("int8", Quantize::Q8_0), ("q4_0", Quantize::Q4_0), ("q4_k_m", Quantize::Q4KM)];
+    [("none", Quantize::None), ("int8", Quantize::Q8_0), ("q4_0", Quantize::Q4_0), ("q4_mix", Quantize::Q4Mix)];
 
 /// What a weight matrix is in the model, by its Hugging Face name (`model.layers.N.self_attn.q_proj.weight`
 /// → `QProj`): the unit `Quantize::storage` decides on.
@@ -92,16 +93,12 @@ impl Quantize {
 
     /// How a matrix of `role` is stored: `None` for f32, else its block kind.
     pub fn storage(&self, role: Role) -> Option<BlockKind> {
-        let kept = |r: Role| match self {
-            Quantize::Q4_0 => matches!(r, Role::EmbedTokens | Role::LmHead),
-            _ => matches!(r, Role::EmbedTokens | Role::LmHead | Role::VProj | Role::DownProj),
-        };
+        let kept = matches!(role, Role::EmbedTokens | Role::LmHead | Role::VProj | Role::DownProj);
         match self {
             Quantize::None => None,
             Quantize::Q8_0 => Some(BlockKind::Q8_0),
-            Quantize::Q4_0 | Quantize::Q4KM if kept(role) => Some(BlockKind::Q8_0),
-            Quantize::Q4_0 => Some(BlockKind::Q4_0),
-            Quantize::Q4KM => Some(BlockKind::Q4K),
+            Quantize::Q4Mix if kept => Some(BlockKind::Q8_0),
+            Quantize::Q4_0 | Quantize::Q4Mix => Some(BlockKind::Q4_0),
         }
     }
 
@@ -136,13 +133,14 @@ mod tests {
         let at8 = |q: Quantize| -> Vec<&str> {
             ROLES.iter().filter(|r| q.storage(**r) == Some(BlockKind::Q8_0)).map(|r| r.name()).collect()
         };
-        assert_eq!(at8(Quantize::Q4_0), ["embed_tokens", "lm_head"]);
-        assert_eq!(at8(Quantize::Q4KM), ["embed_tokens", "v_proj", "down_proj", "lm_head"]);
+        assert!(at8(Quantize::Q4_0).is_empty());
+        assert_eq!(at8(Quantize::Q4Mix), ["embed_tokens", "v_proj", "down_proj", "lm_head"]);
         assert_eq!(at8(Quantize::Q8_0).len(), 9);
         assert!(ROLES.iter().all(|r| Quantize::None.storage(*r).is_none()));
         assert_eq!(Quantize::Q4_0.storage(Role::QProj), Some(BlockKind::Q4_0));
-        assert_eq!(Quantize::Q4KM.storage(Role::GateProj), Some(BlockKind::Q4K));
-        assert_eq!(Quantize::Q4KM.tied_storage(), Some(BlockKind::Q8_0));
+        assert_eq!(Quantize::Q4Mix.storage(Role::GateProj), Some(BlockKind::Q4_0));
+        assert_eq!(Quantize::Q4Mix.tied_storage(), Some(BlockKind::Q8_0));
+        assert_eq!(Quantize::Q4_0.tied_storage(), Some(BlockKind::Q4_0));
         assert_eq!(Quantize::None.tied_storage(), None);
     }
 }

@@ -68,7 +68,7 @@ class RustSequence:
 
 class RustBackend:
     """Weights in Rust (f32, or quantized at load: ``quantize`` = a name of ``rust_runtime.QUANTIZE_NAMES``, "int8"
-    = q8_0 everywhere, "q4_0" / "q4_k_m" = 4 bits with some matrices at q8_0) plus a factory of KV caches."""
+    = q8_0 everywhere, "q4_0" = 4 bits everywhere, "q4_mix" = 4 bits with the embedding / lm_head / v / down at q8_0) plus a factory of KV caches."""
 
     name = "rust"
 
