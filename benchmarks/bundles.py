@@ -18,7 +18,8 @@
   bundle that passed it is reused all the same).
 * :func:`given_or_newest`: the bundle named on a command line, else the newest ``runs/*/bundle``.
 * :func:`eot_id`: the bundle's ``<|endoftext|>`` id, which starts every prompt.
-* :func:`gguf`: the bundle as llama.cpp's GGUF, ``BUNDLE/model-TYPE.gguf`` (``export.gguf``), made once.
+* :func:`gguf`: the bundle as llama.cpp's GGUF, ``BUNDLE/model-TYPE.gguf`` (``export.gguf``; Q4_0 and Q4_K_M by
+  llama.cpp's own quantizer, :func:`llama_quantize`), made once.
 
 Random weights serve speed and memory figures: a dense float32 or int8 model does the same work whatever its
 values. (They do not serve quality figures; greedy continuations of an untrained model are near ties.)
@@ -130,19 +131,53 @@ def eot_id(bundle: Path) -> int:
 
 
 def gguf_path(bundle: Path, kind: str) -> Path:
-    """Where the bundle's GGUF of type ``kind`` (f32, f16, q8_0) lies: ``bundle/model-<kind>.gguf``
+    """Where the bundle's GGUF of type ``kind`` (f32, f16, q8_0, q4_0, q4_k_m) lies: ``bundle/model-<kind>.gguf``
     (serve.bundle.gguf_file)."""
     from serve.bundle import gguf_file
 
     return Path(bundle) / gguf_file(kind)
 
 
+# GGUF types made by llama.cpp's own quantizer from the f32 GGUF (llama-cpp-python's ``llama_model_quantize``, as
+# ``llama-quantize`` does), with its file-type rules: Q4_0 keeps the output matrix (the tied token_embd) at Q6_K,
+# Q4_K_M gives it and half of attn_v / ffn_down Q6_K. Values: llama.h's LLAMA_FTYPE_MOSTLY_Q4_0 and _Q4_K_M.
+LLAMA_FTYPES = {"q4_0": 2, "q4_k_m": 15}
+
+
 def gguf(bundle: Path, kind: str, log: Callable[[str], None] = print) -> Path:
-    """:func:`gguf_path`, written by ``export.gguf`` (with its approximated pre-tokenizer: the benchmarks feed
-    token ids) unless it exists. Raises export.errors.ExportError as export_gguf does."""
+    """:func:`gguf_path`, unless it exists written by ``export.gguf`` (with its approximated pre-tokenizer: the
+    benchmarks feed token ids), or for a kind of :data:`LLAMA_FTYPES` by llama.cpp's quantizer from the f32 one
+    (:func:`llama_quantize`: the files people compare against). Raises export.errors.ExportError as export_gguf
+    does, and llama_quantize's errors."""
     path = gguf_path(bundle, kind)
     if not path.is_file():
+        if kind in LLAMA_FTYPES:
+            f32 = gguf(bundle, "f32", log)
+            log(f"llama.cpp quantizes {f32.name} to {kind}")
+            return llama_quantize(f32, path, kind)
         from export.gguf import export_gguf
 
         export_gguf(bundle, path, kind, log=log, approximate_pretokenizer=True)
     return path
+
+
+def llama_quantize(src: Path, dst: Path, kind: str, threads: int = 2) -> Path:
+    """Write ``dst`` = the f32 GGUF ``src`` quantized to ``kind`` (a key of :data:`LLAMA_FTYPES`) by llama.cpp,
+    atomically (a temporary beside ``dst``, renamed when complete). Raises ImportError without llama-cpp-python (the
+    ``bench`` extra), ValueError for another kind, RuntimeError when llama.cpp reports a failure."""
+    if kind not in LLAMA_FTYPES:
+        raise ValueError(f"kind is {kind!r}; llama.cpp quantizes here to one of {', '.join(LLAMA_FTYPES)}")
+    import ctypes
+
+    import llama_cpp
+
+    from train.atomic import atomic_path
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[kind]
+    params.nthread = threads
+    with atomic_path(dst) as tmp:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {src} to {kind} (code {rc})")
+    return dst

@@ -7,11 +7,13 @@ Bundles: ``--bundle`` folders, and for each ``--preset`` (a config of ``configs/
 ``runs/NAME-init/bundle``, made by ``train.run`` and ``export.onnx`` (with the int8 graph when an int8 ONNX lane is
 timed) when absent (benchmarks/bundles.py). Default: ``runs/small/bundle`` when it exists, else ``--preset small``.
 
-Backends (``--backends``; the lanes of benchmarks/lanes.py): ``rust-f32``, ``rust-int8`` (rust_runtime,
-quantize="int8" = candle q8_0), ``ort-fp32``, ``ort-int8`` (serve's OnnxBackend on model.onnx / model.int8.onnx),
-``torch`` (PyTorch eager: the bundle's model.safetensors through train.model, with its KV cache), ``llama-f32``,
-``llama-q8_0`` (llama.cpp via llama-cpp-python on ``export.gguf``'s GGUF, fed our token ids). A backend whose
-library is absent is skipped and the table says why; a missing GGUF is written first (``BUNDLE/model-<type>.gguf``).
+Backends (``--backends``; the lanes of benchmarks/lanes.py): ``rust-f32``, ``rust-int8``, ``rust-q4_0``,
+``rust-q4_mix`` (rust_runtime with that ``quantize``: its integer kernels), ``ort-fp32``, ``ort-int8`` (serve's
+OnnxBackend on model.onnx / model.int8.onnx), ``torch`` (PyTorch eager: the bundle's model.safetensors through
+train.model, with its KV cache), ``llama-f32``, ``llama-q8_0``, ``llama-q4_0``, ``llama-q4_k_m`` (llama.cpp via
+llama-cpp-python on the GGUF, fed our token ids: f32 and q8_0 written by ``export.gguf``, Q4_0 and Q4_K_M by
+llama.cpp's own quantizer from the f32 one). A backend whose library is absent is skipped and the table says why; a
+missing GGUF is written first (``BUNDLE/model-<type>.gguf``, benchmarks.bundles.gguf).
 
 Method (benchmarks/timing.py). Every backend runs in its own worker process (its own thread pools and OpenMP
 runtime; workers sleep on a pipe while another measures), loaded once, warmed by one measurement — whose peak RSS
@@ -21,15 +23,16 @@ quiet pause before a measurement, as before the timing module: in an A/B at load
 ran slower after one, 35-48 ms against 27-34 ms for rust f32.) One measurement = prefill of the prompt
 (``<|endoftext|>`` + Bangla/English text, our token ids), then ``--new`` greedy steps through the backend's Sequence (``prefill``/``decode`` → logits → numpy
 argmax → next id: the same Python loop for all). Reported: medians over rounds, and the median of per-round ratios
-for the two targets (rust f32 ≥ 1.5× ort fp32; rust int8 ≥ 1.0× llama.cpp q8_0). Every backend gets the same
+for the targets (rust f32 ≥ 1.5× ort fp32; rust int8 ≥ 1.0× llama.cpp q8_0; rust q4_0 ≥ 1.2× llama.cpp Q4_0;
+rust q4_mix ≥ 1.0× llama.cpp Q4_K_M). Every backend gets the same
 thread count; the default runs all cores and then 1 thread.
 
 Roofline (benchmarks/roofline.py). Memory bandwidth is measured here (numpy: threads each ``dot`` two float32
 arrays of 256 MiB total per pass; bytes read / time, best of several passes, before and after each group). Decode
 must read every matmul weight once per token (the lm_head included, the embedding lookup not): roofline tok/s =
 bandwidth ÷ weight bytes, at 4 bytes/weight for f32, 34/32 for q8_0 (a float16 scale per 32 int8s) and 1 for
-ORT's per-channel int8. A share above 100 % means the weights were (partly) served from cache (the 300 MiB L3 is
-shared with the host).
+ORT's per-channel int8; the 4-bit lanes count each matrix at its own type (lanes.weight_bytes). A share above
+100 % means the weights were (partly) served from cache (the 300 MiB L3 is shared with the host).
 
 Output: ``--out``/decode.json (results keyed by bundle and thread count; a new run replaces only its own keys
 unless ``--fresh``), decode.md (tables) and decode.png (bar chart). Times are wall-clock on a machine shared with
@@ -58,7 +61,8 @@ from serve.bundle import CONFIG, TOKENIZER  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-TARGETS = (("rust-f32", "ort-fp32", 1.5), ("rust-int8", "llama-q8_0", 1.0))  # (lane, peer lane, target ratio)
+TARGETS = (("rust-f32", "ort-fp32", 1.5), ("rust-int8", "llama-q8_0", 1.0),  # (lane, peer lane, target ratio)
+           ("rust-q4_0", "llama-q4_0", 1.2), ("rust-q4_mix", "llama-q4_k_m", 1.0))
 PROMPT_TEXT = ("বাংলা ভাষা দক্ষিণ এশিয়ার একটি ইন্দো-আর্য ভাষা। আমি বাংলায় গান গাই, আমি বাংলার গান গাই। "
                "The history of the river is the history of the people who live beside it. ")
 
@@ -160,14 +164,15 @@ def start_workers(bundle: Path, names: list[str], threads: int, ids: list[int], 
     return workers, failed, notes
 
 
-def summarize(per: dict[str, list[dict]], ready: dict[str, dict], weights: int, bw: float) -> dict[str, dict]:
+def summarize(per: dict[str, list[dict]], ready: dict[str, dict], cfg: dict, bw: float) -> dict[str, dict]:
     """Medians and roofline shares per backend; also how many leading greedy tokens agree with torch's."""
     ref = ready.get("torch", {}).get("warmup", {}).get("tokens")
     out = {}
     for name, runs in per.items():
         lane = lanes.LANES[name]
         dec = [r["decode_tok_s"] for r in runs]
-        roof = bw * 1e9 / (weights * lane.bytes_per_weight)
+        wb = lanes.weight_bytes(lane, cfg)
+        roof = bw * 1e9 / wb
         toks = ready[name]["warmup"]["tokens"]
         agree = None
         if ref is not None:
@@ -175,7 +180,7 @@ def summarize(per: dict[str, list[dict]], ready: dict[str, dict], weights: int, 
         out[name] = {
             "label": lane.label, "prefill_ms": timing.median(r["prefill_ms"] for r in runs),
             "decode_tok_s": timing.median(dec), "decode_tok_s_min": min(dec), "decode_tok_s_max": max(dec),
-            "decode_tok_s_rounds": [round(x, 2) for x in dec], "weight_bytes_per_token": weights * lane.bytes_per_weight,
+            "decode_tok_s_rounds": [round(x, 2) for x in dec], "weight_bytes_per_token": wb,
             "roofline_tok_s": roof, "share_of_roofline": timing.median(dec) / roof,
             "peak_rss_mb": ready[name]["peak_rss_mb"], "rss_mb": ready[name].get("rss_mb"),
             "load_s": ready[name]["load_s"],
@@ -229,7 +234,7 @@ def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespac
         "threads": threads, "prompt": a.prompt, "new": a.new, "rounds": a.rounds,
         "matmul_weights": weights, "bandwidth_gbs": bw, "bandwidth_gbs_before_after": [bw0, bw1],
         "load_avg": {"start": load0, "min": min(loads), "max": max(loads), "median": timing.median(loads)},
-        "backends": summarize(per, ready, weights, bw), "ratios": target_ratios(per),
+        "backends": summarize(per, ready, cfg, bw), "ratios": target_ratios(per),
         "skipped": {**skipped, **failed}, "notes": notes,
     }
 
@@ -239,7 +244,8 @@ def run_group(bundle: Path, names: list[str], threads: int, a: argparse.Namespac
 def markdown(res: dict) -> str:
     m = res["machine"]
     shown = [lanes.LANES[n] for n in lanes.LANES if any(n in g["backends"] for g in res["groups"])]
-    per_weight = ", ".join(f"{lane.label} {lane.bytes_per_weight:.4g} B" for lane in shown)
+    per_weight = ", ".join(f"{lane.label} {lane.bytes_per_weight:.4g} B" if lane.bytes_per_weight is not None
+                           else f"{lane.label} per matrix" for lane in shown)
     lines = [
         "# Decode speed at batch 1: Rust, onnxruntime, PyTorch, llama.cpp",
         "",

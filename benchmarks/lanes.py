@@ -3,14 +3,15 @@
 A lane is a row of :data:`LANES`: its runtime (``rust``: rust_runtime through serve's RustBackend; ``onnx``:
 onnxruntime through serve's OnnxBackend; ``torch``: this repository's PyTorch model, eager, with its KV cache;
 ``llama``: llama.cpp on ``export.gguf``'s GGUF, a peer only), its kind (serve's ``quantize`` setting for rust and
-onnx, the GGUF type for llama) and the bytes each matmul weight costs a decoded token (the decode roofline).
+onnx, the GGUF type for llama) and the bytes each matmul weight costs a decoded token (the decode roofline;
+:func:`weight_bytes` per matrix for the mixes of 4 and 8 bits).
 :func:`load` returns an object with ``new_sequence()`` whose sequences have ``prefill(ids)`` / ``decode(id)`` →
 float32 logits; :func:`unavailable` says why a lane cannot run here; :func:`export_quantize` is the quantized ONNX
 graph a set of lanes needs in the bundle.
 
-Adding a quantization kind is one row here (say ``Lane("rust-q4", "rust", "q4", "rust q4", 18 / 32)``, once
-``serve.load`` takes ``quantize="q4"``), then naming it where a script pairs lanes: ``decode.py``'s ``TARGETS``,
-``prefill.py``'s ``PAIRS``, ``serve_batching.py``'s ``ENGINES`` / ``PEERS``.
+Adding a quantization kind is one row here (say ``Lane("rust-q4_0", "rust", "q4_0", "rust q4_0", None)``), then
+naming it where a script pairs lanes: ``decode.py``'s ``TARGETS``, ``prefill.py``'s ``PAIRS``,
+``serve_batching.py``'s ``ENGINES`` / ``PEERS``.
 """
 
 from __future__ import annotations
@@ -26,24 +27,32 @@ from benchmarks.bundles import gguf_path
 class Lane:
     """One runtime at one kind: ``name`` (the command-line name), ``runtime`` (rust, onnx, torch, llama),
     ``kind`` (None = float32, else serve's quantize setting, or the GGUF type for llama), ``label`` (for tables)
-    and ``bytes_per_weight`` (bytes read per matmul weight per decoded token)."""
+    and ``bytes_per_weight`` (bytes read per matmul weight per decoded token; None: it differs by matrix, see
+    :func:`weight_bytes`)."""
 
     name: str
     runtime: str
     kind: str | None
     label: str
-    bytes_per_weight: float
+    bytes_per_weight: float | None
 
 
 LANES: dict[str, Lane] = {lane.name: lane for lane in (
     Lane("rust-f32", "rust", None, "rust f32", 4.0),
-    Lane("rust-int8", "rust", "int8", "rust int8 (q8_0)", 34 / 32),  # candle q8_0: a float16 scale per 32 int8s
+    Lane("rust-int8", "rust", "int8", "rust int8 (q8_0)", 34 / 32),  # q8_0: a float16 scale per 32 int8s
+    Lane("rust-q4_0", "rust", "q4_0", "rust q4_0", None),  # rust_runtime.QUANTIZE_PLAN says each matrix's type
+    Lane("rust-q4_mix", "rust", "q4_mix", "rust q4_mix", None),
     Lane("ort-fp32", "onnx", None, "onnxruntime fp32", 4.0),
     Lane("ort-int8", "onnx", "int8", "onnxruntime int8", 1.0),  # per-channel int8 (export.quantize)
     Lane("torch", "torch", None, "PyTorch eager fp32", 4.0),
     Lane("llama-f32", "llama", "f32", "llama.cpp f32", 4.0),
     Lane("llama-q8_0", "llama", "q8_0", "llama.cpp q8_0", 34 / 32),
+    Lane("llama-q4_0", "llama", "q4_0", "llama.cpp Q4_0", None),  # llama.cpp's quantizer (bundles.gguf)
+    Lane("llama-q4_k_m", "llama", "q4_k_m", "llama.cpp Q4_K_M", None),
 )}
+
+# bytes per weight of a block type: 34 a q8_0 block of 32, 18 a q4_0 block; ggml's Q4_K 144 per 256, Q6_K 210 per 256
+TYPE_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "Q4_K": 144 / 256, "Q6_K": 210 / 256}
 
 _LIBRARY = {"rust": "rust_runtime", "onnx": "onnxruntime", "torch": "torch", "llama": "llama_cpp"}
 
@@ -71,6 +80,49 @@ class TorchBackend:
 
         torch.set_num_threads(self.threads)
         return TorchSequence(self.model)
+
+
+def role_weights(cfg: dict) -> dict[str, list[int]]:
+    """Weights of each matrix role (serve.quant's names: q_proj, ..., lm_head), one entry per layer (lm_head:
+    one); the embedding lookup reads one row, not counted."""
+    h, nh, inter, layers = (cfg[k] for k in ("hidden_size", "num_attention_heads", "intermediate_size",
+                                             "num_hidden_layers"))
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = h // nh
+    per = {"q_proj": nh * hd * h, "k_proj": nkv * hd * h, "v_proj": nkv * hd * h, "o_proj": h * nh * hd,
+           "gate_proj": inter * h, "up_proj": inter * h, "down_proj": h * inter}
+    return {**{r: [n] * layers for r, n in per.items()}, "lm_head": [cfg["vocab_size"] * h]}
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the attn_v / ffn_down layers (of ``n``) that its Q4_K_M gives Q6_K
+    (src/llama-quant.cpp, use_more_bits)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def weight_bytes(lane: Lane, cfg: dict) -> float:
+    """Bytes of matmul weights one decoded token reads on ``lane`` (lm_head included): weights × its
+    ``bytes_per_weight``, or per matrix — Rust as ``rust_runtime.QUANTIZE_PLAN`` stores each role, llama.cpp's Q4_0
+    with the output at Q6_K, its Q4_K_M with the output and the use_more_bits layers of attn_v / ffn_down at Q6_K."""
+    roles = role_weights(cfg)
+    if lane.bytes_per_weight is not None:
+        return sum(map(sum, roles.values())) * lane.bytes_per_weight
+    if lane.runtime == "rust":
+        import rust_runtime
+
+        plan = rust_runtime.QUANTIZE_PLAN[lane.kind]
+        return sum(n * TYPE_BYTES[plan[r]] for r, ns in roles.items() for n in ns)
+    total = 0.0
+    for r, ns in roles.items():
+        for i, n in enumerate(ns):
+            if r == "lm_head":
+                t = "Q6_K"
+            elif lane.kind == "q4_0":
+                t = "q4_0"
+            else:
+                t = "Q6_K" if r in ("v_proj", "down_proj") and use_more_bits(i, len(ns)) else "Q4_K"
+            total += n * TYPE_BYTES[t]
+    return total
 
 
 def unavailable(lane: Lane, bundle: Path) -> str | None:

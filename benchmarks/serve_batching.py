@@ -19,12 +19,14 @@ tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/r
 
 Engines (``ENGINES``: each a lane of benchmarks/lanes.py, served by its runtime's engine):
 
-* ``rust f32``, ``rust int8`` (q8_0-style): rust_runtime.Engine with max_batch = C, in-process.
+* ``rust f32``, ``rust int8``, ``rust q4_0``, ``rust q4_mix``: rust_runtime.Engine with max_batch = C, in-process
+  (the quantized lanes on rust_runtime's integer kernels).
 * ``onnx f32``: serve's own engine (serve.engine.StepEngine, the Python scheduler the onnx backend serves through)
   over the bundle's model.onnx with OnnxBackend.decode_batch, with the same max_batch / token_budget /
   prefill_chunk; in-process.
-* ``llama-server f32``, ``llama-server q8_0``: llama.cpp's server on the same model as GGUF (``python -m export.gguf
-  BUNDLE --type f32|q8_0 --approximate-pretokenizer``), started per cell (not timed) with ``--parallel C -t T -tb T
+* ``llama-server f32``, ``llama-server q8_0``, ``llama-server q4_0``, ``llama-server q4_k_m``: llama.cpp's server on
+  the same model as GGUF (``python -m export.gguf BUNDLE --type f32|q8_0 --approximate-pretokenizer``; Q4_0 and
+  Q4_K_M by llama.cpp's own quantizer from the f32 file, benchmarks.bundles.gguf), started per cell (not timed) with ``--parallel C -t T -tb T
   -c C × per-slot context`` and its defaults otherwise (continuous batching, f16 KV cache, flash attention auto,
   CPU weight repacking), then warmed up once; each stream is a streaming ``POST /completion`` whose ``prompt`` is
   the token id list, ``n_predict`` = --new, ``temperature 0, top_k 1``, no penalties, ``cache_prompt false``,
@@ -65,9 +67,11 @@ from train.atomic import atomic_path, atomic_write_json, atomic_write_text  # no
 
 # engine → the lane it serves (benchmarks/lanes.py); the lane's runtime picks the engine: rust → rust_runtime.Engine,
 # onnx → serve.engine.StepEngine, llama → llama-server on the lane's GGUF
-ENGINES = {"rust f32": "rust-f32", "rust int8": "rust-int8", "onnx f32": "ort-fp32",
-           "llama-server f32": "llama-f32", "llama-server q8_0": "llama-q8_0"}
-PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0"}  # Shalik lane → its llama-server lane
+ENGINES = {"rust f32": "rust-f32", "rust int8": "rust-int8", "rust q4_0": "rust-q4_0", "rust q4_mix": "rust-q4_mix",
+           "onnx f32": "ort-fp32", "llama-server f32": "llama-f32", "llama-server q8_0": "llama-q8_0",
+           "llama-server q4_0": "llama-q4_0", "llama-server q4_k_m": "llama-q4_k_m"}
+PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0",  # Shalik lane → its llama-server lane
+         "rust q4_0": "llama-server q4_0", "rust q4_mix": "llama-server q4_k_m"}
 BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
               "`--llama-server PATH` for a binary elsewhere")
 

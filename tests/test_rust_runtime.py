@@ -36,12 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from serve.bundle import QUANTIZE_CHOICES  # noqa: E402  (after the path set-up above)
+
 ATOL = RTOL = 1e-4  # docs/design.md: fp32 parity
 NEAR_TIE = 1e-3  # docs/design.md: greedy mismatch allowed only where the reference top-2 gap is below this
 # int8 (q8_0) vs f32: relative RMS error of the logits at most Q8_REL_RMS, and at most Q8_VS_ROUNDING
-# times the error that rounding the weights to q8_0 alone causes (candle also rounds activations to
-# 8 bits). Measured: 4.6 % (rounding alone 3.9 %) on `tiny`, 10.1 % (7.9 %) on `wide`, whose
-# random-init logits have std 3.3. A misplaced row or shard gives errors near 100 %.
+# times the error that rounding the weights to q8_0 alone causes (the integer kernels also round activations to
+# 8 bits, per 32-block). Measured with candle's q8_0: 4.6 % (rounding alone 3.9 %) on `tiny`, 10.1 % (7.9 %) on
+# `wide`, whose random-init logits have std 3.3. A misplaced row or shard gives errors near 100 %.
 Q8_REL_RMS = 0.15
 Q8_VS_ROUNDING = 1.6
 
@@ -293,7 +295,7 @@ def tiny_kv1(tmp_path_factory, tok_path):
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory, tok_path):
-    """hidden 256 / intermediate 512: the shapes where candle's repacked q8_0 kernels apply."""
+    """hidden 256 / intermediate 512 (candle's repacked q8_0 kernels needed k % 256 == 0)."""
     d = tmp_path_factory.mktemp("bundle_wide")
     return d, build_bundle(d, tok_path, hidden=256, inter=512, heads=4, kv=2, max_pos=512, seed=2)
 
@@ -461,11 +463,11 @@ def test_int8_close_to_f32(which, request):
     assert err < Q8_REL_RMS, f"q8 relative RMS error {err:.3f}"
     assert err < Q8_VS_ROUNDING * rounding + 0.01, f"q8 error {err:.3f} vs weight rounding alone {rounding:.3f}"
     assert (a.argmax(1) == b.argmax(1)).mean() >= 0.8
-    # step-by-step decode agrees with the q8 full forward (same kernels, same cache)
+    # step-by-step decode gives the q8 full forward's bits (the integer kernels are batch-invariant)
     seq = q8.new_sequence()
     seq.prefill(ids[:40])
     for i in range(40, 48):
-        np.testing.assert_allclose(seq.decode(ids[i]), b[i], atol=1e-3)
+        np.testing.assert_array_equal(seq.decode(ids[i]), b[i])
     # greedy continuations: equal until f32's own top-2 gap falls within q8's noise
     noise = 4 * float(np.abs(a - b).mean())
     lead = []
@@ -481,9 +483,89 @@ def test_int8_close_to_f32(which, request):
                 f"q8 greedy left f32 at step {i} where f32's top-2 gap is {top2[1] - top2[0]:.3f}"
             )
     assert max(lead) >= 4, f"q8 greedy leading agreement {lead}"
-    # threads: sharded q8 matmuls give the same numbers
+    # threads: the same bits
     q8_2 = rust_runtime.Model.load(str(d), threads=2, quantize="int8")
-    np.testing.assert_allclose(q8_2.logits(ids), b, atol=1e-4)
+    np.testing.assert_array_equal(q8_2.logits(ids), b)
+
+
+def q4_0_round(w: torch.Tensor) -> torch.Tensor:
+    """Round a (out, in) weight to q4_0 and back as GGML does: blocks of 32, d = (the w of largest |w|) / −8
+    stored as f16, q = trunc(w / d + 8.5) clamped to 0..15 (computed with the f32 1/d), w = d·(q − 8)."""
+    out, inp = w.shape
+    blk = w.float().reshape(out, inp // 32, 32)
+    wmax = blk.gather(-1, blk.abs().argmax(-1, keepdim=True))
+    d = wmax / -8
+    inv = torch.where(d != 0, 1 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.trunc(blk * inv + 8.5).clamp(0, 15)
+    return ((q - 8) * d.half().float()).reshape(out, inp)
+
+
+# serve.quant's schemes (issue 27 part X owns the list): the names rust_runtime offers and the roles each keeps at
+# q8_0 (Scheme.keep_8bit; q8_0 for every role of int8). When serve.quant is on main, these two literals are
+# serve.quant.BACKEND_NAMES["rust"] and {n: SCHEMES[n].keep_8bit}.
+SERVE_QUANT_NAMES = ("none", "int8", "q4_0", "q4_mix")
+SERVE_QUANT_KEEP_8BIT = {"q4_0": set(), "q4_mix": {"embed_tokens", "lm_head", "v_proj", "down_proj"}}
+ROLES = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def test_quantize_names_and_plan_are_serve_quants():
+    """The Rust list of quantization names and each name's storage per matrix role (src/quant.rs) are serve's:
+    the same names in the same order, q8_0 exactly where the scheme keeps 8 bits, q4_0 elsewhere."""
+    assert rust_runtime.QUANTIZE_NAMES == SERVE_QUANT_NAMES
+    assert set(QUANTIZE_CHOICES) <= set(rust_runtime.QUANTIZE_NAMES)   # every name serve passes is Rust's
+    plan = rust_runtime.QUANTIZE_PLAN
+    assert set(plan) == set(rust_runtime.QUANTIZE_NAMES) and all(tuple(p) == ROLES for p in plan.values())
+    assert set(plan["none"].values()) == {None} and set(plan["int8"].values()) == {"q8_0"}
+    for name, keep in SERVE_QUANT_KEEP_8BIT.items():
+        assert plan[name] == {r: "q8_0" if r in keep else "q4_0" for r in ROLES}, name
+    assert rust_runtime.int_simd_level in ("Avx512Vnni", "Avx2", "Generic")
+
+
+def test_rust_runtime_refuses_names_that_are_not_serves(wide):
+    """Spellings close to a name (llama.cpp's, GGUF's) are refused with the list, never taken as a name of Rust's."""
+    d, _ = wide
+    for probe in ("q8_0", "f32", "int4", "q4", "q4-0", "q4_k_m", "q4_k", ""):
+        with pytest.raises(ValueError, match='quantize is .*; expected None or one of "none", "int8", "q4_0", "q4_mix"'):
+            rust_runtime.Model.load(str(d), threads=1, quantize=probe, verify=False)
+
+
+# 4 bits vs f32: the error of the logits at most Q4_VS_ROUNDING × the error of rounding the weights alone (the
+# activations' int8 rounding adds a little): q4_0 measured 1.008 on `wide`, whose random uniform weights make
+# 4-bit rounding alone cost 56 % of the logits' RMS (int8: 1.32 / 1.25)
+Q4_VS_ROUNDING = 1.1
+
+
+@pytest.mark.parametrize("quantize", ["q4_0", "q4_mix"])
+def test_4_bit_close_to_rounding_the_weights(quantize, wide):
+    """q4_0 / q4_mix: the logits' error against f32 is about that of the same model with its weights rounded
+    by GGML's rule (each role as QUANTIZE_PLAN says), and batch-invariant: decode steps and 2 threads give the
+    full forward's bits."""
+    d, hf = wide
+    f32 = rust_runtime.Model.load(str(d), threads=1)
+    q4 = rust_runtime.Model.load(str(d), threads=1, quantize=quantize)
+    assert q4.quantize == quantize
+    ids = prompt_ids(48, seed=9)
+    a, b = f32.logits(ids), q4.logits(ids)
+    plan = rust_runtime.QUANTIZE_PLAN[quantize]
+    rnd = {"q8_0": q8_0_round, "q4_0": q4_0_round}
+
+    def rounded_weight(name: str, v: torch.Tensor) -> torch.Tensor:
+        if v.ndim != 2:
+            return v
+        role = next(r for r in plan if r in name.split("."))
+        return rnd[plan[role]](v)
+
+    rounded = transformers.LlamaForCausalLM(hf.config).eval()
+    rounded.load_state_dict({k: rounded_weight(k, v) for k, v in hf.state_dict().items()})
+    ref, r = hf_logits(hf, ids), hf_logits(rounded, ids)
+    err, rounding = rel_rms(b, a), rel_rms(r, ref)
+    assert err < Q4_VS_ROUNDING * rounding, f"{quantize} error {err:.3f} vs weight rounding alone {rounding:.3f}"
+    assert err > rel_rms(rust_runtime.Model.load(str(d), threads=1, quantize="int8").logits(ids), a)
+    seq = q4.new_sequence()
+    seq.prefill(ids[:40])
+    for i in range(40, 48):
+        np.testing.assert_array_equal(seq.decode(ids[i]), b[i])
+    np.testing.assert_array_equal(rust_runtime.Model.load(str(d), threads=2, quantize=quantize).logits(ids), b)
 
 
 # ----------------------------------------------------------------------------- sampling, stream

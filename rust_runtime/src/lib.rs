@@ -11,10 +11,13 @@ pub mod error;
 pub mod generate;
 pub mod integrity;
 pub mod kernels;
+pub mod kernels_int;
 pub mod linear;
 pub mod loader;
 pub mod model;
 pub mod policy;
+pub mod qblocks;
+pub mod quant;
 pub mod sampling;
 pub mod tokenizer;
 

@@ -1,156 +1,187 @@
-//! A weight matrix y = x·Wᵀ (W out × in, the nn.Linear layout) in f32 or q8_0.
+//! A weight matrix y = x·Wᵀ (W out × in, the nn.Linear layout), f32 or block-quantized.
 //!
-//! f32 weights are packed once at load (`kernels::PackedF32`) and the same panels serve prefill
-//! and decode; each output element is one fixed fma chain, so results do not depend on the batch.
-//! q8_0 is candle's `QMatMul`, split by rows into shards that run on our own threads.
+//! f32 weights are packed once at load (`kernels::PackedF32`); quantized ones are packed for the
+//! integer kernels (`kernels_int::PackedQ`: q8_0, q4_0 or q4_K), possibly in row ranges of different
+//! kinds (the fused q/k/v matrix keeps v at 8 bits under `q4_mix`). Either way each output
+//! element is one fixed chain, so results do not depend on the batch.
 
-use crate::error::{CandleContext, Error, Result};
-use crate::kernels::{PackedF32, Par, SyncPtr};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Storage, Tensor};
+use crate::error::{Error, Result};
+use crate::kernels::{PackedF32, Par};
+use crate::kernels_int::{BlockKind, PackedQ, QuantRows};
+use std::cell::RefCell;
 
-/// How a weight matrix is stored: f32 (packed panels) or q8_0 (candle's 8-bit blocks, 32 weights a block).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Quantize {
-    None,
-    Q8_0,
-}
+pub use crate::quant::Quantize;
 
-impl Quantize {
-    pub fn parse(s: Option<&str>) -> Result<Self> {
-        match s.map(|s| s.trim().to_ascii_lowercase()) {
-            None => Ok(Quantize::None),
-            Some(s) if s.is_empty() || s == "none" || s == "f32" || s == "float32" => Ok(Quantize::None),
-            Some(s) if s == "int8" || s == "q8_0" || s == "q8" => Ok(Quantize::Q8_0),
-            Some(s) => Err(Error::arg(format!("quantize is {s:?}; expected None, \"none\" or \"int8\""))),
-        }
-    }
-    pub fn name(&self) -> &'static str {
-        match self {
-            Quantize::None => "none",
-            Quantize::Q8_0 => "int8",
-        }
-    }
+/// One tensor's rows of a fused matrix, and how to store them (`None`: f32).
+pub struct Part {
+    /// The tensor's name (for errors).
+    pub name: String,
+    /// Row-major, rows × in.
+    pub w: Vec<f32>,
+    pub rows: usize,
+    pub kind: Option<BlockKind>,
 }
 
 pub enum Linear {
     F32(PackedF32),
-    /// q8_0, split by rows into shards that run in parallel (one per thread, more for big
-    /// matrices); each shard is a candle QMatMul run on one thread.
-    Q8 {
-        shards: Vec<Q8Shard>,
+    /// Row ranges, each packed in its block kind; `parts[i].0` is the first output row of part i.
+    Quant {
+        parts: Vec<(usize, PackedQ)>,
         out: usize,
         inp: usize,
     },
 }
 
-pub struct Q8Shard {
-    mm: QMatMul,
-    row0: usize,
-    rows: usize,
-}
-
 impl Linear {
-    /// Build from row-major `w` (out × inp); `name` appears in errors.
-    pub fn new(w: &[f32], out: usize, inp: usize, q: Quantize, threads: usize, name: &str) -> Result<Self> {
-        if w.len() != out * inp {
-            return Err(Error::Internal(format!("{name}: {} weights for {out} × {inp}", w.len())));
-        }
-        match q {
-            Quantize::None => Ok(Linear::F32(PackedF32::pack(w, out, inp))),
-            Quantize::Q8_0 => {
-                if inp % 32 != 0 {
+    /// Build one matrix from tensors stacked by rows (q, k, v → qkv), each `inp` wide. Adjacent
+    /// parts of the same kind are packed together (quantized on `par`'s threads). Errors name the tensor: a length that is not
+    /// rows × inp, an f32 part beside a quantized one, an `inp` that a block kind cannot cover
+    /// (not a multiple of 32), a NaN or infinite weight.
+    pub fn new(parts: Vec<Part>, inp: usize, par: &Par) -> Result<Self> {
+        for p in &parts {
+            if p.w.len() != p.rows * inp {
+                return Err(Error::Internal(format!("{}: {} weights for {} × {inp}", p.name, p.w.len(), p.rows)));
+            }
+            if let Some(kind) = p.kind {
+                if inp % kind.block() != 0 {
                     return Err(Error::format(format!(
-                        "{name}: int8 (q8_0) needs an input dimension that is a multiple of 32, \
-                         got {inp}"
+                        "{}: shape [{}, {inp}] cannot be stored as {}: its in_features must be a multiple of the \
+                         block size {}; load this model with quantize=\"none\"",
+                        p.name,
+                        p.rows,
+                        kind.name(),
+                        kind.block()
                     )));
                 }
-                let n_shards = if threads <= 1 {
-                    1
-                } else if out * inp >= 1 << 20 {
-                    2 * threads
-                } else {
-                    threads
-                };
-                // rows per shard: a multiple of 16 (candle's repacked q8_0 kernels need n % 16 == 0)
-                let per = (out.div_ceil(n_shards)).div_ceil(16) * 16;
-                let mut shards = Vec::new();
-                let mut row0 = 0;
-                while row0 < out {
-                    let rows = per.min(out - row0);
-                    let t = Tensor::from_slice(&w[row0 * inp..(row0 + rows) * inp], (rows, inp), &Device::Cpu)
-                        .ctx(|| format!("{name}: building the tensor to quantize"))?;
-                    let qt = QTensor::quantize(&t, GgmlDType::Q8_0).ctx(|| format!("{name}: q8_0 quantization"))?;
-                    let mm = QMatMul::from_qtensor(qt).ctx(|| format!("{name}: q8_0 matmul"))?;
-                    shards.push(Q8Shard { mm, row0, rows });
-                    row0 += rows;
-                }
-                Ok(Linear::Q8 { shards, out, inp })
             }
         }
+        let out: usize = parts.iter().map(|p| p.rows).sum();
+        if parts.iter().all(|p| p.kind.is_none()) {
+            let w = concat(parts.into_iter().map(|p| p.w).collect());
+            return Ok(Linear::F32(PackedF32::pack(&w, out, inp)));
+        }
+        if let Some(p) = parts.iter().find(|p| p.kind.is_none()) {
+            return Err(Error::Internal(format!("{}: an f32 part in a quantized matrix", p.name)));
+        }
+        // runs of adjacent parts of one kind
+        let mut packed = Vec::new();
+        let mut row0 = 0;
+        let mut it = parts.into_iter().peekable();
+        while let Some(first) = it.next() {
+            let kind = first.kind.unwrap_or(BlockKind::Q8_0);
+            let mut names = vec![first.name];
+            let mut rows = first.rows;
+            let mut ws = vec![first.w];
+            while let Some(next) = it.next_if(|p| p.kind == Some(kind)) {
+                names.push(next.name);
+                rows += next.rows;
+                ws.push(next.w);
+            }
+            let w = concat(ws);
+            let q = PackedQ::quantize(kind, &w, rows, inp, par)
+                .map_err(|e| Error::format(format!("{}: {e}", names.join(" + "))))?;
+            packed.push((row0, q));
+            row0 += rows;
+        }
+        Ok(Linear::Quant { parts: packed, out, inp })
     }
 
     pub fn out_features(&self) -> usize {
         match self {
             Linear::F32(p) => p.out,
-            Linear::Q8 { out, .. } => *out,
+            Linear::Quant { out, .. } => *out,
         }
     }
 
-    /// y (m × out) = x (m × in) · Wᵀ.
-    pub fn forward(&self, par: &Par, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+    /// Bytes of weights a matmul reads (scales included).
+    pub fn bytes(&self) -> usize {
         match self {
-            Linear::F32(p) => {
-                if x.len() < m * p.inp || y.len() < m * p.out {
-                    return Err(Error::Internal(format!(
-                        "linear: shapes x {} y {} for m {m} out {} in {}",
-                        x.len(),
-                        y.len(),
-                        p.out,
-                        p.inp
-                    )));
+            Linear::F32(p) => p.out * p.inp * 4,
+            Linear::Quant { parts, .. } => parts.iter().map(|(_, q)| q.bytes()).sum(),
+        }
+    }
+
+    /// Row `r` of W (dequantized when quantized) into `dst[..in]`: a tied embedding's lookup.
+    pub fn row(&self, r: usize, dst: &mut [f32]) {
+        match self {
+            Linear::F32(p) => p.row(r, dst),
+            Linear::Quant { parts, .. } => {
+                if let Some((row0, q)) = parts.iter().rev().find(|(row0, _)| *row0 <= r) {
+                    q.row(r - row0, dst);
                 }
-                p.matmul(par, x, m, y);
-                Ok(())
-            }
-            Linear::Q8 { shards, out, inp } => {
-                let (out, inp) = (*out, *inp);
-                if x.len() < m * inp || y.len() < m * out {
-                    return Err(Error::Internal(format!("q8_0 linear: shapes x {} y {}", x.len(), y.len())));
-                }
-                let xt = Tensor::from_slice(&x[..m * inp], (m, inp), &Device::Cpu)
-                    .ctx(|| "q8_0 linear: input".to_string())?;
-                let yp = SyncPtr(y.as_mut_ptr());
-                par.try_each(shards.len(), |s| {
-                    let sh = &shards[s];
-                    let yt = sh.mm.forward(&xt).ctx(|| format!("q8_0 matmul ({m}×{inp} · {inp}×{})", sh.rows))?;
-                    let yp = yp;
-                    with_tensor_data(&yt, m * sh.rows, |src| {
-                        for i in 0..m {
-                            // SAFETY: shard s owns columns [row0, row0 + rows) of every output row.
-                            let dst = unsafe { std::slice::from_raw_parts_mut(yp.0.add(i * out + sh.row0), sh.rows) };
-                            dst.copy_from_slice(&src[i * sh.rows..(i + 1) * sh.rows]);
-                        }
-                    })
-                })
             }
         }
+    }
+
+    /// y (m × out) = x (m × in) · Wᵀ. Quantized: x is quantized per row and 32-block to int8
+    /// first (`kernels_int::QuantRows`), once for all parts.
+    pub fn forward(&self, par: &Par, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+        let (out, inp) = match self {
+            Linear::F32(p) => (p.out, p.inp),
+            Linear::Quant { out, inp, .. } => (*out, *inp),
+        };
+        if x.len() < m * inp || y.len() < m * out {
+            return Err(Error::Internal(format!(
+                "linear: shapes x {} y {} for m {m} out {out} in {inp}",
+                x.len(),
+                y.len()
+            )));
+        }
+        match self {
+            Linear::F32(p) => p.matmul(par, x, m, y),
+            Linear::Quant { parts, .. } => {
+                thread_local! {
+                    /// This thread's quantized activations, kept between matmuls.
+                    static XQ: RefCell<QuantRows> = RefCell::new(QuantRows::default());
+                }
+                XQ.with(|cell| {
+                    // a rayon job stolen while this thread waits may run another forward here
+                    let mut fresh = QuantRows::default();
+                    let mut kept = cell.try_borrow_mut();
+                    let xq = match kept.as_deref_mut() {
+                        Ok(b) => b,
+                        Err(_) => &mut fresh,
+                    };
+                    xq.quantize(par, x, m, inp);
+                    for (row0, q) in parts {
+                        q.matmul(par, xq, &mut y[*row0..], out);
+                    }
+                });
+            }
+        }
+        Ok(())
     }
 }
 
-/// Borrow the f32 data of a contiguous CPU tensor of `len` elements.
-fn with_tensor_data(t: &Tensor, len: usize, f: impl FnOnce(&[f32])) -> Result<()> {
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cs) => {
-            let s = cs.as_slice::<f32>().ctx(|| "q8_0 matmul output".to_string())?;
-            let o = layout.start_offset();
-            if !layout.is_contiguous() || s.len() < o + len {
-                return Err(Error::Internal("q8_0 matmul output has an unexpected layout".into()));
-            }
-            f(&s[o..o + len]);
-            Ok(())
+fn concat(parts: Vec<Vec<f32>>) -> Vec<f32> {
+    if parts.len() == 1 {
+        return parts.into_iter().next().unwrap_or_default();
+    }
+    let n = parts.iter().map(|p| p.len()).sum();
+    let mut out = Vec::with_capacity(n);
+    for p in parts {
+        out.extend_from_slice(&p);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_width_a_block_cannot_cover_is_refused_naming_the_tensor_and_the_block() {
+        let par = Par::new(1).unwrap();
+        for (kind, inp, block) in [(BlockKind::Q4K, 64, 256), (BlockKind::Q4_0, 48, 32), (BlockKind::Q8_0, 40, 32)] {
+            let part = Part {
+                name: "model.layers.0.self_attn.q_proj.weight".into(),
+                w: vec![0.5; 8 * inp],
+                rows: 8,
+                kind: Some(kind),
+            };
+            let msg = Linear::new(vec![part], inp, &par).err().unwrap().to_string();
+            assert!(msg.contains("q_proj.weight") && msg.contains(&format!("[8, {inp}]")), "{msg}");
+            assert!(msg.contains(kind.name()) && msg.contains(&format!("block size {block};")), "{msg}");
         }
-        _ => Err(Error::Internal("q8_0 matmul output is not on the CPU".into())),
     }
 }

@@ -102,7 +102,8 @@ pub struct PyModel {
 #[pymethods]
 impl PyModel {
     /// Load a bundle directory (model.safetensors, config.json, tokenizer.json).
-    /// quantize: None / "none" (f32) or "int8" (q8_0 for every linear incl. lm_head).
+    /// quantize: None / "none" (f32), "int8" (q8_0 for every linear incl. lm_head), "q4_0" (4 bits everywhere) or
+    /// "q4_mix" (4 bits, the embedding / lm_head / v / down at q8_0): `QUANTIZE_PLAN`; weights are quantized at load.
     /// threads: compute threads (default: the process-wide pool size, see README).
     /// verify: check config.json, model.safetensors and tokenizer.json against the sha256 sums
     /// of the bundle's manifest.json, refusing a bundle without one (False: skip the manifest).
@@ -906,5 +907,6 @@ fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_top_logprobs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("simd_level", format!("{:?}", crate::kernels::simd_level()))?;
+    crate::quant::register(m)?;
     Ok(())
 }

@@ -67,7 +67,8 @@ class RustSequence:
 
 
 class RustBackend:
-    """Weights in Rust (f32, or q8_0 with ``quantize="int8"``) plus a factory of KV caches."""
+    """Weights in Rust (f32, or quantized at load: ``quantize`` = a name of ``rust_runtime.QUANTIZE_NAMES``, "int8"
+    = q8_0 everywhere, "q4_0" = 4 bits everywhere, "q4_mix" = 4 bits with the embedding / lm_head / v / down at q8_0) plus a factory of KV caches."""
 
     name = "rust"
 
@@ -81,8 +82,8 @@ class RustBackend:
     ):
         if _rr is None:
             raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR
-        if quantize not in (None, "none", "int8"):
-            raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
+        if quantize is not None and quantize not in _rr.QUANTIZE_NAMES:
+            raise ValueError(f"quantize is {quantize!r}; expected None or one of {', '.join(_rr.QUANTIZE_NAMES)}")
         self.path = Path(path)
         # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
         # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time.
