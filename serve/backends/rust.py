@@ -15,6 +15,7 @@ import numpy as np
 
 from serve.backends.base import BackendError, check_ids
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET
+from serve.quant import check_backend, parse_quantize
 
 try:  # the extension is optional: serve works with the onnx backend without it
     import rust_runtime as _rr
@@ -67,7 +68,8 @@ class RustSequence:
 
 
 class RustBackend:
-    """Weights in Rust (f32, or q8_0 with ``quantize="int8"``) plus a factory of KV caches."""
+    """Weights in Rust (f32, or quantized at load: q8_0 with ``quantize="int8"``; the schemes rust_runtime offers
+    are :data:`serve.quant.BACKEND_NAMES` ``["rust"]``) plus a factory of KV caches."""
 
     name = "rust"
 
@@ -81,8 +83,8 @@ class RustBackend:
     ):
         if _rr is None:
             raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR
-        if quantize not in (None, "none", "int8"):
-            raise ValueError(f"quantize is {quantize!r}; expected None, 'none' or 'int8'")
+        quantize = parse_quantize(quantize)
+        check_backend(quantize, "rust")
         self.path = Path(path)
         # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
         # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time.
