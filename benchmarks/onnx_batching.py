@@ -48,8 +48,9 @@ def build_bundle(out: Path, int8: bool) -> None:
     import torch
 
     from export.graph import export_graph
-    from export.quantize import quantize_int8
+    from export.quantize import write_onnx_form
     from serve.bundle import CONFIG, ONNX, ONNX_INT8
+    from serve.quant import SCHEMES
     from train.model import LlamaForCausalLM, ModelConfig
 
     cfg = ModelConfig(**SMALL, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -59,7 +60,7 @@ def build_bundle(out: Path, int8: bool) -> None:
     export_graph(model, out / ONNX)
     (out / CONFIG).write_text(json.dumps(cfg.hf_config(), indent=2))
     if int8:
-        quantize_int8(out / ONNX, out / ONNX_INT8)
+        write_onnx_form(SCHEMES["int8"], out / ONNX, out / ONNX_INT8)
 
 
 def prompts(b: int) -> list[list[int]]:

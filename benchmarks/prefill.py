@@ -265,7 +265,7 @@ def build_once(done: Path, outputs: list[Path], build, what: str) -> None:
 
 def build_inputs(rd, shape: str, folder: Path, int8: bool = False) -> tuple[Path, Path]:
     """The random-init bundle of ``shape`` and its ONNX decoder (logits of the last position) in ``folder``, built
-    there once (see build_once). With ``int8`` the decoder returned is its int8 twin (export.quantize.quantize_int8),
+    there once (see build_once). With ``int8`` the decoder returned is its int8 twin (export.quantize.write_onnx_form, scheme int8),
     made once likewise. Raises NotADirectoryError when ``folder`` is an existing file."""
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"--cache {folder}: not a folder")
@@ -285,9 +285,10 @@ def build_inputs(rd, shape: str, folder: Path, int8: bool = False) -> tuple[Path
     q8 = folder / f"decoder-{shape}.int8.onnx"
 
     def build_int8() -> None:
-        from export.quantize import quantize_int8
+        from export.quantize import write_onnx_form
+        from serve.quant import SCHEMES
 
-        quantize_int8(onnx, q8)
+        write_onnx_form(SCHEMES["int8"], onnx, q8)
 
     build_once(folder / f"{shape}.int8.done", [q8], build_int8, "int8 decoder (dynamic, per channel)")
     return bundle, q8
