@@ -3,9 +3,9 @@ tensor gets, llama.cpp's quantizer for the K-quant mix, and the quality gate of 
 
 The schemes are :mod:`serve.quant`'s (a GGUF type is a scheme's ``gguf``):
 
-* ``q8_0`` (scheme ``int8``) and ``q4_0`` are written by gguf-py's quantizers, tensor by tensor: 2-D weights at
-  the scheme's type, those it keeps at 8 bits (``q4_0``: the (tied) embedding / output) at Q8_0, norms F32.
-* ``q4_k_m`` is llama.cpp's own ``Q4_K_M`` mix (Q4_K with Q6_K for the output and
+* ``q8_0`` (scheme ``int8``) and ``q4_0`` are written by gguf-py's quantizers, tensor by tensor: every 2-D weight
+  at the scheme's type, norms F32.
+* ``q4_k_m`` (:data:`serve.quant.GGUF_ONLY`) is llama.cpp's own ``Q4_K_M`` mix (Q4_K with Q6_K for the output and
   half of attn_v / ffn_down), made by ``llama_model_quantize`` — llama-cpp-python's binding to llama.cpp's quantizer
   (the ``bench`` extra; gguf-py has no K-quant quantizer) — from a float32 GGUF written first beside the output and
   removed after.
@@ -32,10 +32,10 @@ from gguf import GGMLQuantizationType as Q
 
 from export.errors import ExportError
 from serve import bundle as B
-from serve.quant import SCHEMES, QuantizeError, Scheme, check_shape
+from serve.quant import GGUF_ONLY, SCHEMES, QuantizeError, Scheme, check_shape
 
 FLOAT_TYPES = ("f32", "f16")
-BY_TYPE: dict[str, Scheme] = {s.gguf: s for s in SCHEMES.values() if s.gguf}
+BY_TYPE: dict[str, Scheme] = {s.gguf: s for s in (*SCHEMES.values(), *GGUF_ONLY.values()) if s.gguf}
 TYPES = (*FLOAT_TYPES, *BY_TYPE)
 GGML = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}   # gguf-py's quantizers, by serve.quant block type
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}   # general.file_type of what gguf-py writes ("mostly": the bulk's type)

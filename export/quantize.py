@@ -1,4 +1,4 @@
-"""The quantized ONNX graphs of a bundle: ``model.int8.onnx`` and ``model.q4_0.onnx`` (the
+"""The quantized ONNX graphs of a bundle: ``model.int8.onnx``, ``model.q4_0.onnx`` and ``model.q4_mix.onnx`` (the
 schemes and which tensors stay at 8 bits: :mod:`serve.quant`; their file names: ``serve.bundle.ONNX_GRAPHS``; their
 quality gate: :mod:`export.gate`).
 
@@ -8,10 +8,10 @@ initializer of its own, so lm_head becomes a quantized matmul instead of a per-s
 
 * ``int8``: ``quantize_dynamic`` with QInt8 weights, per channel, MatMul only (the embedding ``Gather`` stays
   float32 and exact): ``MatMulInteger`` with ``DynamicQuantizeLinear`` activations.
-* ``q4_0``: onnxruntime's ``MatMulNBitsQuantizer`` (``MatMulNBits``: 4-bit weights, blocks of 32 along the input
+* ``q4_0`` / ``q4_mix``: onnxruntime's ``MatMulNBitsQuantizer`` (``MatMulNBits``: 4-bit weights, blocks of 32 along the input
   features, one float scale per block, symmetric — llama.cpp's q4_0 layout of numbers; ``accuracy_level`` 4: the
   activations are quantized to int8 per block and the dot products summed in int32). The weights the scheme keeps
-  at 8 bits (``q4_0``: the tied head) get ``MatMulNBits`` with 8 bits, block 32 (q8_0's
+  at 8 bits (``q4_mix``: the tied head, v and down projections) get ``MatMulNBits`` with 8 bits, block 32 (q8_0's
   numbers). Which matmul multiplies by
   which weight is found by content (its initializer is the transpose of a ``model.safetensors`` tensor), not by
   the exporter's node names.

@@ -4,29 +4,30 @@ stay at 8 bits, the quality gate's thresholds, and the form each runtime gives t
 ``rust_runtime`` to the same list (tests/test_quant.py: ``rust_runtime.QUANTIZE_NAMES`` / ``QUANTIZE_PLAN``) all
 read it.
 
-==========  ======================  ========================  ====================  ===========  =====================
-name        bulk weights            kept at q8_0              ONNX form (bundle)    Rust         GGUF (``export.gguf``)
-==========  ======================  ========================  ====================  ===========  =====================
-``none``    float32                 —                         ``model.onnx``        f32          ``f32`` / ``f16``
-``int8``    q8_0 (block 32)         (every matrix is 8-bit)   ``model.int8.onnx``   q8_0         ``q8_0`` (gguf-py)
-``q4_0``    q4_0 (block 32)         embed_tokens, lm_head     ``model.q4_0.onnx``   q4_0         ``q4_0`` (gguf-py)
-``q4_k_m``  q4_K (super-block 256)  embed_tokens, lm_head,    —                     q4_k_m       ``q4_k_m`` (llama.cpp)
-                                    v_proj, down_proj
-==========  ======================  ========================  ====================  ===========  =====================
+==========  =====  =====  ===========================  =====================  ===========  =====================
+name        bits   block  kept at 8 bits (q8_0)        ONNX form (bundle)     Rust         GGUF (``export.gguf``)
+==========  =====  =====  ===========================  =====================  ===========  =====================
+``none``    32     —      —                            ``model.onnx``         f32          ``f32`` / ``f16``
+``int8``    8      32     (every matrix is 8-bit)      ``model.int8.onnx``    q8_0         ``q8_0``
+``q4_0``    4      32     none: every matrix q4_0      ``model.q4_0.onnx``    q4_0         ``q4_0``
+``q4_mix``  4      32     embed_tokens / lm_head,      ``model.q4_mix.onnx``  q4_mix       — (``q4_k_m`` is
+                          v_proj, down_proj                                                llama.cpp's mix)
+==========  =====  =====  ===========================  =====================  ===========  =====================
 
 * ``int8``: Rust and GGUF store q8_0 (ggml ``block_q8_0``: 32 weights, one scale); the ONNX form is onnxruntime's
   dynamic quantization, int8 per channel (one scale per row), its historical form.
 * ``q4_0``: llama.cpp's format (ggml ``block_q4_0``: 32 weights, one scale d = the weight of largest |w| / −8,
-  q = round(w / d) + 8 in [0, 15]) for every matrix but the embedding and the (tied) head, kept at q8_0 as
-  llama.cpp's Q4_0 file type keeps its output at more bits. ONNX form: ``MatMulNBits`` (onnxruntime's
-  ``MatMulNBitsQuantizer``: symmetric, blocks of 32 along the input features, ``accuracy_level`` 4 — int8
-  activations per block, int32 sums), the kept head as ``MatMulNBits`` with 8 bits; the embedding ``Gather`` of an
-  ONNX graph always stays float32 (an exact lookup).
-* ``q4_k_m``: in the spirit of llama.cpp's Q4_K_M. Rust (``rust_runtime``, issue 27 part K): ggml's q4_K
-  (super-blocks of 256, a 6-bit scale and min per 32) for q/k/o/gate/up and q8_0 for the embedding, lm_head, v and
-  down projections. GGUF: llama.cpp's own ``Q4_K_M`` made by llama.cpp's quantizer (Q4_K, with Q6_K for the output
-  and half of attn_v / ffn_down) — the reference people compare against, not the same bytes as Rust's mix.
-  onnxruntime has no K-quant kernel, so there is no ONNX form.
+  q = round(w / d) + 8 in [0, 15]), for every matrix — the head too (what a "pure" GGUF Q4_0 holds).
+* ``q4_mix``: q4_0 where 4 bits cost least and q8_0 where they cost most, in the spirit of llama.cpp's Q4_K_M
+  (which keeps attn_v, ffn_down and the output at more bits); the same blocks as q4_0 and q8_0, so every runtime
+  computes it from the same numbers.
+* ONNX forms of the 4-bit schemes: ``MatMulNBits`` (onnxruntime's ``MatMulNBitsQuantizer``: symmetric, blocks of 32
+  along the input features, ``accuracy_level`` 4 — int8 activations per block, int32 sums), 8 bits for the kept
+  tensors. ONNX's embedding ``Gather`` always stays float32 (an exact lookup).
+* GGUF types (``export.gguf --type``) are llama.cpp's: ``f32``, ``f16``, ``q8_0``, ``q4_0`` and ``q4_k_m``
+  (:data:`GGUF_ONLY`): llama.cpp's own ``Q4_K_M`` mix made by llama.cpp's quantizer (Q4_K, Q6_K for the output and
+  half of attn_v / ffn_down; super-blocks of 256) — the reference people compare against (and ``q4_mix``'s peer),
+  served by llama.cpp alone, so not a name of :data:`NAMES`.
 * Rows (a weight's input features) must be a multiple of the block: :func:`check_shape` refuses the rest, naming
   the tensor (nothing is padded silently).
 
@@ -134,13 +135,15 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("int8", "q8_0", frozenset(), onnx=True, rust=True, gguf="q8_0", gguf_by="gguf-py",
            summary="8-bit weights: onnxruntime dynamic per-channel int8, q8_0 in Rust and GGUF"),
-    Scheme("q4_0", "q4_0", frozenset({"embed_tokens", "lm_head"}), onnx=True, rust=False, gguf="q4_0",
-           gguf_by="gguf-py",
-           summary="4-bit weights in blocks of 32 (llama.cpp's q4_0), the embedding and head at q8_0"),
-    Scheme("q4_k_m", "q4_k", frozenset({"embed_tokens", "lm_head", "v_proj", "down_proj"}), onnx=False, rust=False,
-           gguf="q4_k_m", gguf_by="llama.cpp",
-           summary="q4_K (super-blocks of 256) with the embedding, head, v and down projections at q8_0 (Rust); "
-                   "llama.cpp's own Q4_K_M mix (GGUF)"),
+    Scheme("q4_0", "q4_0", frozenset(), onnx=True, rust=False, gguf="q4_0", gguf_by="gguf-py",
+           summary="4-bit weights in blocks of 32 (llama.cpp's q4_0), every matrix"),
+    Scheme("q4_mix", "q4_0", frozenset({"embed_tokens", "lm_head", "v_proj", "down_proj"}), onnx=True, rust=False,
+           gguf=None, gguf_by=None,
+           summary="q4_0, with the embedding / head, v and down projections at q8_0 (in the spirit of Q4_K_M)"),
+)}
+GGUF_ONLY: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("q4_k_m", "q4_k", frozenset(), onnx=False, rust=False, gguf="q4_k_m", gguf_by="llama.cpp",
+           summary="llama.cpp's Q4_K_M mix (Q4_K, Q6_K for the output and half of attn_v / ffn_down)"),
 )}
 NAMES = (NONE, *SCHEMES)   # the one list of names: SHALIK_QUANTIZE, serve.load, rust_runtime, export
 BACKEND_NAMES = {          # what each serving backend offers
@@ -164,7 +167,8 @@ def parse_quantize(value: Any, name: str = "quantize") -> str | None:
         return None
     v = value.strip().lower() if isinstance(value, str) else None
     if v not in NAMES:
-        raise QuantizeError(f"{name} is {value!r}; expected None or one of {', '.join(NAMES)}")
+        hint = (f" ({v} is llama.cpp's GGUF mix: python -m export.gguf BUNDLE --type {v})" if v in GGUF_ONLY else "")
+        raise QuantizeError(f"{name} is {value!r}; expected None or one of {', '.join(NAMES)}{hint}")
     return None if v == NONE else v
 
 

@@ -1,6 +1,6 @@
 """export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of docs/cases.md.
 
-One full export (CLI, gate on, int8 and q4_0) of the trained tiny run is shared by most tests; the failure tests fail
+One full export (CLI, gate on, int8, q4_0 and q4_mix) of the trained tiny run is shared by most tests; the failure tests fail
 before exporting or swap the exporter for a copy of that graph, so the file stays around a minute and a half.
 """
 
@@ -48,7 +48,7 @@ def ref(ckpt):
 def exported(trained_run, tmp_path_factory) -> Path:
     """The trained tiny run through the CLI: gate on, every scheme with an ONNX form."""
     out = tmp_path_factory.mktemp("export") / "bundle"
-    assert E.main([str(trained_run), "--out", str(out), "--quantize", "int8", "q4_0"]) == 0
+    assert E.main([str(trained_run), "--out", str(out), "--quantize", "int8", "q4_0", "q4_mix"]) == 0
     return out
 
 
@@ -96,8 +96,8 @@ def tokens(bundle: Path, text: str) -> list[int]:
 def test_bundle_files_and_manifest(exported, ckpt):
     names = {p.name for p in exported.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.onnx", "model.onnx.data", "model.int8.onnx", "model.q4_0.onnx", "README.md",
-            "manifest.json"} <= names
+            "model.onnx", "model.onnx.data", "model.int8.onnx", "model.q4_0.onnx", "model.q4_mix.onnx",
+            "README.md", "manifest.json"} <= names
     m = json.loads((exported / "manifest.json").read_text())
     assert m["format"] == "shalik-bundle" and m["format_version"] == 1
     assert m["exporter"] in ("dynamo", "torchscript") and m["opset"] == G.OPSET
@@ -128,7 +128,7 @@ def test_parity_table_covers_every_case(exported):
     logit_cases = [c for c in p["cases"] if c["runtime"].startswith("onnx (") and not c["case"].startswith("greedy")]
     assert all(0 <= c["value"] <= TOL for c in logit_cases)
     assert {r for r, _ in names} >= {"onnx", "safetensors", "transformers"}
-    for form, bits in (("onnx int8", 8), ("onnx q4_0", 4), ("rust int8", 8)):  # quality gate
+    for form, bits in (("onnx int8", 8), ("onnx q4_0", 4), ("onnx q4_mix", 4), ("rust int8", 8)):  # quality gate
         th = GATE[bits]
         rows = {c["case"]: c for c in p["cases"] if c["runtime"] == form}
         assert rows["val NLL change, nats/token"]["value"] <= th.val_nll_delta_max
@@ -143,8 +143,8 @@ def test_quality_gate_recorded(exported):
     m = json.loads((exported / "manifest.json").read_text())
     q = m["quantization"]
     assert q["tokens"] > 0 and q["reference"] == "onnx float32 (model.onnx)"
-    rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n in ("int8", "q4_0")}
-    assert set(q["forms"]) == {"onnx int8", "onnx q4_0"} | rust
+    rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n in ("int8", "q4_0", "q4_mix")}
+    assert set(q["forms"]) == {"onnx int8", "onnx q4_0", "onnx q4_mix"} | rust
     for name, r in q["forms"].items():
         s = SCHEMES[r["scheme"]]
         assert name == f"{r['runtime']} {s.name}" and r["bits"] == s.bits and r["ok"] is True
@@ -157,18 +157,18 @@ def test_quality_gate_recorded(exported):
     f = OnnxBackend(exported, threads=1)
     ids = tokens(exported, "আমি বাংলায় গান গাই")
     ref = f.logits(ids)
-    kinds = ("int8", "q4_0")
+    kinds = ("int8", "q4_mix", "q4_0")
     err = {k: np.abs(OnnxBackend(exported, quantize=k, threads=1).logits(ids) - ref).max() for k in kinds}
-    assert 0 < err["int8"] < err["q4_0"] < 2.0   # really quantized, fewer bits further, still close
+    assert 0 < err["int8"] < err["q4_mix"] < err["q4_0"] < 2.0   # really quantized, fewer bits further, still close
     lp = [q["forms"][f"onnx {k}"]["all"]["mean_abs_top_logprob_delta"] for k in kinds]
     assert lp == sorted(lp)
 
 
 @pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx and s.bits == 4])
 def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme):
-    """model.q4_0.onnx: every weight matmul is MatMulNBits in blocks of 32, accuracy level 4; 4 bits, except the
-    roles serve.quant keeps at 8 bits (q4_0: the tied lm_head, the only [hidden, vocab] weight); no float MatMul by
-    a weight is left."""
+    """model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32, accuracy level 4;
+    4 bits, except the roles serve.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
+    weight — v_proj and down_proj); no float MatMul by a weight is left."""
     import onnx
     from onnx import helper
 
@@ -187,7 +187,7 @@ def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme):
         role = pre[name.rsplit("_Q", 1)[0]]
         by_role.setdefault(role, set()).add(a["bits"])
     assert by_role == {r: {SCHEMES[scheme].bits_of(r)} for r in by_role}
-    assert by_role["lm_head" if "lm_head" in by_role else "embed_tokens"] == {8}
+    assert by_role["lm_head" if "lm_head" in by_role else "embed_tokens"] == ({8} if scheme == "q4_mix" else {4})
     inits = {t.name for t in g.initializer}
     assert not [n for n in g.node if n.op_type == "MatMul" and n.input[1] in inits]
 
@@ -217,7 +217,7 @@ def test_config_json_and_card(exported, ckpt):
     for needle in ("from serve import load", "uvicorn serve.app:app", "SHALIK_MODEL", "AutoModelForCausalLM",
                    "random-init", "licence", "prefill 1 (past 0)", "chars / token"):
         assert needle in card, needle
-    for form, file in (("onnx q4_0", "`model.q4_0.onnx`"), ("rust int8", "quantized at load")):  # the gate
+    for form, file in (("onnx q4_mix", "`model.q4_mix.onnx`"), ("rust int8", "quantized at load")):  # the gate
         assert all(f"| {form} | {file} | {lang} |" in card for lang in ("bn", "en", "all")), form
     assert "Gate at 8 bits: Δ NLL ≤ 0.05" in card and "Gate at 4 bits: Δ NLL ≤ 0.1" in card
     data = json.loads((exported / "manifest.json").read_text())["data"]
@@ -286,7 +286,7 @@ def test_backend_errors(backend, exported, tmp_path):
     seq.decode(4)                                   # position 127: the last one
     with pytest.raises(BackendError, match="128"):
         seq.decode(4)
-    with pytest.raises(BackendError, match="quantize is 'fp8'; expected None or one of none, int8, q4_0, q4_k_m"):
+    with pytest.raises(BackendError, match="quantize is 'fp8'; expected None or one of none, int8, q4_0, q4_mix"):
         OnnxBackend(exported, quantize="fp8")
     partial = tmp_path / "b"
     partial.mkdir()
@@ -524,12 +524,10 @@ def test_bad_val_data(ckpt, tmp_path, capsys):
 def test_bad_quantize_names(ckpt, tmp_path, capsys):
     """An unknown name, or a scheme no bundle form exists of, is one line naming it and what is allowed."""
     rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--quantize", "int8", "int3"], capsys)
-    assert rc == 2 and "--quantize is 'int3'; expected None or one of none, int8, q4_0, q4_k_m" in err
+    assert rc == 2 and "--quantize is 'int3'; expected None or one of none, int8, q4_0, q4_mix" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
-    if not SCHEMES["q4_k_m"].rust:                   # until rust_runtime offers q4_k_m (issue 27 part K)
-        with pytest.raises(ExportError, match=r"--quantize q4_k_m: no form of it lives in a bundle .*"
-                                              r"python -m export.gguf BUNDLE --type q4_k_m"):
-            PL.parse_schemes(["q4_k_m"])
+    with pytest.raises(ExportError, match=r"--quantize is 'q4_k_m'; .*python -m export.gguf BUNDLE --type q4_k_m"):
+        PL.parse_schemes(["q4_k_m"])             # llama.cpp's GGUF mix, not a bundle form
     assert PL.parse_schemes(["q4_0", "none", "INT8", "q4_0"]) == (SCHEMES["int8"], SCHEMES["q4_0"])
 
 

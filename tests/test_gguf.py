@@ -193,21 +193,17 @@ ROLE = {"token_embd": "embed_tokens", "attn_q": "q_proj", "attn_k": "k_proj", "a
                                               ("q8_0", Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
                                               ("q4_0", Q.Q4_0, LlamaFileType.MOSTLY_Q4_0)])
 def test_reduced_types_and_shapes(gguf_files, weights, cfg, kind, qtype, ftype):
-    """Every 2-D weight at the type's ggml type — for q4_0, Q8_0 for the roles serve.quant keeps at 8 bits (the
-    tied token_embd, which is the output too) — norms F32, shapes in ggml order, values close to the weights."""
-    from serve.quant import SCHEMES
-
+    """Every 2-D weight at the type's ggml type (q4_0: every matrix, the tied token_embd too), norms F32, shapes in
+    ggml order, values close to the weights."""
     kv, ts = read(gguf_files[kind])
     assert kv["general.file_type"] == ftype
     h, kvh, inter = cfg["hidden_size"], cfg["num_key_value_heads"] * 16, cfg["intermediate_size"]
     shapes = {"token_embd": [h, cfg["vocab_size"]], "blk.0.attn_q": [h, h], "blk.0.attn_k": [h, kvh],
               "blk.0.attn_v": [h, kvh], "blk.0.ffn_down": [inter, h], "blk.1.ffn_gate": [h, inter]}
-    kept = SCHEMES[kind].keep_8bit if kind in SCHEMES else set()
     for name, shape in shapes.items():
         t = ts[f"{name}.weight"]
-        want = Q.Q8_0 if ROLE[name.split(".")[-1]] in kept else qtype
-        assert t.tensor_type == want and t.shape.tolist() == shape  # ggml order: [in, out]
-    assert (ts["token_embd.weight"].tensor_type == Q.Q8_0) == (kind in ("q8_0", "q4_0"))
+        assert t.tensor_type == qtype and t.shape.tolist() == shape  # ggml order: [in, out]
+    assert ts["token_embd.weight"].tensor_type == qtype
     for name in ("blk.0.attn_norm", "blk.1.ffn_norm", "output_norm"):
         assert ts[f"{name}.weight"].tensor_type == Q.F32
     v = weights["model.layers.0.self_attn.v_proj.weight"]

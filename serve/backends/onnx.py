@@ -1,5 +1,5 @@
 """The ONNX backend: a Shalik bundle's ``model.onnx`` (or the graph of a quantization scheme, :mod:`serve.quant`:
-``model.int8.onnx``, ``model.q4_0.onnx``) run by onnxruntime on CPU.
+``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) run by onnxruntime on CPU.
 
 numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming,
 :func:`serve.bundle.onnx_input_names` / :func:`serve.bundle.onnx_output_names`):
@@ -137,7 +137,7 @@ class OnnxSequence:
 class OnnxBackend:
     """A bundle's ONNX graph in an onnxruntime session, plus a factory of KV caches.
 
-    ``OnnxBackend(bundle_dir, quantize=None | "int8" | "q4_0", threads=None)``: reads ``config.json``
+    ``OnnxBackend(bundle_dir, quantize=None | "int8" | "q4_0" | "q4_mix", threads=None)``: reads ``config.json``
     (vocab size, context, layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, the scheme's graph,
     ``serve.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the folder). Raises BackendError for a
     quantization without an ONNX form, or when the folder, the config or the graph is missing or the graph's inputs
