@@ -40,6 +40,8 @@ from train.atomic import atomic_dir, clean_stale, sha256_file
 __all__ = ["DTYPES", "ExportError", "ParityError", "export_bundle"]
 
 DTYPES = ("float32", "float16")
+UNTRAINED = ("step 0 (random init): the quality gate is not measured on an untrained model (its near-tied "
+             "logits say nothing about a quantization); the forms are written for speed and memory figures")
 
 
 
@@ -168,7 +170,10 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
         return out
     _check_out(source, out, force)
     log(f"export: {source.ckpt} (step {source.step}, {source.model.num_params():,} parameters) → {out}")
-    val = _val_data(source, val_data, log) if schemes else None
+    untrained = source.step == 0   # a random-init model's near-flat logits say nothing about a quantization
+    if schemes and untrained:
+        log(f"quantize: {UNTRAINED}")
+    val = _val_data(source, val_data, log) if schemes and not untrained else None
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
         manifest = _build(source, out, force, dtype, schemes, parity, val, exporter, log, t0)
@@ -224,6 +229,7 @@ def _quality_gate(source: Source, tmp: Path, dtype: str, exporter: str, schemes:
         forms = _quantized_forms(tmp, ref_dir / ONNX, schemes, log)
         t = time.time()
         quant = G.gate_entry(G.reference_logits(ref_dir) if val is not None else None, forms, val,
+                             UNTRAINED if source.step == 0 else
                              "no validation data found (pass --val-data PATH); the quality gate was not measured")
     finally:
         shutil.rmtree(tmp / ".fp32", ignore_errors=True)

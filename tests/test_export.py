@@ -692,6 +692,22 @@ def test_failing_quantized_form_is_not_written(trained_run, tmp_path, monkeypatc
     assert "onnx q4_0" in out and not (tmp_path / "b").exists() and no_leftovers(tmp_path)
 
 
+def test_untrained_checkpoint_writes_quantized_forms_unmeasured(ckpt, tmp_path, capsys):
+    """A step-0 (random init) checkpoint: its quantized graphs are written for speed figures (benchmarks' init
+    bundles) and recorded as not measured, with why; the gate says nothing about near-tied logits."""
+    c = copy_ckpt(ckpt, tmp_path / "run")
+    state_file = c / "trainer_state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    state_file.write_text(json.dumps({**state, "step": 0}))
+    write_sums(c)
+    rc, out, err = run_cli([c, "--out", tmp_path / "b", "--quantize", "q4_0", "--no-parity",
+                            "--exporter", "torchscript"], capsys)
+    assert rc == 0, err
+    r = json.loads((tmp_path / "b" / "manifest.json").read_text())["quantization"]["forms"]["onnx q4_0"]
+    assert r["ok"] is None and r["note"] == PL.UNTRAINED and "step 0 (random init)" in out
+    assert (tmp_path / "b" / "model.q4_0.onnx").is_file()
+
+
 def test_compare_greedy_near_tie():
     assert compare_greedy([1, 2, 3], [1, 1, 1], [1, 2, 3], 1e-3) == (True, 3, "")
     ok, n, detail = compare_greedy([1, 2, 3], [1, 5e-4, 1], [1, 7, 3], 1e-3)
