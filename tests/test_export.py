@@ -1,6 +1,6 @@
 """export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of docs/cases.md.
 
-One full export (CLI, gate on, int8, q4_0 and q4_mix) of the trained tiny run is shared by most tests; the failure tests fail
+One full export (CLI, gate on, int8 and q4_mix; the tiny model's q4_0, every matrix at 4 bits, fails the gate) of the trained tiny run is shared by most tests; the failure tests fail
 before exporting or swap the exporter for a copy of that graph, so the file stays around a minute and a half.
 """
 
@@ -46,9 +46,10 @@ def ref(ckpt):
 
 @pytest.fixture(scope="module")
 def exported(trained_run, tmp_path_factory) -> Path:
-    """The trained tiny run through the CLI: gate on, every scheme with an ONNX form."""
+    """The trained tiny run through the CLI: gate on, int8 and q4_mix (its pure q4_0 — hidden 64, the tied head at
+    4 bits too — fails the 4-bit gate: top-1 agreement 0.71 in en; the trained small passes, 0.95)."""
     out = tmp_path_factory.mktemp("export") / "bundle"
-    assert E.main([str(trained_run), "--out", str(out), "--quantize", "int8", "q4_0", "q4_mix"]) == 0
+    assert E.main([str(trained_run), "--out", str(out), "--quantize", "int8", "q4_mix"]) == 0
     return out
 
 
@@ -96,8 +97,8 @@ def tokens(bundle: Path, text: str) -> list[int]:
 def test_bundle_files_and_manifest(exported, ckpt):
     names = {p.name for p in exported.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.onnx", "model.onnx.data", "model.int8.onnx", "model.q4_0.onnx", "model.q4_mix.onnx",
-            "README.md", "manifest.json"} <= names
+            "model.onnx", "model.onnx.data", "model.int8.onnx", "model.q4_mix.onnx", "README.md",
+            "manifest.json"} <= names
     m = json.loads((exported / "manifest.json").read_text())
     assert m["format"] == "shalik-bundle" and m["format_version"] == 1
     assert m["exporter"] in ("dynamo", "torchscript") and m["opset"] == G.OPSET
@@ -128,7 +129,7 @@ def test_parity_table_covers_every_case(exported):
     logit_cases = [c for c in p["cases"] if c["runtime"].startswith("onnx (") and not c["case"].startswith("greedy")]
     assert all(0 <= c["value"] <= TOL for c in logit_cases)
     assert {r for r, _ in names} >= {"onnx", "safetensors", "transformers"}
-    for form, bits in (("onnx int8", 8), ("onnx q4_0", 4), ("onnx q4_mix", 4), ("rust int8", 8)):  # quality gate
+    for form, bits in (("onnx int8", 8), ("onnx q4_mix", 4), ("rust int8", 8)):  # quality gate
         th = GATE[bits]
         rows = {c["case"]: c for c in p["cases"] if c["runtime"] == form}
         assert rows["val NLL change, nats/token"]["value"] <= th.val_nll_delta_max
@@ -143,8 +144,8 @@ def test_quality_gate_recorded(exported):
     m = json.loads((exported / "manifest.json").read_text())
     q = m["quantization"]
     assert q["tokens"] > 0 and q["reference"] == "onnx float32 (model.onnx)"
-    rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n in ("int8", "q4_0", "q4_mix")}
-    assert set(q["forms"]) == {"onnx int8", "onnx q4_0", "onnx q4_mix"} | rust
+    rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n in ("int8", "q4_mix")}
+    assert set(q["forms"]) == {"onnx int8", "onnx q4_mix"} | rust
     for name, r in q["forms"].items():
         s = SCHEMES[r["scheme"]]
         assert name == f"{r['runtime']} {s.name}" and r["bits"] == s.bits and r["ok"] is True
@@ -157,27 +158,32 @@ def test_quality_gate_recorded(exported):
     f = OnnxBackend(exported, threads=1)
     ids = tokens(exported, "আমি বাংলায় গান গাই")
     ref = f.logits(ids)
-    kinds = ("int8", "q4_mix", "q4_0")
+    kinds = ("int8", "q4_mix")
     err = {k: np.abs(OnnxBackend(exported, quantize=k, threads=1).logits(ids) - ref).max() for k in kinds}
-    assert 0 < err["int8"] < err["q4_mix"] < err["q4_0"] < 2.0   # really quantized, fewer bits further, still close
+    assert 0 < err["int8"] < err["q4_mix"] < 2.0   # really quantized, fewer bits further, still close
     lp = [q["forms"][f"onnx {k}"]["all"]["mean_abs_top_logprob_delta"] for k in kinds]
     assert lp == sorted(lp)
 
 
 @pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx and s.bits == 4])
-def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme):
+def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_path):
     """model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32, accuracy level 4;
     4 bits, except the roles serve.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
-    weight — v_proj and down_proj); no float MatMul by a weight is left."""
+    weight — v_proj and down_proj); no float MatMul by a weight is left. A graph the export did not keep (q4_0,
+    refused by the gate) is written here without it."""
     import onnx
     from onnx import helper
 
-    from export.quantize import matmul_weights
+    from export.quantize import matmul_weights, write_onnx_form
     from serve.quant import role_of
 
     cfg = json.loads((exported / "config.json").read_text())
     pre = {n: role_of(t) for n, t in matmul_weights(_float_graph_preprocessed(exported), exported / "model.safetensors").items()}
-    g = onnx.load(str(exported / ONNX_GRAPHS[scheme])).graph
+    graph = exported / ONNX_GRAPHS[scheme]
+    if not graph.is_file():
+        graph = tmp_path / graph.name
+        write_onnx_form(SCHEMES[scheme], exported / "model.onnx", graph, exported / "model.safetensors")
+    g = onnx.load(str(graph)).graph
     nbits = {n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute} for n in g.node
              if n.op_type == "MatMulNBits"}
     assert len(nbits) == len(pre) == 7 * cfg["num_hidden_layers"] + 1
