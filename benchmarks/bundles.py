@@ -138,20 +138,20 @@ def gguf_path(bundle: Path, kind: str) -> Path:
     return Path(bundle) / gguf_file(kind)
 
 
-# GGUF types made by llama.cpp's own quantizer from the f32 GGUF (llama-cpp-python's ``llama_model_quantize``, as
-# ``llama-quantize`` does), with its file-type rules: Q4_0 keeps the output matrix (the tied token_embd) at Q6_K,
-# Q4_K_M gives it and half of attn_v / ffn_down Q6_K. Values: llama.h's LLAMA_FTYPE_MOSTLY_Q4_0 and _Q4_K_M.
-LLAMA_FTYPES = {"q4_0": 2, "q4_k_m": 15}
+# GGUF types the benchmarks take from llama.cpp's own quantizer (export.gguf_quant.llama_quantizer, as
+# ``llama-quantize`` does) from the f32 GGUF, with its file-type rules: Q4_0 keeps the output matrix (the tied
+# token_embd) at Q6_K, Q4_K_M gives it and half of attn_v / ffn_down Q6_K: the files people compare against.
+LLAMA_KINDS = ("q4_0", "q4_k_m")
 
 
 def gguf(bundle: Path, kind: str, log: Callable[[str], None] = print) -> Path:
     """:func:`gguf_path`, unless it exists written by ``export.gguf`` (with its approximated pre-tokenizer: the
-    benchmarks feed token ids), or for a kind of :data:`LLAMA_FTYPES` by llama.cpp's quantizer from the f32 one
+    benchmarks feed token ids), or for a kind of :data:`LLAMA_KINDS` by llama.cpp's quantizer from the f32 one
     (:func:`llama_quantize`: the files people compare against). Raises export.errors.ExportError as export_gguf
     does, and llama_quantize's errors."""
     path = gguf_path(bundle, kind)
     if not path.is_file():
-        if kind in LLAMA_FTYPES:
+        if kind in LLAMA_KINDS:
             f32 = gguf(bundle, "f32", log)
             log(f"llama.cpp quantizes {f32.name} to {kind}")
             return llama_quantize(f32, path, kind)
@@ -162,22 +162,13 @@ def gguf(bundle: Path, kind: str, log: Callable[[str], None] = print) -> Path:
 
 
 def llama_quantize(src: Path, dst: Path, kind: str, threads: int = 2) -> Path:
-    """Write ``dst`` = the f32 GGUF ``src`` quantized to ``kind`` (a key of :data:`LLAMA_FTYPES`) by llama.cpp,
-    atomically (a temporary beside ``dst``, renamed when complete). Raises ImportError without llama-cpp-python (the
-    ``bench`` extra), ValueError for another kind, RuntimeError when llama.cpp reports a failure."""
-    if kind not in LLAMA_FTYPES:
-        raise ValueError(f"kind is {kind!r}; llama.cpp quantizes here to one of {', '.join(LLAMA_FTYPES)}")
-    import ctypes
-
-    import llama_cpp
-
+    """Write ``dst`` = the f32 GGUF ``src`` quantized to ``kind`` (:data:`LLAMA_KINDS`) by llama.cpp on ``threads``
+    threads, atomically (a temporary beside ``dst``, renamed when complete). Raises export.errors.ExportError as
+    export.gguf_quant.llama_quantizer does (another kind, no llama-cpp-python, llama.cpp's failure)."""
+    from export.gguf_quant import llama_quantizer
     from train.atomic import atomic_path
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FTYPES[kind]
-    params.nthread = threads
+    quantize = llama_quantizer(kind, threads)
     with atomic_path(dst) as tmp:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-        if rc != 0:
-            raise RuntimeError(f"llama.cpp could not quantize {src} to {kind} (code {rc})")
+        quantize(src, tmp)
     return dst

@@ -54,21 +54,21 @@ def figures(run: Path, dtype: str, int8: bool) -> dict:
         out = export_bundle(run, Path(td) / "bundle", dtype=dtype, quantize="int8" if int8 else None, log=log)
         wall = time.time() - t0
         m = read_manifest(out)
-    steps = {k: v for k, v in ((ln.split(":")[0], ln) for ln in lines) if k in ("onnx", "int8")}
+    steps = {k: v for k, v in ((ln.split(":")[0], ln) for ln in lines) if k in ("onnx", "quantize")}
     return {
         "run": str(run), "step": m["source"]["step"], "untrained": m["source"]["step"] == 0, "params": m["params"],
         "dtype": dtype, "exporter": m["exporter"], "opset": m["opset"], "wall_s": round(wall, 1),
         "log": steps, "bytes": {k: v["bytes"] for k, v in m["files"].items()},
         "parity": [{k: c[k] for k in ("runtime", "case", "value", "tol", "ok")} for c in m["parity"]["cases"]],
-        "parity_ok": m["parity"]["ok"], "int8": m["int8"], "versions": m["versions"],
+        "parity_ok": m["parity"]["ok"], "quantization": m.get("quantization"), "versions": m["versions"],
     }
 
 
 def markdown(f: dict) -> str:
-    """The figures as a Markdown page (sizes, parity table, int8)."""
+    """The figures as a Markdown page (sizes, parity table, the quantized forms' gate)."""
     out = [f"# Export of `{f['run']}` ({'untrained, step 0' if f['untrained'] else 'step ' + str(f['step'])})", "",
            f"{f['params']:,} parameters, {f['dtype']}, {f['exporter']} exporter, opset {f['opset']}; "
-           f"export + gate{' + int8' if f['int8'] else ''}: **{f['wall_s']} s** wall "
+           f"export + gate{' + int8' if f.get('quantization') else ''}: **{f['wall_s']} s** wall "
            f"({'; '.join(f['log'].values())}).", "", "| file | MB |", "|---|---:|"]
     out += [f"| {k} | {v / 1e6:.1f} |" for k, v in sorted(f["bytes"].items(), key=lambda kv: -kv[1])]
     out += ["", "| runtime | case | max \\|Δlogit\\| / tokens | ok |", "|---|---|---:|---|"]
@@ -76,12 +76,14 @@ def markdown(f: dict) -> str:
         v = "—" if c["value"] is None else (f"{int(c['value'])}" if c["case"].startswith("greedy")
                                             else f"{c['value']:.2e}")
         out.append(f"| {c['runtime']} | {c['case']} | {v} | {'ok' if c['ok'] else 'FAIL'} |")
-    if f["int8"] and f["int8"].get("val_nll_delta") is not None:
-        out += ["", f"int8 val NLL change: {f['int8']['val_nll_delta']:+.5f} nats/token over {f['int8']['tokens']:,} "
-                f"tokens (fp32 {f['int8']['val_nll_fp32']:.4f}, int8 {f['int8']['val_nll_int8']:.4f})."]
+    for name, r in ((f.get("quantization") or {}).get("forms") or {}).items():
+        if r.get("ok") is None:
+            continue
+        a = r["all"]
+        out += ["", f"{name} val NLL change: {a['delta']:+.5f} nats/token over {a['tokens']:,} tokens (fp32 "
+                f"{a['nll_f32']:.4f}, {r['scheme']} {a['nll']:.4f})."]
         out += [f"- {lang}: Δ NLL {v['delta']:+.5f}, top-1 agreement {v['top1_agreement']:.3f}, mean |Δ log p| of "
-                f"fp32's top token {v['mean_abs_top_logprob_delta']:.4f} nats"
-                for lang, v in (f["int8"].get("by_lang") or {}).items() if "top1_agreement" in v]
+                f"fp32's top token {v['mean_abs_top_logprob_delta']:.4f} nats" for lang, v in r["by_lang"].items()]
     v = f["versions"]
     out += ["", f"torch {v.get('torch')}, onnx {v.get('onnx')}, onnxruntime {v.get('onnxruntime')}, "
             f"transformers {v.get('transformers')}.", ""]

@@ -62,9 +62,10 @@ def _display_path(p: Path) -> str:
         return str(Path(*p.resolve().parts[-3:]))
 
 
-def write_manifest(out: Path, src: Source, *, exporter: str, opset: int, dtype: str, parity: dict, int8: dict | None,
-                   eval_: dict | None, data: dict | None, export_seconds: float) -> dict:
-    """Write ``out/manifest.json`` (after every other file; :func:`serve.bundle.write_manifest`) and return it."""
+def write_manifest(out: Path, src: Source, *, exporter: str, opset: int, dtype: str, parity: dict,
+                   quantization: dict | None, eval_: dict | None, data: dict | None, export_seconds: float) -> dict:
+    """Write ``out/manifest.json`` (after every other file; :func:`serve.bundle.write_manifest`) and return it.
+    ``quantization``: the quality gate's entry (:func:`export.gate.gate_entry`), None when nothing was quantized."""
     return B.write_manifest(
         out,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -75,7 +76,7 @@ def write_manifest(out: Path, src: Source, *, exporter: str, opset: int, dtype: 
         dtype=dtype,
         versions=versions(),
         parity=parity,
-        int8=int8,
+        quantization=quantization,
         eval=eval_,
         data=data,
         export_seconds=round(export_seconds, 2),

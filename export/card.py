@@ -1,6 +1,6 @@
 """The bundle's ``README.md`` model card: what the model is, its data and licences, fertility, evaluation against
-the random-init twin, the next-sentence benchmark, int8, limits, usage (Python, HTTP, transformers) and the parity
-table.
+the random-init twin, the next-sentence benchmark, the quantized forms' quality gate, limits, usage (Python, HTTP,
+transformers) and the parity table.
 
 The benchmark section shows ``benchmarks/results/eval.json`` (written by ``benchmarks/eval.py``) only for an entry
 whose source sha256 and step are this checkpoint's — never another model's figures — and otherwise says how to run
@@ -22,7 +22,6 @@ from serve.bundle import (
     EOT,
     MANIFEST,
     ONNX,
-    ONNX_INT8,
     PAD,
     TOKENIZER,
     WEIGHTS,
@@ -91,7 +90,7 @@ def _data_section(data: dict | None) -> list[str]:
     return out
 
 
-def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
+def _eval_section(ev: dict | None, quant: dict | None) -> list[str]:
     out = ["## Evaluation", ""]
     if not ev or not ev.get("val"):
         out += ["No evaluation of this checkpoint was recorded by its run.", ""]
@@ -107,23 +106,7 @@ def _eval_section(ev: dict | None, int8: dict | None) -> list[str]:
                        f"{_num(delta, '+.3f')} | {v.get('tokens', 0):,} |")
         out.append("")
         out += _floor_section(ev)
-    if int8:
-        if int8.get("val_nll_delta") is None:
-            out += [f"int8 (`{ONNX_INT8}`): {int8.get('note', 'not measured')}.", ""]
-        else:
-            out += [f"int8 (`{ONNX_INT8}`, dynamic QInt8 per-channel MatMul weights): validation NLL "
-                    f"{int8['val_nll_int8']:.4f} vs {int8['val_nll_fp32']:.4f} for fp32, a change of "
-                    f"{int8['val_nll_delta']:+.4f} nats/token over {int8['tokens']:,} tokens (target ≤ "
-                    f"{int8['target']}).", ""]
-            if int8.get("by_lang") and "top1_agreement" in int8:
-                th = int8.get("thresholds") or {}
-                out += ["| language | Δ NLL | top-1 agreement with fp32 | mean abs Δ log p of fp32's top token | tokens |",
-                        "|---|---:|---:|---:|---:|"]
-                out += [f"| {lang} | {v['delta']:+.4f} | {_pct(v['top1_agreement'])} | "
-                        f"{v['mean_abs_top_logprob_delta']:.4f} | {v['tokens']:,} |" for lang, v in int8["by_lang"].items()]
-                out += ["", f"Gate: Δ NLL ≤ {th.get('val_nll_delta_max')}, top-1 agreement ≥ "
-                        f"{_pct(th.get('top1_agreement_min', 0))}, mean abs Δ log p ≤ "
-                        f"{th.get('mean_abs_top_logprob_delta_max')} nats, for every language.", ""]
+    out += _quantization_section(quant)
     return out
 
 
@@ -144,6 +127,29 @@ def _floor_section(ev: dict) -> list[str]:
         out.append(f"| {key} | {v['chars']:,} | {_num(v['bpc'])} | {_num(f['ppmd16'])} | {_num(f['xz'])} | "
                    f"{_num(v['bpc'] - f['ppmd16'], '+.3f')} |")
     return out + [""]
+
+
+def _quantization_section(quant: dict | None) -> list[str]:
+    """The quality gate of the quantized forms (:mod:`export.gate`): one row per form and language."""
+    forms = (quant or {}).get("forms") or {}
+    if not forms:
+        return []
+    out = [f"Quantized forms against float32 (`{ONNX}`), on the run's validation text "
+           f"({(quant or {}).get('tokens', 0):,} tokens):", "",
+           "| form | file | language | Δ NLL | top-1 agreement with fp32 | mean abs Δ log p of fp32's top token | gate |",
+           "|---|---|---|---:|---:|---:|---|"]
+    for name, r in forms.items():
+        file = f"`{r['file']}`" if r.get("file") else "quantized at load"
+        if r.get("ok") is None:
+            out.append(f"| {name} | {file} | — | — | — | — | not measured: {r.get('note', '')} |")
+            continue
+        for lang, v in {**r["by_lang"], "all": r["all"]}.items():
+            out.append(f"| {name} | {file} | {lang} | {v['delta']:+.4f} | {_pct(v['top1_agreement'])} | "
+                       f"{v['mean_abs_top_logprob_delta']:.4f} | {'pass' if v['ok'] else 'FAIL'} |")
+    bits = sorted({(r["bits"], tuple(r["thresholds"].values())) for r in forms.values()}, reverse=True)
+    out += [""] + [f"Gate at {b} bits: Δ NLL ≤ {d}, top-1 agreement ≥ {_pct(t)}, mean abs Δ log p ≤ {lp} nats, "
+                   "for every language." for b, (d, t, lp) in bits] + [""]
+    return out
 
 
 def _pct(x: float) -> str:
@@ -252,8 +258,8 @@ def _limits_section(src: Source) -> list[str]:
     ]
 
 
-def _usage_section(bundle_name: str, has_int8: bool) -> list[str]:
-    q = ', quantize="int8"' if has_int8 else ""
+def _usage_section(bundle_name: str, onnx_schemes: list[str]) -> list[str]:
+    q = f', quantize="{onnx_schemes[0]}"' if onnx_schemes else ""
     return [
         "## Usage",
         "",
@@ -327,7 +333,8 @@ def _runtimes_section(bundle_name: str, src: Source) -> list[str]:
 
 
 def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str | Path | None = None) -> str:
-    """The model card as Markdown. ``manifest`` supplies exporter, opset, dtype, parity, int8, eval and data;
+    """The model card as Markdown. ``manifest`` supplies exporter, opset, dtype, parity, quantization, eval
+    and data;
     ``bundle_name`` is the path shown in the usage examples; ``eval_results`` is the benchmark results file
     (default ``benchmarks/results/eval.json``)."""
     name = src.run_dir.name if src.run_dir is not None else src.ckpt.name
@@ -335,10 +342,11 @@ def render_card(src: Source, bundle_name: str, manifest: dict, eval_results: str
     cases = parity.get("cases") or []
     lines = _model_section(src, name)
     lines += _data_section(manifest.get("data"))
-    lines += _eval_section(manifest.get("eval"), manifest.get("int8"))
+    lines += _eval_section(manifest.get("eval"), manifest.get("quantization"))
     lines += benchmark_section(src.sha256, src.step, read_eval_results(eval_results))
     lines += _limits_section(src)
-    lines += _usage_section(bundle_name, bool(manifest.get("int8")))
+    lines += _usage_section(bundle_name, [r["scheme"] for r in ((manifest.get("quantization") or {}).get("forms")
+                                                                 or {}).values() if r.get("runtime") == "onnx"])
     lines += _runtimes_section(bundle_name, src)
     lines += ["## Files and parity", "",
               f"`{ONNX}` (+ `{external_data(ONNX)}`) was exported by the {manifest.get('exporter')} exporter at opset "

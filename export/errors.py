@@ -25,6 +25,10 @@ class ParityError(ExportError):
         self.table = table
 
 
+class QualityGateError(ParityError):
+    """A quantized form fails its quality gate (exit code 1, :mod:`export.gate`): it was not written."""
+
+
 def run_cli(action: Callable[[], object], nothing_written: str) -> int:
     """Run a command line's ``action`` and return its exit code: 0 done, the ExportError's code (its message on
     stderr as ``error: …``), or 130 on Ctrl-C with ``interrupted: <nothing_written>`` (e.g. "no bundle was written")."""

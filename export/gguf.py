@@ -1,16 +1,20 @@
-"""``python -m export.gguf BUNDLE [--out FILE] [--type f32|f16|q8_0] [--force]``
+"""``python -m export.gguf BUNDLE [--out FILE] [--type f32|f16|q8_0|q4_0|q4_k_m] [--val-data PATH] [--force]``
 
 Writes a bundle's weights and tokenizer as one GGUF file for llama.cpp (architecture ``llama``), with the ``gguf``
-package (its writer, its q8_0 quantizer and its ``SpecialVocab`` for merges and special ids). Default output:
+package (its writer, its Q8_0 / Q4_0 quantizers for q8_0 and q4_0, and its ``SpecialVocab`` for merges and special
+ids); ``q4_k_m`` is llama.cpp's own quantizer (llama-cpp-python). The quantized types pass the quality gate through
+llama.cpp and are recorded in the bundle's manifest (:mod:`export.gguf_quant`). Default output:
 ``BUNDLE/model-<type>.gguf``; an existing file is refused unless ``--force``. The file is written under a temporary
-name in the same folder, fsynced and renamed into place, so a crash or Ctrl-C never leaves a half-written GGUF.
+name in the same folder, fsynced and renamed into place, so a crash, Ctrl-C or a failed gate never leaves a
+half-written GGUF.
 
 What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
 
 * tensors ``token_embd``, ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
   ffn_down}``, ``output_norm``, and ``output`` only when the bundle's embeddings are untied (llama.cpp falls back
-  to ``token_embd`` otherwise). Norms stay float32; 2-D weights take ``--type`` (a matrix whose row length is not a
-  multiple of 32 cannot be q8_0 and falls back to f16, as in llama.cpp's converter; the log says which).
+  to ``token_embd`` otherwise). Norms stay float32; 2-D weights take ``--type`` (the tensors a 4-bit scheme keeps at
+  8 bits, :mod:`serve.quant`: Q8_0); a matrix whose rows do not fill the type's blocks is refused, naming it (no
+  silent fallback).
 * q and k are permuted from the Hugging Face rotate-half layout to llama.cpp's interleaved-pair RoPE layout:
   ``attn_q`` with ``num_attention_heads``, ``attn_k`` with ``num_key_value_heads`` (case X7: using the query head
   count for k is wrong under GQA and shows only past position 0). :func:`unpermute_qk` is the exact inverse.
@@ -35,7 +39,8 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
 * :func:`write_vocab_gguf` writes the tokenizer alone (llama.cpp loads it with ``vocab_only``), to check llama.cpp's
   tokenization without a model.
 
-Exit codes: 0 done, 2 bad input (not a bundle, an unknown ``--type``, an existing output without ``--force``, a
+Exit codes: 0 done, 1 the quality gate refused the quantized GGUF, 2 bad input (not a bundle, an unknown ``--type``,
+a type whose quantizer is not installed, a tensor its blocks do not fit, an existing output without ``--force``, a
 config or weights that do not describe a plain Llama, a tokenizer whose split or normalizer llama.cpp has no name
 for, a format-2 tokenizer without ``--approximate-pretokenizer``), 130 interrupted.
 
@@ -48,28 +53,32 @@ import argparse
 import errno
 import json
 import logging
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, TokenType
+from gguf import TokenType
 from safetensors import safe_open
 
+from export import gguf_quant as GQ
 from export.bundle import read_manifest
 from export.errors import ExportError, run_cli
 from export.modelfile import MODELFILE, write_modelfile
 from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
-from train.atomic import atomic_path, clean_stale
+from serve.quant import role_of
+from train.atomic import atomic_path, clean_stale, tmp_prefix
 from train.tokenizer import PRETOKENIZER
 from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, identify
 
 __all__ = ["TYPES", "APPROXIMATE_PRE", "PRETOKENIZER_KEY", "PretokenizerError", "GgufConfig", "export_gguf",
-           "llama_cpp_pre", "permute_qk", "unpermute_qk", "write_vocab_gguf", "main"]
+           "llama_cpp_pre", "permute_qk", "unpermute_qk", "write_gguf", "write_vocab_gguf", "main"]
 
-TYPES = ("f32", "f16", "q8_0")
+TYPES = GQ.TYPES
 APPROXIMATE_PRE = "qwen35"   # the nearest llama.cpp split to tokenizer format 2's
 PRETOKENIZER_KEY = "shalik.pretokenizer"   # our own GGUF key: "exact:<name>" or "approximate:qwen35"
 
@@ -221,6 +230,11 @@ class TensorSpec:
     shape: tuple[int, ...]
     permute_heads: int | None = None
 
+    @property
+    def role(self) -> str | None:
+        """The weight's role (:data:`serve.quant.ROLES`; a tied ``token_embd`` is also the lm_head), None for a norm."""
+        return role_of(self.source) if len(self.shape) == 2 else None
+
 
 def tensor_plan(cfg: GgufConfig, shapes: dict[str, tuple[int, ...]]) -> list[TensorSpec]:
     """Every GGUF tensor in llama.cpp's order, checked against ``shapes`` ({safetensors name: shape}).
@@ -282,30 +296,28 @@ def vocab_arrays(bundle: Path, n_vocab: int) -> tuple[list[str], list[int]]:
     return [by_id[i][0] for i in range(n_vocab)], [int(by_id[i][1]) for i in range(n_vocab)]
 
 
-def storage_type(kind: str, shape: tuple[int, ...]):
-    """The GGML type a tensor is stored as: 1-D (norms) F32; 2-D ``kind`` — but F16 for q8_0 when the row length
-    is not a multiple of q8_0's block of 32 (llama.cpp's converter falls back the same way)."""
-    Q = GGMLQuantizationType
-    if len(shape) == 1 or kind == "f32":
-        return Q.F32
-    if kind == "f16" or shape[-1] % 32:
-        return Q.F16
-    return Q.Q8_0
+def file_type(type: str) -> gguf.LlamaFileType:
+    """``general.file_type`` of a GGUF written as ``type`` by gguf-py (llama.cpp sets its own for ``q4_k_m``)."""
+    return getattr(gguf.LlamaFileType, GQ.FILE_TYPES[type])
 
 
 def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "f32", force: bool = False,
-                log: Callable[[str], None] = print, *, approximate_pretokenizer: bool = False) -> Path:
+                log: Callable[[str], None] = print, *, approximate_pretokenizer: bool = False,
+                val_data: str | Path | None = None) -> Path:
     """Write ``bundle`` as a GGUF file and return its path (default ``bundle/model-<type>.gguf``).
 
-    ``type``: "f32", "f16" or "q8_0" for the 2-D weights (norms stay f32). ``tokenizer.ggml.pre`` is the llama.cpp
-    name of the bundle's split (:func:`llama_cpp_pre`); ``approximate_pretokenizer`` allows the ``qwen35``
-    approximation for a bundle made with tokenizer format 2 and changes nothing for a newer one. Raises
-    PretokenizerError (an ExportError, exit code 2) for a tokenizer llama.cpp would split differently, ExportError
-    for a folder that is not a bundle, an unknown type, an existing ``out`` without ``force``, weights/config/
-    tokenizer that cannot be represented, or a failed write (naming the errno); nothing is left at ``out`` then.
+    ``type``: "f32", "f16", "q8_0", "q4_0" or "q4_k_m" for the 2-D weights (norms stay f32;
+    :mod:`export.gguf_quant`). A quantized type passes the quality gate through llama.cpp on the bundle's validation
+    text (its run's val shards, or ``val_data``) before it is put in place, and is recorded in the bundle's
+    manifest. ``tokenizer.ggml.pre`` is the llama.cpp name of the bundle's split (:func:`llama_cpp_pre`);
+    ``approximate_pretokenizer`` allows the ``qwen35`` approximation for a bundle made with tokenizer format 2 and
+    changes nothing for a newer one. Raises PretokenizerError (an ExportError, exit code 2) for a tokenizer
+    llama.cpp would split differently, ExportError for a folder that is not a bundle, an unknown type, a type whose
+    quantizer is not installed, a tensor whose rows do not fill the type's blocks, an existing ``out`` without
+    ``force``, weights/config/tokenizer that cannot be represented, or a failed write (naming the errno);
+    QualityGateError (exit code 1) when the quantized GGUF fails its gate; nothing is left at ``out`` then.
     """
-    if type not in TYPES:
-        raise ExportError(f"--type {type!r}: expected one of {', '.join(TYPES)}")
+    s = GQ.scheme_of(type)
     bundle = Path(bundle)
     cfg = check_bundle(bundle)
     out = Path(out) if out is not None else bundle / gguf_file(type)
@@ -314,18 +326,15 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
     if out.exists() and not force:
         raise ExportError(f"{out} already exists (use --force to replace it)")
     pre, record = llama_cpp_pre(bundle / TOKENIZER, approximate_pretokenizer)
-    tokens, toktypes = vocab_arrays(bundle, cfg.vocab_size)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type]
-    logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer logs every step at INFO
     clean_stale(out.parent)
     try:
-        fallbacks = _write(bundle, out, cfg, type, file_type, (tokens, toktypes, pre, record))
+        with atomic_path(out) as tmp:
+            write_gguf(bundle, tmp, type, approximate_pretokenizer=approximate_pretokenizer)
+            entry = GQ.gate_gguf(bundle, tmp, s, out.name, val_data, log) if s is not None else None
     except OSError as e:
         raise ExportError(f"cannot write {out}: {e.strerror or e} ({errno.errorcode.get(e.errno, '?')}); "
                           "no GGUF was written") from None
-    if fallbacks:
-        log(f"gguf: {len(fallbacks)} tensor(s) kept in f16 (rows not a multiple of 32): {', '.join(fallbacks[:4])}")
+    GQ.record(bundle, out, entry)
     exact = record.startswith("exact:")
     log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
         f"tokenizer.ggml.pre {pre}, " + ("exact for NFC text)" if exact
@@ -338,6 +347,34 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
         if mf is not None:
             log(f"gguf: wrote {mf} (FROM ./{out.name}): ollama create NAME -f {mf}")
     return out
+
+
+def write_gguf(bundle: str | Path, path: str | Path, type: str, *, approximate_pretokenizer: bool = False) -> None:
+    """Write ``bundle`` as a GGUF of ``type`` to ``path`` as it is — no quality gate, no manifest record, not atomic
+    (:func:`export_gguf` puts all three around it; benchmarks/nll_quant.py uses it to measure a form the gate would
+    refuse). ``q4_k_m`` goes through a float32 GGUF written beside ``path`` and removed after. Raises ExportError for
+    a bundle, type, tokenizer or tensor shape it cannot take (the shapes are checked before anything is written) or
+    a missing quantizer, OSError for a failed write."""
+    s = GQ.scheme_of(type)
+    bundle, path = Path(bundle), Path(path)
+    cfg = check_bundle(bundle)
+    with safe_open(str(bundle / WEIGHTS), framework="np") as st:
+        plan = tensor_plan(cfg, {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    GQ.check_plan(type, [(t.source, t.role, t.shape) for t in plan])
+    quantize = GQ.llama_quantizer(type) if s is not None and s.gguf_by == "llama.cpp" else None
+    pre, record = llama_cpp_pre(bundle / TOKENIZER, approximate_pretokenizer)
+    tok = (*vocab_arrays(bundle, cfg.vocab_size), pre, record)
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer logs every step at INFO
+    if quantize is None:
+        _write(bundle, path, cfg, type, tok)
+        return
+    fd, name = tempfile.mkstemp(prefix=tmp_prefix(path.name + ".f32"), dir=path.parent)
+    os.close(fd)
+    try:
+        _write(bundle, Path(name), cfg, "f32", tok)
+        quantize(Path(name), path)
+    finally:
+        os.unlink(name)
 
 
 def _description(record: str) -> str:
@@ -367,14 +404,14 @@ def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, n_vocab: int, tok: tuple[li
     special.add_to_gguf(w, quiet=True)
 
 
-def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type,
-           tok: tuple[list[str], list[int], str, str]) -> list[str]:
-    """Write the GGUF atomically; returns the 2-D tensors kept in f16 for q8_0. Raises OSError for a failed write."""
-    with atomic_path(out) as tmp, safe_open(str(bundle / WEIGHTS), framework="np") as st:
-        w = gguf.GGUFWriter(tmp, ARCH)
+def _write(bundle: Path, path: Path, cfg: GgufConfig, type: str, tok: tuple[list[str], list[int], str, str]) -> None:
+    """Write the GGUF to ``path`` (the caller makes it atomic), 2-D weights as :func:`export.gguf_quant.ggml_type`
+    says; ``tok`` as :func:`_add_tokenizer` takes it. Raises OSError for a failed write."""
+    with safe_open(str(bundle / WEIGHTS), framework="np") as st:
+        w = gguf.GGUFWriter(path, ARCH)
         w.add_name(bundle.resolve().parent.name if bundle.name == "bundle" else bundle.resolve().name)
         w.add_description(_description(tok[3]))
-        w.add_file_type(int(file_type))
+        w.add_file_type(int(file_type(type)))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_vocab_size(cfg.vocab_size)
         w.add_context_length(cfg.max_position_embeddings)
@@ -388,12 +425,10 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type,
         w.add_rope_dimension_count(cfg.head_dim)
         _add_tokenizer(w, bundle, cfg.vocab_size, tok)
         plan = tensor_plan(cfg, {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-        qtypes = [storage_type(type, t.shape) for t in plan]
+        qtypes = [GQ.ggml_type(type, t.role, t.shape) for t in plan]
         for t, q in zip(plan, qtypes):
             nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(t.shape, q)))
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes, raw_dtype=q)
-        fallbacks = [t.name for t, q in zip(plan, qtypes) if type == "q8_0" and len(t.shape) == 2
-                     and q != gguf.GGMLQuantizationType.Q8_0]
         try:
             w.write_header_to_file()
             w.write_kv_data_to_file()
@@ -402,7 +437,6 @@ def _write(bundle: Path, out: Path, cfg: GgufConfig, type: str, file_type,
                 w.write_tensor_data(gguf.quants.quantize(load_tensor(t, st.get_tensor), q))
         finally:
             w.close()
-    return fallbacks
 
 
 def write_vocab_gguf(tokenizer_dir: str | Path, out: str | Path, *, approximate_pretokenizer: bool = False) -> Path:
@@ -443,20 +477,24 @@ def write_vocab_gguf(tokenizer_dir: str | Path, out: str | Path, *, approximate_
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit code (0 done, 2 bad input, 130 interrupted)."""
+    """The command line; returns the exit code (0 done, 1 the quality gate refused it, 2 bad input, 130 interrupted)."""
     p = argparse.ArgumentParser(prog="python -m export.gguf", description=__doc__.split("\n\n")[1],
-                                epilog="exit codes: 0 done, 2 bad input, 130 interrupted")
+                                epilog="exit codes: 0 done, 1 the quality gate refused it, 2 bad input, 130 interrupted")
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle folder written by python -m export.onnx")
     p.add_argument("--out", default=None, help="output file (default: BUNDLE/model-<type>.gguf)")
     p.add_argument("--type", default="f32", metavar="|".join(TYPES),  # checked by export_gguf: a one-line error
-                   help="2-D weight type (default: f32; norms stay f32)")
+                   help="2-D weight type (default: f32; norms stay f32); q8_0 / q4_0 by gguf-py, q4_k_m by llama.cpp's "
+                        "quantizer (llama-cpp-python); the quantized ones pass the quality gate through llama.cpp")
+    p.add_argument("--val-data", default=None, metavar="PATH",
+                   help="validation shards folder or text for the quality gate (default: the run's val shards, "
+                        "found through the bundle's parent run folder)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.add_argument("--approximate-pretokenizer", action="store_true",
                    help=f"only for a bundle made with tokenizer format 2, which llama.cpp cannot split exactly: write "
                         f"tokenizer.ggml.pre = {APPROXIMATE_PRE} anyway (digits one per token, words broken at "
                         "ZWJ/ZWNJ; recorded in the GGUF) instead of refusing. A newer bundle needs no flag")
     a = p.parse_args(argv)
-    return run_cli(lambda: export_gguf(a.bundle, a.out, a.type, a.force,
+    return run_cli(lambda: export_gguf(a.bundle, a.out, a.type, a.force, val_data=a.val_data,
                                        approximate_pretokenizer=a.approximate_pretokenizer), "no GGUF was written")
 
 

@@ -1,14 +1,16 @@
-"""``python -m export.onnx CKPT_OR_RUN [--out DIR] [--force] [--dtype float32|float16] [--quantize int8] [--no-parity]``
+"""``python -m export.onnx CKPT_OR_RUN [--out DIR] [--force] [--dtype float32|float16] [--quantize NAME...] [--no-parity]``
 
 Turns a checkpoint (a step folder, a ``checkpoints/`` folder or a run folder, meaning its latest checkpoint) into
 the bundle of docs/design.md — ``model.safetensors``, ``config.json``, ``generation_config.json``,
-``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ ``model.int8.onnx``),
-``README.md`` (model card) and ``manifest.json`` — and refuses to finish unless the bundle computes what the
-checkpoint computes (the parity gate, :mod:`export.parity`). Default output: ``<run dir>/bundle``.
+``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ ``model.int8.onnx`` /
+``model.q4_0.onnx`` / ``model.q4_mix.onnx`` with ``--quantize int8 q4_0 q4_mix``), ``README.md`` (model card) and
+``manifest.json`` — and refuses to finish unless the bundle computes what the checkpoint computes (the parity gate,
+:mod:`export.parity`) and every quantized form passes its quality gate (:mod:`export.gate`). Default output:
+``<run dir>/bundle``.
 
 This module is the command line; the pipeline is :mod:`export.pipeline`, the graph :mod:`export.graph`.
 ``--force`` replaces an existing bundle (a folder whose manifest says ``shalik-bundle``) or an empty folder,
-never another folder or a file. Exit codes: 0 done, 1 parity failure (the table is printed) or no exporter
+never another folder or a file. Exit codes: 0 done, 1 parity or quality-gate failure (the table is printed) or no exporter
 could build the graph, 2 bad input (a path that is not a checkpoint, a file that fails its sha256, a config that
 does not match the weights, an existing output without ``--force``, an output that cannot be written: the
 message names the path and the errno, e.g. ENOSPC), 130 interrupted.
@@ -22,7 +24,8 @@ import sys
 from export.errors import ExportError, ParityError, run_cli
 from export.graph import EXPORTERS
 from export.pipeline import DTYPES, export_bundle
-from serve.bundle import ONNX_INT8
+from serve.bundle import ONNX_GRAPHS
+from serve.quant import BACKEND_NAMES, NAMES
 
 __all__ = ["ExportError", "ParityError", "export_bundle", "main"]
 
@@ -36,10 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="bundle folder (default: <run dir>/bundle)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="ONNX weights and KV cache (default: float32; safetensors stay float32)")
-    p.add_argument("--quantize", choices=["int8"], default=None, help=f"also write {ONNX_INT8} (default: no)")
+    p.add_argument("--quantize", nargs="+", default=None, metavar="NAME",  # checked by parse_schemes: one line
+                   help=f"quantized forms to add and gate, of {', '.join(NAMES)} (serve/quant.py): " + ", ".join(
+                       f"{n} → {ONNX_GRAPHS[n]}" for n in BACKEND_NAMES["onnx"] if n != "none")
+                   + "; the Rust forms rust_runtime offers are gated too (default: none)")
     p.add_argument("--no-parity", dest="parity", action="store_false", help="skip the parity gate (not advised)")
     p.add_argument("--val-data", default=None, metavar="PATH",
-                   help="validation shards folder or text for the int8 NLL change (default: the run's val shards)")
+                   help="validation shards folder or text for the quality gate (default: the run's val shards)")
     p.add_argument("--exporter", choices=["auto", *EXPORTERS], default="auto",
                    help="default auto: dynamo, falling back to TorchScript when it fails to export or to match")
     a = p.parse_args(argv)

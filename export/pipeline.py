@@ -2,9 +2,10 @@
 
 Turns a checkpoint (a step folder, a ``checkpoints/`` folder or a run folder, meaning its latest checkpoint) into
 the bundle of docs/design.md — ``model.safetensors``, ``config.json``, ``generation_config.json``,
-``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ ``model.int8.onnx``),
-``README.md`` (model card) and ``manifest.json`` — and refuses to finish unless the bundle computes what the
-checkpoint computes (the parity gate, :mod:`export.parity`).
+``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ the quantized graphs of
+``--quantize``: ``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``), ``README.md`` (model card) and ``manifest.json`` — and
+refuses to finish unless the bundle computes what the checkpoint computes (the parity gate, :mod:`export.parity`)
+and every quantized form passes its quality gate (:mod:`export.gate`).
 
 The bundle is built in a temporary folder beside the output and put in place at the end
 (``train.atomic.atomic_dir``, one atomic exchange when replacing): a failure, a failed gate or Ctrl-C leaves no
@@ -18,41 +19,65 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
-
 from export import bundle as B
+from export import gate as G
 from export import parity as P
 from export.card import render_card, write_card
 from export.errors import ExportError, ParityError
 from export.graph import EXPORTERS, OPSET, export_graph
-from export.quantize import LOGPROB_MAX, TARGET, TOP1_MIN, int8_report, quantize_int8
+from export.quantize import write_onnx_form
 from export.runinfo import data_summary, eval_summary
 from export.source import Source, load_source
 from export.target import check_target, os_error_in, write_error
 from export.valdata import find_run_shards, from_shards, load_val_data, run_seq_len
-from serve.bundle import CARD, ONNX, ONNX_INT8, TOKENIZER, BundleError, read_manifest
+from serve.bundle import CARD, CONFIG, ONNX, ONNX_GRAPHS, TOKENIZER, WEIGHTS, BundleError, read_manifest
+from serve.quant import SCHEMES, Scheme, scheme
 from train.atomic import atomic_dir, clean_stale, sha256_file
 
 __all__ = ["DTYPES", "ExportError", "ParityError", "export_bundle"]
 
 DTYPES = ("float32", "float16")
+UNTRAINED = ("step 0 (random init): the quality gate is not measured on an untrained model (its near-tied "
+             "logits say nothing about a quantization); the forms are written for speed and memory figures")
 
 
 
-def _up_to_date(src: Source, out: Path, dtype: str, quantize: str | None, parity: bool) -> bool:
-    """True when ``out`` is a complete bundle of this very checkpoint with the same dtype, an int8 model when one
-    is asked for (an extra one does no harm), and a passed gate: re-running the README's main job then skips
-    the export instead of failing."""
+def _up_to_date(src: Source, out: Path, dtype: str, schemes: tuple[Scheme, ...], parity: bool) -> bool:
+    """True when ``out`` is a complete bundle of this very checkpoint with the same dtype, the quantized graphs
+    asked for (extra ones do no harm), and a passed gate: re-running the README's main job then skips the export
+    instead of failing."""
     try:
         m = read_manifest(out)
     except BundleError:
         return False
+    files = m.get("files") or {}
     return (m.get("source", {}).get("sha256") == src.sha256
-            and m.get("dtype", "float32") == dtype and (quantize != "int8" or bool(m.get("int8")))
+            and m.get("dtype", "float32") == dtype and all(ONNX_GRAPHS[s.name] in files for s in schemes if s.onnx)
             and (not parity or bool(m.get("parity", {}).get("ok"))))
+
+
+def parse_schemes(quantize: str | Sequence[str] | None) -> tuple[Scheme, ...]:
+    """``--quantize`` names (one string or several; ``none`` ignored) → their schemes, in :data:`serve.quant.NAMES`
+    order without repeats. Raises ExportError naming an unknown name, or a scheme this export cannot produce
+    (no ONNX form and not offered by rust_runtime)."""
+    names = [quantize] if isinstance(quantize, str) else list(quantize or [])
+    out: dict[str, Scheme] = {}
+    for q in names:
+        if isinstance(q, str) and q.strip().lower() == "none":
+            continue
+        try:
+            s = scheme(q, "--quantize")
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+        if not s.onnx and not s.rust:
+            raise ExportError(f"--quantize {s.name}: no form of it lives in a bundle (onnxruntime has no such kernel "
+                              f"and rust_runtime does not offer it yet); for llama.cpp write it with "
+                              f"python -m export.gguf BUNDLE --type {s.gguf}")
+        out[s.name] = s
+    return tuple(SCHEMES[n] for n in SCHEMES if n in out)
 
 
 def _check_out(src: Source, out: Path, force: bool) -> None:
@@ -71,15 +96,15 @@ def _check_out(src: Source, out: Path, force: bool) -> None:
 
 
 def _val_data(src: Source, val_data: str | Path | None, log: Callable[[str], None]):
-    """Validation windows for the int8 measurement (ExportError for a bad --val-data; None when none found)."""
+    """Validation windows for the quality gate (ExportError for a bad --val-data; None when none found)."""
     tok = src.ckpt / TOKENIZER
     seq = run_seq_len(src.run_dir, src.cfg.max_position_embeddings)
     if val_data is not None:
         return load_val_data(Path(val_data), src.cfg.vocab_size, tok, src.eot_id, seq)
     shards = find_run_shards(src.run_dir, tok)
     if shards is None:
-        log("int8: no validation shards found through the run's config.toml (pass --val-data PATH); "
-            "the NLL change will not be measured")
+        log("quantize: no validation shards found through the run's config.toml (pass --val-data PATH); "
+            "the quality gate will not be measured")
         return None
     return from_shards(shards, src.cfg.vocab_size, sha256_file(tok), seq)
 
@@ -113,57 +138,45 @@ def _build_graph(src: Source, tmp: Path, dtype: str, exporter: str, greedy_ref, 
     return last
 
 
-def int8_cases(int8: dict) -> list[P.Case]:
-    """Parity rows for the int8 graph: the val NLL change over all languages, then per language the NLL change,
-    the top-1 agreement with fp32 and the mean |Δ log p| of fp32's top token (thresholds: export.quantize)."""
-    rows = [P.Case("onnx int8", "val NLL change, nats/token", int8["val_nll_delta"], TARGET,
-                   bool(np.isfinite(int8["val_nll_delta"]) and int8["val_nll_delta"] <= TARGET),
-                   f"{int8['tokens']:,} tokens")]
-    for lang, v in int8["by_lang"].items():
-        rows += [
-            P.Case("onnx int8", f"{lang}: val NLL change, nats/token", v["delta"], TARGET,
-                   bool(np.isfinite(v["delta"]) and v["delta"] <= TARGET), f"{v['tokens']:,} tokens"),
-            P.Case("onnx int8", f"{lang}: top-1 agreement with fp32", v["top1_agreement"], TOP1_MIN,
-                   v["top1_agreement"] >= TOP1_MIN, f"needs ≥ {TOP1_MIN:.0%}"),
-            P.Case("onnx int8", f"{lang}: mean |Δ log p| of fp32's top token, nats", v["mean_abs_top_logprob_delta"],
-                   LOGPROB_MAX, v["mean_abs_top_logprob_delta"] <= LOGPROB_MAX, f"needs ≤ {LOGPROB_MAX}"),
-        ]
-    return rows
-
-
 def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool = False, dtype: str = "float32",
-                  quantize: str | None = None, parity: bool = True, val_data: str | Path | None = None,
-                  exporter: str = "auto", log: Callable[[str], None] = print) -> Path:
+                  quantize: str | Sequence[str] | None = None, parity: bool = True,
+                  val_data: str | Path | None = None, exporter: str = "auto",
+                  log: Callable[[str], None] = print) -> Path:
     """Export a checkpoint (or a run's latest) into a bundle folder and return the folder.
 
     ``out`` defaults to ``<run dir>/bundle``; ``dtype`` "float32" or "float16" (ONNX weights and KV cache; the
-    safetensors stay float32; fp16 parity uses atol = rtol = 5e-2); ``quantize="int8"`` adds ``model.int8.onnx``
-    and its validation NLL change (from the run's val shards or ``val_data``: a shard folder or text);
-    ``parity=False`` skips the gate (the card says the bundle is unchecked); ``exporter`` "auto", "dynamo" or
-    "torchscript". Raises ExportError (exit_code 2) for bad input and ParityError (exit_code 1) when the gate
-    fails; nothing is left at ``out`` then.
+    safetensors stay float32; fp16 parity uses atol = rtol = 5e-2); ``quantize``: scheme names of
+    :data:`serve.quant.NAMES` (one or several: ``"int8"``, ``["int8", "q4_0"]``) — each adds its ONNX graph
+    (``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) and, where rust_runtime offers the scheme, its Rust form to the
+    quality gate (:mod:`export.gate`; on the run's val shards or ``val_data``: a shard folder or text);
+    ``parity=False`` skips the parity gate (the card says the bundle is unchecked; the quantized forms' quality
+    gate still holds);
+    ``exporter`` "auto", "dynamo" or "torchscript". Raises ExportError (exit_code 2) for bad input (an unknown
+    quantization name among them), ParityError (exit_code 1) when the parity gate fails and QualityGateError
+    (a ParityError) when a quantized form fails its quality gate; nothing is left at ``out`` then.
     """
     t0 = time.time()
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if quantize not in (None, "none", "int8"):
-        raise ExportError(f"--quantize {quantize!r}: expected int8")
-    quantize = None if quantize == "none" else quantize
+    schemes = parse_schemes(quantize)
     if exporter not in ("auto", *EXPORTERS):
         raise ExportError(f"--exporter {exporter!r}: expected auto, {', '.join(EXPORTERS)}")
     source = load_source(src)
     out = Path(out) if out is not None else source.default_out()
     clean_stale(out.parent)  # a replaced bundle parked by a crashed swap is put back before it is judged
-    if out.exists() and not force and _up_to_date(source, out, dtype, quantize, parity):
+    if out.exists() and not force and _up_to_date(source, out, dtype, schemes, parity):
         log(f"export: {out} is already an up-to-date bundle of {source.ckpt} (step {source.step}); nothing to do "
             f"(use --force to rebuild it)")
         return out
     _check_out(source, out, force)
     log(f"export: {source.ckpt} (step {source.step}, {source.model.num_params():,} parameters) → {out}")
-    val = _val_data(source, val_data, log) if quantize else None
+    untrained = source.step == 0   # a random-init model's near-flat logits say nothing about a quantization
+    if schemes and untrained:
+        log(f"quantize: {UNTRAINED}")
+    val = _val_data(source, val_data, log) if schemes and not untrained else None
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        manifest = _build(source, out, force, dtype, quantize, parity, val, exporter, log, t0)
+        manifest = _build(source, out, force, dtype, schemes, parity, val, exporter, log, t0)
     except OSError as e:
         raise write_error(out, e) from None
     files = sorted(manifest["files"].items(), key=lambda kv: -kv[1]["bytes"])
@@ -174,7 +187,58 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
     return out
 
 
-def _build(source: Source, out: Path, force: bool, dtype: str, quantize: str | None, parity: bool, val,
+def _quantized_forms(tmp: Path, fp32_graph: Path, schemes: tuple[Scheme, ...],
+                     log: Callable[[str], None]) -> list[G.Form]:
+    """Write each scheme's ONNX graph into the bundle folder ``tmp`` from ``fp32_graph`` and return every form the
+    gate measures: those graphs through onnxruntime, and the schemes rust_runtime offers through it (when it is
+    importable)."""
+    from serve.backends.onnx import OnnxBackend
+
+    forms: list[G.Form] = []
+    for s in schemes:
+        if s.onnx:
+            t, graph = time.time(), ONNX_GRAPHS[s.name]
+            write_onnx_form(s, fp32_graph, tmp / graph, tmp / WEIGHTS)
+            log(f"quantize: {graph} ({s.name}) in {time.time() - t:.1f} s")
+            forms.append(G.Form("onnx", s, OnnxBackend(tmp, quantize=s.name).logits, graph))
+    rust = [s for s in schemes if s.rust]
+    if rust and P.rust_available():
+        import rust_runtime  # deferred: optional (rust_available() said it is there)
+
+        forms += [G.Form("rust", s, rust_runtime.Model.load(str(tmp), quantize=s.name, verify=False).logits)
+                  for s in rust]
+    elif rust:
+        log("quantize: rust_runtime is not importable here; its forms of "
+            f"{', '.join(s.name for s in rust)} are not gated")
+    return forms
+
+
+def _quality_gate(source: Source, tmp: Path, dtype: str, exporter: str, schemes: tuple[Scheme, ...], val,
+                  log: Callable[[str], None]) -> dict:
+    """Write the quantized graphs and measure every form against float32 (:mod:`export.gate`); returns the
+    manifest's ``quantization`` entry. A float16 bundle is quantized from, and compared with, a float32 graph
+    exported into a scratch folder that is removed."""
+    ref_dir = tmp
+    if dtype != "float32":
+        ref_dir = tmp / ".fp32"
+        ref_dir.mkdir()
+        for name in (CONFIG, TOKENIZER):
+            shutil.copyfile(tmp / name, ref_dir / name)
+        export_graph(source.model, ref_dir / ONNX, exporter, "float32")
+    try:
+        forms = _quantized_forms(tmp, ref_dir / ONNX, schemes, log)
+        t = time.time()
+        quant = G.gate_entry(G.reference_logits(ref_dir) if val is not None else None, forms, val,
+                             UNTRAINED if source.step == 0 else
+                             "no validation data found (pass --val-data PATH); the quality gate was not measured")
+    finally:
+        shutil.rmtree(tmp / ".fp32", ignore_errors=True)
+    log("quantize: quality gate " + ("not measured" if val is None else f"measured in {time.time() - t:.1f} s: " + "; ".join(
+        f"{n} ΔNLL {r['all']['delta']:+.4f}, top-1 {r['all']['top1_agreement']:.3f}" for n, r in quant["forms"].items())))
+    return quant
+
+
+def _build(source: Source, out: Path, force: bool, dtype: str, schemes: tuple[Scheme, ...], parity: bool, val,
            exporter: str, log: Callable[[str], None], t0: float) -> dict:
     """Write the bundle into a temporary folder and put it at ``out``; returns the manifest. Raises OSError for
     a failed write (the caller names it), ExportError / ParityError as :func:`export_bundle` documents."""
@@ -189,28 +253,18 @@ def _build(source: Source, out: Path, force: bool, dtype: str, quantize: str | N
                 rows += P.rust_cases(tmp, source.model, greedy_ref)
             else:
                 log("parity: rust_runtime is not importable here; the Rust runtime is not checked")
-        int8 = None
-        if quantize:
-            t = time.time()
-            fp32_graph = tmp / ONNX
-            if dtype != "float32":  # quantize from float32 weights, not from the float16 graph
-                fp32_graph = tmp / ".fp32" / ONNX
-                fp32_graph.parent.mkdir()
-                export_graph(source.model, fp32_graph, chosen, "float32")
-            quantize_int8(fp32_graph, tmp / ONNX_INT8)
-            shutil.rmtree(tmp / ".fp32", ignore_errors=True)
-            int8 = int8_report(tmp, val)
-            log(f"int8: quantized in {time.time() - t:.1f} s; val NLL change "
-                f"{'not measured' if int8['val_nll_delta'] is None else format(int8['val_nll_delta'], '+.4f')}")
-            if parity and int8["val_nll_delta"] is not None:
-                rows += int8_cases(int8)
+        quant = _quality_gate(source, tmp, dtype, chosen, schemes, val, log) if schemes else None
+        if quant:
+            G.enforce(quant, "no bundle was written", log)   # also under --no-parity: a failing form is never written
+            if parity:
+                rows += G.cases(quant)
         table = P.format_table(rows)
         ok = P.all_ok(rows) if parity else None
         info = {
             "exporter": chosen, "opset": OPSET, "dtype": dtype,
             "parity": {"ok": ok, "tol": P.FP32_TOL if dtype == "float32" else P.FP16_TOL, "near_tie": P.NEAR_TIE,
                        "cases": [r.as_dict() for r in rows]} if parity else {"ok": None, "skipped": True, "cases": []},
-            "int8": int8, "eval": eval_summary(source), "data": data_summary(source),
+            G.MANIFEST_KEY: quant, "eval": eval_summary(source), "data": data_summary(source),
         }
         if parity:
             log(table)
@@ -220,7 +274,7 @@ def _build(source: Source, out: Path, force: bool, dtype: str, quantize: str | N
                                   f"{bad[0].case}); no bundle was written", [r.as_dict() for r in rows], table)
         write_card(tmp / CARD, render_card(source, str(out), info))
         manifest = B.write_manifest(tmp, source, exporter=chosen, opset=OPSET, dtype=dtype, parity=info["parity"],
-                                    int8=int8, eval_=info["eval"], data=info["data"],
+                                    quantization=quant, eval_=info["eval"], data=info["data"],
                                     export_seconds=time.time() - t0)
         B.make_readable(tmp)
     return manifest

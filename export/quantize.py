@@ -1,160 +1,130 @@
-"""``model.int8.onnx``: onnxruntime dynamic quantisation of the fp32 graph, and its validation NLL change.
+"""The quantized ONNX graphs of a bundle: ``model.int8.onnx``, ``model.q4_0.onnx`` and ``model.q4_mix.onnx`` (the
+schemes and which tensors stay at 8 bits: :mod:`serve.quant`; their file names: ``serve.bundle.ONNX_GRAPHS``; their
+quality gate: :mod:`export.gate`).
 
-Recipe (notes/export-facts.md, "int8"): ``quant_pre_process(skip_symbolic_shape=True)`` first — it runs ORT's
-optimiser, which folds the tied lm_head ``Transpose`` into its own initializer, so lm_head becomes a
-``MatMulInteger`` instead of a per-step dequantised transpose — then ``quantize_dynamic`` with QInt8 weights, per
-channel, MatMul only (the embedding ``Gather`` stays fp32 and exact).
+Both start from the float32 graph pre-processed by ``quant_pre_process(skip_symbolic_shape=True)`` (notes/
+export-facts.md, "int8"): it runs onnxruntime's optimiser, which folds the tied lm_head ``Transpose`` into an
+initializer of its own, so lm_head becomes a quantized matmul instead of a per-step dequantised transpose.
 
-Measured on the same validation windows through serve's OnnxBackend, per language and over all, against the
-fp32 graph: the NLL change (nats/token, int8 minus fp32; at most :data:`TARGET`), the top-1 agreement (share
-of positions where int8's argmax equals fp32's; at least :data:`TOP1_MIN`) and the mean |Δ log p| of fp32's
-top token (nats; at most :data:`LOGPROB_MAX`). An NLL average can hide a quantisation that changes which token
-wins; the two per-position figures cannot. Any language over a threshold fails the gate. The thresholds come
-from measurement (benchmarks/results/int8_agreement.md): the trained tiny fixture (hidden 64) gives top-1 1.000
-and |Δ log p| 0.013 (bn) / 0.034 (en); a random-init model of the small config's shape (hidden 512, 6 layers,
-vocab 32000), the worst case because its near-flat logits are full of near-ties, gives top-1 0.923 and
-|Δ log p| 0.027. The limits (0.85, 0.1 nats) sit below / about 3x above the worst measured figure, while a broken
-quantisation (wrong scales, a dropped matrix) lands far outside them.
+* ``int8``: ``quantize_dynamic`` with QInt8 weights, per channel, MatMul only (the embedding ``Gather`` stays
+  float32 and exact): ``MatMulInteger`` with ``DynamicQuantizeLinear`` activations.
+* ``q4_0`` / ``q4_mix``: onnxruntime's ``MatMulNBitsQuantizer`` (``MatMulNBits``: 4-bit weights, blocks of 32 along the input
+  features, one float scale per block, symmetric — llama.cpp's q4_0 layout of numbers; ``accuracy_level`` 4: the
+  activations are quantized to int8 per block and the dot products summed in int32). The weights the scheme keeps
+  at 8 bits (``q4_mix``: the tied head, v and down projections) get ``MatMulNBits`` with 8 bits, block 32 (q8_0's
+  numbers). Which matmul multiplies by
+  which weight is found by content (its initializer is the transpose of a ``model.safetensors`` tensor), not by
+  the exporter's node names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+from safetensors import safe_open
 
-from export.valdata import ValData
-from serve.backends.onnx import OnnxBackend
+from export.errors import ExportError
+from serve.bundle import external_data
+from serve.quant import Q8_BLOCK, Scheme, check_shape, role_of
 
-TARGET = 0.05         # val NLL change, nats/token
-TOP1_MIN = 0.85       # top-1 agreement with fp32, per language (measured 0.92 at worst: module doc)
-LOGPROB_MAX = 0.1     # mean |log p_int8(t) - log p_fp32(t)| for fp32's top token t, nats, per language (0.034)
-BATCH = 4
-ROWS = 256            # positions per block when comparing logits (bounds the float64 copies)
+ACCURACY_LEVEL = 4          # MatMulNBits: int8 activations, int32 accumulation
+EXTERNAL_DATA_FROM = 6 * 2**30  # float32 data above this: the quantized graph may pass protobuf's 2 GB, use external data
 
 
-def quantize_int8(src: Path, dst: Path) -> None:
-    """Write the int8 graph ``dst`` from the fp32 graph ``src`` (with its external data beside it).
+def write_onnx_form(s: Scheme, src: Path, dst: Path, safetensors: Path | None = None) -> None:
+    """Write scheme ``s``'s graph ``dst`` from the float32 graph ``src`` (external data beside it) and the bundle's
+    ``safetensors`` (which weight each matmul holds: the roles kept at 8 bits and the shape checks of a 4-bit
+    scheme; not read for int8, which may pass None).
 
-    Scratch files live in a temporary folder beside ``dst`` and are removed. Raises what onnxruntime raises.
-    """
-    data = src.with_name(src.name + ".data")
-    big = data.is_file() and data.stat().st_size > 6 * 2**30   # int8 output would pass protobuf's 2 GB
-    with tempfile.TemporaryDirectory(prefix=".int8-", dir=dst.parent) as td, _quiet():
+    Scratch files live in a temporary folder beside ``dst`` and are removed. Raises ExportError when ``s`` has no
+    ONNX form or a weight's rows do not fill whole blocks (:func:`serve.quant.check_shape`), else what
+    onnxruntime raises."""
+    if not s.onnx:
+        raise ExportError(f"{s.name} has no ONNX form (onnxruntime offers no such kernel)")
+    data = src.with_name(external_data(src.name))
+    big = data.is_file() and data.stat().st_size > EXTERNAL_DATA_FROM
+    with tempfile.TemporaryDirectory(prefix=f".{s.name}-", dir=dst.parent) as td, _quiet():
         pre = Path(td) / "pre.onnx"
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True, save_as_external_data=True,
                           all_tensors_to_one_file=True, external_data_location="pre.onnx.data")
-        quantize_dynamic(str(pre), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=big)
+        if s.bits == 8:
+            quantize_dynamic(str(pre), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"], use_external_data_format=big)
+            return
+        if safetensors is None:
+            raise ExportError(f"{s.name}: the bundle's model.safetensors is needed to tell which matmul holds which "
+                              "weight")
+        model = onnx.load(str(pre))
+        roles = matmul_weights(model, safetensors)
+        for node, tensor in roles.items():
+            shape = tuple(reversed(_initializer(model, _weight_input(model, node)).dims))
+            try:
+                check_shape(s, tensor, shape)
+            except ValueError as e:
+                raise ExportError(str(e)) from None
+        keep = sorted(n for n, t in roles.items() if s.bits_of(role_of(t)) == 8)
+        # nodes_to_exclude, not nodes_to_include: the quantizer takes every MatMul with a constant weight plus the
+        # included ones (onnxruntime 1.32, MatMulNBitsQuantizer._process_subgraph)
+        four = MatMulNBitsQuantizer(model, bits=s.bits, block_size=s.block, is_symmetric=True,
+                                    accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=keep)
+        four.process()
+        model = four.model.model
+        if keep:
+            eight = MatMulNBitsQuantizer(model, bits=8, block_size=Q8_BLOCK, is_symmetric=True,
+                                         accuracy_level=ACCURACY_LEVEL)
+            eight.process()
+            model = eight.model.model
+        if big:
+            onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=external_data(dst.name))
+        else:
+            onnx.save(model, str(dst))
 
 
-def _batches(val: ValData):
-    """``(lang, x, y)`` batches: windows of equal length, :data:`BATCH` at a time; x inputs, y targets (int64)."""
-    for lang, windows in val.windows.items():
-        by_len: dict[int, list[np.ndarray]] = {}
-        for w in windows:
-            by_len.setdefault(len(w), []).append(w)
-        for _length, group in sorted(by_len.items()):
-            for i in range(0, len(group), BATCH):
-                batch = np.stack(group[i:i + BATCH])
-                yield lang, batch[:, :-1], batch[:, 1:]
+def _initializer(model: onnx.ModelProto, name: str) -> onnx.TensorProto | None:
+    for t in model.graph.initializer:
+        if t.name == name:
+            return t
+    return None
 
 
-def _forward(backend, x: np.ndarray) -> np.ndarray:
-    b, t = x.shape
-    pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t))
-    return backend.forward(x, np.ones((b, t), dtype=np.int64), pos, None)[0]
+def _weight_input(model: onnx.ModelProto, node_name: str) -> str:
+    return next(n.input[1] for n in model.graph.node if n.name == node_name)
 
 
-def _log_softmax(blk: np.ndarray) -> np.ndarray:
-    blk = np.asarray(blk, dtype=np.float64)
-    m = blk.max(-1, keepdims=True)
-    return blk - m - np.log(np.exp(blk - m).sum(-1, keepdims=True))
-
-
-def compare_logits(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> dict[str, float]:
-    """Sums over positions of ``ref`` (fp32) vs ``got`` (int8) logits ``[..., V]`` with ``targets`` ``[...]``:
-    ``{positions, nll_ref, nll_got, top1_agree, top_logprob_absdiff}`` — NLL sums in nats, the count of positions
-    whose argmax agree, and the sum of |log p_got(t) - log p_ref(t)| for t = ref's argmax."""
-    r = ref.reshape(-1, ref.shape[-1])
-    g = got.reshape(-1, got.shape[-1])
-    tg = targets.reshape(-1)
-    out = {"positions": 0, "nll_ref": 0.0, "nll_got": 0.0, "top1_agree": 0, "top_logprob_absdiff": 0.0}
-    for i in range(0, r.shape[0], ROWS):
-        lr, lg = _log_softmax(r[i:i + ROWS]), _log_softmax(g[i:i + ROWS])
-        rows = np.arange(len(lr))
-        t, top = tg[i:i + ROWS], lr.argmax(-1)
-        out["positions"] += len(lr)
-        out["nll_ref"] -= float(lr[rows, t].sum())
-        out["nll_got"] -= float(lg[rows, t].sum())
-        out["top1_agree"] += int((lg.argmax(-1) == top).sum())
-        out["top_logprob_absdiff"] += float(np.abs(lg[rows, top] - lr[rows, top]).sum())
+def matmul_weights(model: onnx.ModelProto, safetensors: Path) -> dict[str, str]:
+    """``{MatMul node name: safetensors tensor name}`` for every MatMul whose second input is a 2-D initializer
+    equal, bit for bit, to the transpose of a weight of ``safetensors`` (a tied lm_head matches
+    ``model.embed_tokens.weight``); matched by sha256 of the float32 bytes, one tensor in memory at a time.
+    Raises ExportError when a weight matmul matches no tensor: the graph is not this bundle's."""
+    inits = {t.name: t for t in model.graph.initializer if len(t.dims) == 2}
+    nodes = [n for n in model.graph.node if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in inits]
+    with safe_open(str(safetensors), framework="np") as st:
+        digests = {_digest(np.asarray(st.get_tensor(k), dtype=np.float32).T): k for k in st.keys()
+                   if len(st.get_slice(k).get_shape()) == 2}
+    out: dict[str, str] = {}
+    for n in nodes:
+        w = numpy_helper.to_array(inits[n.input[1]])
+        name = digests.get(_digest(w)) if w.dtype == np.float32 else None
+        if name is None:
+            raise ExportError(f"the ONNX graph's matmul {n.name} ({list(w.shape)}) multiplies by no weight of "
+                              f"{safetensors.name}: the graph is not this bundle's")
+        out[n.name] = name
     return out
 
 
-def compare_int8(fp32, int8, val: ValData) -> dict[str, dict]:
-    """``{lang: {…}, "all": {…}}`` with ``fp32``/``int8`` NLL (nats/token), ``delta``, ``top1_agreement``
-    (0..1), ``mean_abs_top_logprob_delta`` (nats) and ``tokens``, from the two backends' ``forward`` (numpy) on
-    the same windows."""
-    sums: dict[str, dict] = {}
-    for lang, x, y in _batches(val):
-        c = compare_logits(_forward(fp32, x), _forward(int8, x), y)
-        for key in (lang, "all"):
-            acc = sums.setdefault(key, dict.fromkeys(c, 0))
-            for k, v in c.items():
-                acc[k] += v
-    out = {}
-    for key, c in sums.items():
-        n = c["positions"]
-        out[key] = {"fp32": c["nll_ref"] / n, "int8": c["nll_got"] / n, "delta": (c["nll_got"] - c["nll_ref"]) / n,
-                    "top1_agreement": c["top1_agree"] / n, "mean_abs_top_logprob_delta": c["top_logprob_absdiff"] / n,
-                    "tokens": n}
-    return {"all": out.pop("all"), **out} if "all" in out else out
-
-
-def nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Sum over positions of ``-log softmax(logits)[target]`` in nats; logits float ``[..., V]``, targets int
-    ``[...]``. Row by row in float32 (a ``[8, 512, 32000]`` float64 copy would take 1 GB)."""
-    lg = logits.reshape(-1, logits.shape[-1])
-    tg = targets.reshape(-1)
-    total = 0.0
-    for i in range(0, lg.shape[0], 256):
-        blk = np.asarray(lg[i:i + 256], dtype=np.float32)
-        m = blk.max(-1, keepdims=True)
-        lse = m[:, 0].astype(np.float64) + np.log(np.exp(blk - m).sum(-1, dtype=np.float64))
-        total += float((lse - blk[np.arange(len(blk)), tg[i:i + 256]]).sum())
-    return total
-
-
-def int8_report(bundle: Path, val: ValData | None) -> dict:
-    """The manifest's ``int8`` entry: ``{val_nll_delta, val_nll_fp32, val_nll_int8, top1_agreement,
-    mean_abs_top_logprob_delta, by_lang: {lang: {fp32, int8, delta, top1_agreement, mean_abs_top_logprob_delta,
-    tokens, ok}}, tokens, data, target, thresholds, ok}``; ``ok`` is false when any language (or all) breaks a
-    threshold (module doc). ``val_nll_delta`` is None (and ``ok`` True) when there is no validation data."""
-    thresholds = {"val_nll_delta_max": TARGET, "top1_agreement_min": TOP1_MIN,
-                  "mean_abs_top_logprob_delta_max": LOGPROB_MAX}
-    if val is None:
-        return {"val_nll_delta": None, "target": TARGET, "thresholds": thresholds, "ok": True,
-                "note": "no validation data found (pass --val-data PATH); the int8 change was not measured"}
-    stats = compare_int8(OnnxBackend(bundle), OnnxBackend(bundle, quantize="int8"), val)
-    for v in stats.values():
-        v["ok"] = passes(v)
-    a = stats.pop("all")
-    return {"val_nll_delta": a["delta"], "val_nll_fp32": a["fp32"], "val_nll_int8": a["int8"],
-            "top1_agreement": a["top1_agreement"], "mean_abs_top_logprob_delta": a["mean_abs_top_logprob_delta"],
-            "by_lang": stats, "tokens": a["tokens"], "data": val.origin, "target": TARGET, "thresholds": thresholds,
-            "ok": bool(a["ok"] and all(v["ok"] for v in stats.values()))}
-
-
-def passes(v: dict) -> bool:
-    """One language's (or all's) figures within :data:`TARGET`, :data:`TOP1_MIN` and :data:`LOGPROB_MAX`."""
-    return bool(np.isfinite(v["delta"]) and v["delta"] <= TARGET and v["top1_agreement"] >= TOP1_MIN
-                and v["mean_abs_top_logprob_delta"] <= LOGPROB_MAX)
+def _digest(a: np.ndarray) -> tuple[tuple[int, ...], str]:
+    return a.shape, hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
 @contextlib.contextmanager
@@ -163,8 +133,12 @@ def _quiet():
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)
+    quant_logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    quant_level = quant_logger.level
+    quant_logger.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             yield
     finally:
         root.setLevel(level)
+        quant_logger.setLevel(quant_level)

@@ -16,6 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from export.errors import ExportError
+from serve.bundle import CONFIG, TOKENIZER, eot_id
 from train.atomic import sha256_file
 from train.config import resolve_path
 from train.corpus import DataError, iter_documents, list_input_files
@@ -139,3 +140,31 @@ def _read_index(folder: Path) -> dict:
         return json.loads((folder / "index.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def bundle_val_data(bundle: Path, val_data: str | Path | None = None,
+                    max_tokens: int = MAX_TOKENS_PER_LANG) -> tuple[ValData | None, str]:
+    """Validation windows for a finished bundle (``runs/NAME/bundle``): ``val_data`` (a shard folder or text), else
+    the shards of its run folder (the bundle's parent) made with the bundle's tokenizer, as ``export.onnx`` finds
+    them; windows of the run's ``train.seq_len`` + 1 ids. Returns ``(windows or None, why none)``. Raises
+    ExportError for a bad ``val_data`` or unreadable bundle files."""
+    bundle = Path(bundle)
+    tok = bundle / TOKENIZER
+    try:
+        cfg = json.loads((bundle / CONFIG).read_text(encoding="utf-8"))
+        vocab, context = int(cfg["vocab_size"]), int(cfg["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"{bundle / CONFIG}: cannot read vocab_size / max_position_embeddings ({e})") from None
+    run = bundle.resolve().parent
+    seq = run_seq_len(run, context)
+    if val_data is not None:
+        try:
+            eot = eot_id(Tokenizer.from_file(str(tok)))
+        except Exception as e:  # noqa: BLE001 - BundleError, or tokenizers' own exception class
+            raise ExportError(f"{tok}: {e}") from None
+        return load_val_data(Path(val_data), vocab, tok, eot, seq), ""
+    shards = find_run_shards(run, tok)
+    if shards is None:
+        return None, (f"no validation shards found through {run.name}/config.toml for this tokenizer "
+                      "(pass --val-data PATH); not measured")
+    return from_shards(shards, vocab, sha256_file(tok), seq, max_tokens), ""

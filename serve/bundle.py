@@ -5,17 +5,19 @@ spelled here once and imported from here (``rust_runtime/src/bundle.rs`` mirrors
 tests/test_bundle_contract.py checks that the two agree and that nobody else spells them):
 
 * **file names**: :data:`CONFIG`, :data:`WEIGHTS`, :data:`TOKENIZER`, ..., the ONNX graph of each quantization
-  (:data:`ONNX_GRAPHS`: a new quantized graph is one entry there), its external data (:func:`external_data`), the
-  GGUF files (:func:`gguf_file`), and the files each serving backend reads (:func:`backend_files`);
+  (:data:`ONNX_GRAPHS`: ``model.<scheme>.onnx`` for every scheme of :mod:`serve.quant` with an ONNX form), its
+  external data (:func:`external_data`), the GGUF files (:func:`gguf_file`), and the files each serving backend
+  reads (:func:`backend_files`);
 * **the manifest** (:data:`MANIFEST`, written last by the exporter): :data:`MANIFEST_FIELDS` is its schema,
   :func:`check_manifest` the one check, :func:`read_manifest` the one reader, :func:`write_manifest` the one
-  writer, :func:`verify_files` the sha256 check at load. A reader refuses a manifest whose ``format_version`` is
+  writer (:func:`update_manifest` / :func:`rehash` for what is added to a finished bundle: a GGUF and its quality
+  gate, the card's benchmark section), :func:`verify_files` the sha256 check at load. A reader refuses a manifest whose ``format_version`` is
   newer than :data:`FORMAT_VERSION` (the major version), naming both;
 * **the ONNX graph's I/O names** (Optimum's decoder naming): :func:`onnx_input_names`, :func:`onnx_output_names`;
 * **the special tokens** :data:`EOT` and :data:`PAD` and :func:`eot_id`;
 * **hashing**: :func:`sha256_file`;
-* the quantization setting of a serving request (:func:`parse_quantize`) and the bundle's default sampling
-  (:func:`sampling_defaults`, from ``generation_config.json``).
+* the bundle's default sampling (:func:`sampling_defaults`, from ``generation_config.json``). The quantization
+  names, ``parse_quantize`` and the quality gate's thresholds are :mod:`serve.quant`'s.
 
 Layering (docs/design.md): ``train/`` never imports ``serve/``, and ``serve/`` reaches ``train/`` only through
 leaf modules (nothing else of the project, no torch). So the two facts that training owns first — the special
@@ -31,6 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from serve import quant
 from train.atomic import atomic_write_json, sha256_file
 from train.byte_level import EOT, PAD, SPECIAL_TOKENS
 
@@ -38,8 +41,8 @@ __all__ = ["BACKEND_FILES", "CARD", "CONFIG", "EOT", "FORMAT", "FORMAT_VERSION",
            "MANIFEST_FIELDS", "MODELFILE", "ONNX", "ONNX_GRAPHS", "ONNX_INT8", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
            "TOKENIZER", "TOKENIZER_CONFIG", "WEIGHTS", "BundleError", "backend_files", "check_manifest", "eot_id",
            "external_data", "file_entry", "file_table", "gguf_file", "is_bundle", "onnx_input_names",
-           "onnx_output_names", "parse_quantize", "read_manifest", "rehash", "sampling_defaults", "sha256_file",
-           "verify_files", "write_manifest"]
+           "onnx_output_names", "read_manifest", "rehash", "sampling_defaults", "sha256_file",
+           "update_manifest", "verify_files", "write_manifest"]
 
 # ---------------------------------------------------------------------------------------------- file names
 
@@ -50,8 +53,10 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 CARD = "README.md"  # the model card
 MANIFEST = "manifest.json"  # written last: its files table vouches for every other file
-#: The ONNX graph of each quantization (``None``: the float graph). A new quantized graph is one entry here.
-ONNX_GRAPHS: dict[str | None, str] = {None: "model.onnx", "int8": "model.int8.onnx"}
+#: The ONNX graph of each quantization (``None``: the float graph; a scheme of serve.quant with ``onnx=True``:
+#: ``model.<scheme>.onnx``, so a new quantized graph is one entry of serve.quant.SCHEMES).
+ONNX_GRAPHS: dict[str | None, str] = {None: "model.onnx", **{q: f"model.{q}.onnx" for q, s in quant.SCHEMES.items()
+                                                             if s.onnx}}
 ONNX = ONNX_GRAPHS[None]
 ONNX_INT8 = ONNX_GRAPHS["int8"]
 EXTERNAL_DATA_SUFFIX = ".data"  # a graph's weights, beside it (ONNX external data)
@@ -61,7 +66,7 @@ MODELFILE = "Modelfile"  # Ollama's, written by export.gguf beside the GGUF (not
 #: ``rust_runtime`` checks (its ``CHECKED_FILES``). The rust backend quantizes at load from the float weights.
 BACKEND_FILES: dict[str, tuple[str, ...]] = {"onnx": (CONFIG, TOKENIZER), "rust": (CONFIG, TOKENIZER, WEIGHTS)}
 
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = quant.NAMES  # the quantization names are serve.quant's; this name is kept for its importers
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")  # generation_config.json's sampling
 
 
@@ -121,7 +126,7 @@ MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "versions": (dict,),  # library versions that made and checked the bundle
     "parity": (dict,),  # {ok, tol, near_tie, cases}
-    "int8": (dict, _NONE),  # the int8 graph's validation NLL change, when there is one
+    "quantization": (dict, _NONE),  # the quality gate of every quantized form (export.gate), when there is one
     "eval": (dict, _NONE),
     "data": (dict, _NONE),  # the training data's sources and licences
     "export_seconds": (float, int),
@@ -238,6 +243,22 @@ def rehash(bundle: str | Path, names: Iterable[str]) -> dict:
     return manifest
 
 
+def update_manifest(bundle: str | Path, files: Iterable[str] = (), **fields: Any) -> dict:
+    """Add to a finished bundle's manifest and write it back atomically; returns it. ``files``: names of files in
+    the bundle whose entries are added or refreshed (a GGUF written after the export); ``fields``: keys of
+    :data:`MANIFEST_FIELDS` set to new values (the quality gate's ``quantization``). BundleError as
+    :func:`read_manifest`, and for an unknown or mistyped field (checked before anything is written)."""
+    path = Path(bundle) / MANIFEST
+    if unknown := sorted(set(fields) - set(MANIFEST_FIELDS)):
+        raise BundleError(f"{path}: unknown keys {unknown}; add them to serve.bundle.MANIFEST_FIELDS first")
+    manifest = read_manifest(bundle)
+    manifest["files"] = dict(sorted({**manifest["files"], **{n: file_entry(Path(bundle) / n) for n in files}}.items()))
+    manifest.update(fields)
+    check_manifest(manifest, path)
+    atomic_write_json(path, manifest)
+    return manifest
+
+
 def verify_files(bundle: str | Path, names: Iterable[str]) -> None:
     """Check each of ``names`` (files in ``bundle`` that exist) against the manifest's sha256 and size.
 
@@ -265,17 +286,6 @@ def verify_files(bundle: str | Path, names: Iterable[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- serving facts
-
-
-def parse_quantize(value: Any, name: str = "quantize") -> str | None:
-    """``None`` / ``"none"`` → None, ``"int8"`` → ``"int8"`` (case-insensitive). ValueError naming ``name``
-    (the argument, option or variable) for anything else."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().lower() in QUANTIZE_CHOICES:
-        v = value.strip().lower()
-        return None if v == "none" else v
-    raise ValueError(f"{name} is {value!r}; expected None, 'none' or 'int8'")
 
 
 def eot_id(tokenizer: Any) -> int:

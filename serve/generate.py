@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serve.bundle import MANIFEST, QUANTIZE_CHOICES, SAMPLING_KEYS, BundleError, sampling_defaults
+from serve.bundle import MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
 from serve.errors import RequestError
 from serve.lm import LM
 from serve.loader import BACKENDS, load
+from serve.quant import NAMES
 from train.textutil import distinct_word_share
 
 DEFAULT_PROMPTS = [("bn", "বাংলা ভাষা"), ("en", "The river")]
@@ -40,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="random seed (same seed, same text)")
     p.add_argument("--no-greedy", action="store_true", help="do not follow a sampled continuation by the greedy one")
     p.add_argument("--backend", choices=BACKENDS, default="onnx")
-    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none")
+    p.add_argument("--quantize", choices=NAMES, default="none",
+                   help="weights (serve/quant.py): onnx reads the bundle's graph of the scheme; rust quantizes at load")
     p.add_argument("--no-verify", action="store_true", help=f"skip checking the files' sha256 against {MANIFEST}")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     return p.parse_args(argv)

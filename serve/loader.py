@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.bundle import TOKENIZER, backend_files, parse_quantize, verify_files
+from serve.bundle import TOKENIZER, backend_files, verify_files
 from serve.lm import LM
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
+from serve.quant import check_backend, parse_quantize
 
 __all__ = ["BACKENDS", "load"]
 
@@ -24,7 +25,8 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
-    ``"none"`` or ``"int8"``; threads: compute threads, an int >= 1 (None = all cores); name: the model's label
+    ``"none"`` or a name of :data:`serve.quant.NAMES` that the backend offers (``serve.quant.BACKEND_NAMES``);
+    threads: compute threads, an int >= 1 (None = all cores); name: the model's label
     (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``); verify: read the
     manifest and check the sha256 of every file the backend reads against it first
     (:func:`serve.bundle.verify_files`; False skips the manifest altogether, for those who verify the bundle
@@ -48,6 +50,7 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     if backend not in BACKENDS:
         raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
     quantize = parse_quantize(quantize)
+    check_backend(quantize, backend)
     check_engine_limits(max_batch, token_budget)
     path = Path(path)
     if not path.is_dir():

@@ -147,7 +147,7 @@ def manifest(**changes) -> dict:
     (manifest(files={B.CONFIG: {"sha256": "0" * 64}}), f"files['{B.CONFIG}']"),
     (manifest(files={B.CONFIG: {"sha256": "abc", "bytes": 3}}), "64 hex digits"),
     (manifest(params="12"), "params is str, expected int"),
-    (manifest(int8=[1]), "int8 is list, expected dict or null"),
+    (manifest(quantization=[1]), "quantization is list, expected dict or null"),
 ])
 def test_check_manifest_names_what_is_wrong(m, needle):
     with pytest.raises(B.BundleError, match=re.escape(needle)):

@@ -33,7 +33,7 @@ def _copy_bundle(src: Path, dst: Path, **config) -> Path:
     """A copy of ``src`` (graphs left out) with config.json keys replaced by ``config``."""
     dst.mkdir(parents=True)
     for p in src.iterdir():
-        if p.is_file() and not p.name.startswith("model.onnx") and p.name != "model.int8.onnx":
+        if p.is_file() and not (p.name.startswith("model.") and p.name.endswith(".onnx")) and p.suffix != ".data":
             shutil.copyfile(p, dst / p.name)
     c = json.loads((dst / "config.json").read_text())
     c.update(config)
@@ -61,10 +61,31 @@ def untied_bundle(bundle, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gguf_files(theta_bundle, tmp_path_factory) -> dict[str, Path]:
-    """The theta bundle exported at every --type."""
+    """The theta bundle exported at every --type that gguf-py writes (its rows of 64 are too short for q4_k_m's
+    super-blocks of 256: see test_k_quant_blocks_and_missing_quantizer_are_clear_errors)."""
     d = tmp_path_factory.mktemp("gguf")
     return {t: G.export_gguf(theta_bundle, d / f"m-{t}.gguf", t, log=lambda m: None, approximate_pretokenizer=True)
-            for t in G.TYPES}
+            for t in G.TYPES if t != "q4_k_m"}
+
+
+@pytest.fixture(scope="module")
+def wide_bundle(bundle, tmp_path_factory) -> Path:
+    """A random-init bundle whose rows fill llama.cpp's super-blocks of 256 (hidden 256, intermediate 512, one
+    layer, the tiny bundle's tokenizer and vocabulary); no ONNX graph, no validation data."""
+    out = _copy_bundle(bundle, tmp_path_factory.mktemp("wide") / "bundle", hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    c = json.loads((out / "config.json").read_text())
+    v, h, kv, i = c["vocab_size"], 256, 2 * 64, 512
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+              "model.layers.0.input_layernorm.weight": (h,), "model.layers.0.post_attention_layernorm.weight": (h,),
+              "model.layers.0.self_attn.q_proj.weight": (h, h), "model.layers.0.self_attn.k_proj.weight": (kv, h),
+              "model.layers.0.self_attn.v_proj.weight": (kv, h), "model.layers.0.self_attn.o_proj.weight": (h, h),
+              "model.layers.0.mlp.gate_proj.weight": (i, h), "model.layers.0.mlp.up_proj.weight": (i, h),
+              "model.layers.0.mlp.down_proj.weight": (h, i)}
+    sd = {k: (np.ones(s) if len(s) == 1 else rng.normal(0, 0.05, s)).astype(np.float32) for k, s in shapes.items()}
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def read(path: Path) -> tuple[dict, dict]:
@@ -164,9 +185,16 @@ def test_f32_tensors_roundtrip_bitwise_x7(gguf_files, weights, cfg):
     np.testing.assert_array_equal(f32(ts["output_norm.weight"]), weights["model.norm.weight"])
 
 
+ROLE = {"token_embd": "embed_tokens", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+        "ffn_down": "down_proj", "ffn_gate": "gate_proj"}
+
+
 @pytest.mark.parametrize("kind,qtype,ftype", [("f16", Q.F16, LlamaFileType.MOSTLY_F16),
-                                              ("q8_0", Q.Q8_0, LlamaFileType.MOSTLY_Q8_0)])
+                                              ("q8_0", Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+                                              ("q4_0", Q.Q4_0, LlamaFileType.MOSTLY_Q4_0)])
 def test_reduced_types_and_shapes(gguf_files, weights, cfg, kind, qtype, ftype):
+    """Every 2-D weight at the type's ggml type (q4_0: every matrix, the tied token_embd too), norms F32, shapes in
+    ggml order, values close to the weights."""
     kv, ts = read(gguf_files[kind])
     assert kv["general.file_type"] == ftype
     h, kvh, inter = cfg["hidden_size"], cfg["num_key_value_heads"] * 16, cfg["intermediate_size"]
@@ -175,17 +203,21 @@ def test_reduced_types_and_shapes(gguf_files, weights, cfg, kind, qtype, ftype):
     for name, shape in shapes.items():
         t = ts[f"{name}.weight"]
         assert t.tensor_type == qtype and t.shape.tolist() == shape  # ggml order: [in, out]
+    assert ts["token_embd.weight"].tensor_type == qtype
     for name in ("blk.0.attn_norm", "blk.1.ffn_norm", "output_norm"):
         assert ts[f"{name}.weight"].tensor_type == Q.F32
     v = weights["model.layers.0.self_attn.v_proj.weight"]
     t = ts["blk.0.attn_v.weight"]
-    got = dequantize(t.data, qtype).reshape(v.shape)
+    got = dequantize(t.data, t.tensor_type).reshape(v.shape)
     rel = np.abs(got - v).max() / np.abs(v).max()
-    assert rel < (1e-3 if kind == "f16" else 1e-2) and rel > 0
+    assert rel < {Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.15}[t.tensor_type] and rel > 0
+    q = dequantize(ts["blk.1.attn_q.weight"].data, ts["blk.1.attn_q.weight"].tensor_type).reshape(h, h)
+    hf_q = weights["model.layers.1.self_attn.q_proj.weight"]
+    assert np.abs(G.unpermute_qk(q, 4) - hf_q).max() < {"f16": 1e-3, "q8_0": 2e-2}.get(kind, 0.15 * np.abs(hf_q).max())
     if kind == "q8_0":
         assert t.data.dtype == np.uint8 and t.data.shape == (v.shape[0], v.shape[1] // 32 * 34)
-        q = dequantize(ts["blk.1.attn_q.weight"].data, qtype).reshape(h, h)
-        np.testing.assert_allclose(G.unpermute_qk(q, 4), weights["model.layers.1.self_attn.q_proj.weight"], atol=2e-2)
+    if qtype == Q.Q4_0 and t.tensor_type == Q.Q4_0:
+        assert t.data.shape == (v.shape[0], v.shape[1] // 32 * 18)     # 16 bytes of nibbles + an f16 scale
 
 
 def test_untied_has_output(untied_bundle, tmp_path):
@@ -204,12 +236,12 @@ def test_bad_input_and_overwrite(bundle, tmp_path, capsys):
         G.export_gguf(tmp_path, log=lambda m: None, approximate_pretokenizer=True)
     with pytest.raises(ExportError, match="not a folder"):
         G.export_gguf(tmp_path / "nope", log=lambda m: None, approximate_pretokenizer=True)
-    with pytest.raises(ExportError, match="--type 'q4_0'"):
-        G.export_gguf(b, type="q4_0", log=lambda m: None, approximate_pretokenizer=True)
+    with pytest.raises(ExportError, match="--type 'q4_1': expected one of f32, f16, q8_0, q4_0, q4_k_m"):
+        G.export_gguf(b, type="q4_1", log=lambda m: None, approximate_pretokenizer=True)
     assert G.main([str(tmp_path)]) == 2
     capsys.readouterr()
     assert G.main([str(b), "--type", "q4"]) == 2   # one line naming the type (issue 28), not argparse's usage
-    assert capsys.readouterr().err.strip().splitlines() == ["error: --type 'q4': expected one of f32, f16, q8_0"]
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --type 'q4': expected one of f32, f16, q8_0, q4_0, q4_k_m"]
 
     out = G.export_gguf(b, type="q8_0", log=lambda m: None, approximate_pretokenizer=True)
     assert out == b / "model-q8_0.gguf" and out.stat().st_size > 0
@@ -220,6 +252,38 @@ def test_bad_input_and_overwrite(bundle, tmp_path, capsys):
     assert G.main([str(b), "--type", "q8_0", "--force", "--approximate-pretokenizer"]) == 0
     assert sorted(p.name for p in b.iterdir() if p.name.startswith(".")) == []  # no temporary leftovers
     assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def test_k_quant_blocks_and_missing_quantizer_are_clear_errors(bundle, wide_bundle, tmp_path, monkeypatch, capsys):
+    """q4_k_m: rows of 64 cannot fill super-blocks of 256 (refused, naming the tensor and the types that fit); without
+    llama-cpp-python the error names what to install; q4_0 without it is written and recorded as not measured."""
+    import builtins
+
+    b = _copy_bundle(bundle, tmp_path / "b")
+    before = (b / "manifest.json").read_bytes()
+    with pytest.raises(ExportError, match=r"model.embed_tokens.weight \[600, 64\]: --type q4_k_m .* super-blocks of "
+                                          r"256 .* 64 input features; types that fit: f32, f16, q8_0, q4_0; no GGUF"):
+        G.export_gguf(b, type="q4_k_m", log=lambda m: None, approximate_pretokenizer=True)
+    real_import = builtins.__import__
+
+    def no_llama(name, *a, **k):
+        if name.startswith("llama_cpp"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama)
+    w = _copy_bundle(wide_bundle, tmp_path / "w")
+    assert G.main([str(w), "--type", "q4_k_m", "--approximate-pretokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert "--type q4_k_m needs llama.cpp's quantizer" in err and "pip install llama-cpp-python" in err
+    assert "Traceback" not in err and [p.name for p in w.iterdir() if "gguf" in p.name] == []
+    assert (b / "manifest.json").read_bytes() == before
+    msgs: list[str] = []
+    out = G.export_gguf(b, type="q4_0", log=msgs.append, approximate_pretokenizer=True)
+    m = json.loads((b / "manifest.json").read_text())
+    r = m["quantization"]["forms"]["llama.cpp q4_0"]
+    assert r["ok"] is None and "llama-cpp-python is not importable" in r["note"] and r["file"] == out.name
+    assert m["files"][out.name]["bytes"] == out.stat().st_size and any("not measured" in x for x in msgs)
 
 
 def test_failed_write_leaves_nothing(bundle, tmp_path):
@@ -260,6 +324,59 @@ def _umask() -> int:
 
 
 # ---------------------------------------------------------------- llama.cpp (optional)
+
+@pytest.mark.slow
+def test_quantized_gguf_passes_or_fails_the_quality_gate(bundle, tmp_path, monkeypatch, mini_corpus):
+    """q4_0 through llama.cpp on validation text: within the 4-bit thresholds and recorded in the manifest (its
+    figures and the file's sha256); with thresholds no 4-bit form can meet, refused (exit 1), nothing written and
+    the manifest unchanged."""
+    _llama_cpp()
+    from serve import quant
+
+    b = Path(shutil.copytree(bundle, tmp_path / "b"))   # with model.onnx: the gate's float32 reference
+    out = G.export_gguf(b, type="q4_0", log=lambda m: None, approximate_pretokenizer=True, val_data=mini_corpus)
+    m = json.loads((b / "manifest.json").read_text())
+    r = m["quantization"]["forms"]["llama.cpp q4_0"]
+    assert r["ok"] is True and r["bits"] == 4 and set(r["by_lang"]) == {"bn", "en"} and m["quantization"]["tokens"] > 0
+    assert 0 < r["all"]["mean_abs_top_logprob_delta"] <= quant.GATE[4].mean_abs_top_logprob_delta_max
+    from train.atomic import sha256_file
+
+    assert m["files"][out.name]["sha256"] == sha256_file(out)
+    before = (b / "manifest.json").read_bytes()
+    monkeypatch.setitem(quant.GATE, 4, quant.Thresholds(0.1, 0.85, 1e-6))
+    assert G.main([str(b), "--type", "q4_0", "--out", str(b / "again.gguf"), "--approximate-pretokenizer",
+                   "--val-data", str(mini_corpus)]) == 1
+    assert not (b / "again.gguf").exists() and not [p for p in b.iterdir() if p.name.startswith(".tmp-")]
+    assert (b / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_q4_k_m_is_llama_cpps_mix(wide_bundle, tmp_path):
+    """--type q4_k_m through llama.cpp's quantizer: K-quant tensors (Q4_K, and Q6_K for the tied output and
+    attn_v / ffn_down of the layers that get more bits), norms F32, no temporary left; llama.cpp's logits stay
+    close to the float32 GGUF's."""
+    _llama_cpp()
+    from export.parity import probe_ids
+
+    out = G.export_gguf(wide_bundle, tmp_path / "k.gguf", "q4_k_m", log=lambda m: None, approximate_pretokenizer=True)
+    ref = G.export_gguf(wide_bundle, tmp_path / "f.gguf", "f32", log=lambda m: None, approximate_pretokenizer=True)
+    kv, ts = read(out)
+    assert kv["general.file_type"] == LlamaFileType.MOSTLY_Q4_K_M
+    types = {n: t.tensor_type for n, t in ts.items()}
+    assert types["blk.0.attn_q.weight"] == Q.Q4_K and types["token_embd.weight"] == Q.Q6_K
+    assert types["blk.0.attn_norm.weight"] == Q.F32 and set(types.values()) <= {Q.Q4_K, Q.Q6_K, Q.F32}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in names if "gguf" in n or n.startswith(".")] == ["f.gguf", "k.gguf"]   # no float32 scratch left
+    ids = probe_ids(json.loads((wide_bundle / "config.json").read_text())["vocab_size"], 32, seed=1)
+    got = []
+    for path in (ref, out):
+        lc = LlamaCppBackend(path, threads=1, logits_all=True)
+        try:
+            got.append(lc.new_sequence().prefill(ids, all_logits=True))
+        finally:
+            lc.close()
+    err = np.abs(got[0] - got[1]).max()
+    assert 0 < err < 0.25 * np.abs(got[0]).max()
 
 def _llama_cpp():
     try:

@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from serve.bundle import QUANTIZE_CHOICES  # noqa: E402  (after the path set-up above)
+from serve import quant as serve_quant  # noqa: E402  (after the path set-up above)
+from serve.bundle import QUANTIZE_CHOICES  # noqa: E402
 
 ATOL = RTOL = 1e-4  # docs/design.md: fp32 parity
 NEAR_TIE = 1e-3  # docs/design.md: greedy mismatch allowed only where the reference top-2 gap is below this
@@ -500,24 +501,19 @@ def q4_0_round(w: torch.Tensor) -> torch.Tensor:
     return ((q - 8) * d.half().float()).reshape(out, inp)
 
 
-# serve.quant's schemes (issue 27 part X owns the list): the names rust_runtime offers and the roles each keeps at
-# q8_0 (Scheme.keep_8bit; q8_0 for every role of int8). When serve.quant is on main, these two literals are
-# serve.quant.BACKEND_NAMES["rust"] and {n: SCHEMES[n].keep_8bit}.
-SERVE_QUANT_NAMES = ("none", "int8", "q4_0", "q4_mix")
-SERVE_QUANT_KEEP_8BIT = {"q4_0": set(), "q4_mix": {"embed_tokens", "lm_head", "v_proj", "down_proj"}}
-ROLES = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def test_quantize_names_and_plan_are_serve_quants():
     """The Rust list of quantization names and each name's storage per matrix role (src/quant.rs) are serve's:
     the same names in the same order, q8_0 exactly where the scheme keeps 8 bits, q4_0 elsewhere."""
-    assert rust_runtime.QUANTIZE_NAMES == SERVE_QUANT_NAMES
+    assert rust_runtime.QUANTIZE_NAMES == serve_quant.BACKEND_NAMES["rust"] == serve_quant.NAMES
     assert set(QUANTIZE_CHOICES) <= set(rust_runtime.QUANTIZE_NAMES)   # every name serve passes is Rust's
     plan = rust_runtime.QUANTIZE_PLAN
-    assert set(plan) == set(rust_runtime.QUANTIZE_NAMES) and all(tuple(p) == ROLES for p in plan.values())
+    assert set(plan) == set(rust_runtime.QUANTIZE_NAMES) and all(tuple(p) == serve_quant.ROLES for p in plan.values())
     assert set(plan["none"].values()) == {None} and set(plan["int8"].values()) == {"q8_0"}
-    for name, keep in SERVE_QUANT_KEEP_8BIT.items():
-        assert plan[name] == {r: "q8_0" if r in keep else "q4_0" for r in ROLES}, name
+    for name in ("q4_0", "q4_mix"):
+        keep = serve_quant.SCHEMES[name].keep_8bit
+        assert plan[name] == {r: "q8_0" if r in keep else "q4_0" for r in serve_quant.ROLES}, name
     assert rust_runtime.int_simd_level in ("Avx512Vnni", "Avx2", "Generic")
 
 

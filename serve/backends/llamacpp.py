@@ -1,6 +1,6 @@
 """llama.cpp as a backend: a GGUF file (written by :mod:`export.gguf`) run through llama-cpp-python.
 
-A benchmark and test peer (benchmarks/decode.py, nll_int8.py, clients_llamacpp.py; tests/test_gguf.py), never a
+A benchmark and test peer (benchmarks/decode.py, nll_quant.py, clients_llamacpp.py; tests/test_gguf.py), never a
 serving backend of :func:`serve.load`: it implements the Sequence protocol of :mod:`serve.backends.base`
 (``prefill`` / ``decode`` / ``position``) over llama.cpp's single KV cache. llama-cpp-python (the ``bench`` extra,
 a source build) and ``gguf`` (the ``export`` extra) are imported only when a backend is made.

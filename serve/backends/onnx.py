@@ -1,4 +1,5 @@
-"""The ONNX backend: a Shalik bundle's ``model.onnx`` (or ``model.int8.onnx``) run by onnxruntime on CPU.
+"""The ONNX backend: a Shalik bundle's ``model.onnx`` (or the graph of a quantization scheme, :mod:`serve.quant`:
+``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) run by onnxruntime on CPU.
 
 numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming,
 :func:`serve.bundle.onnx_input_names` / :func:`serve.bundle.onnx_output_names`):
@@ -29,7 +30,8 @@ import numpy as np
 import onnxruntime as ort
 
 from serve.backends.base import BackendError, check_ids
-from serve.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names, parse_quantize
+from serve.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names
+from serve.quant import check_backend, parse_quantize
 
 BATCH_PAYS_FROM = 2  # smallest batch at which decode_batch beats one-at-a-time decode (benchmarks/onnx_batching.py)
 
@@ -135,10 +137,11 @@ class OnnxSequence:
 class OnnxBackend:
     """A bundle's ONNX graph in an onnxruntime session, plus a factory of KV caches.
 
-    ``OnnxBackend(bundle_dir, quantize=None | "int8", threads=None)``: reads ``config.json`` (vocab size, context,
-    layers, kv heads, head dim) and ``model.onnx`` (``model.int8.onnx`` with ``quantize="int8"``; ``model_file``
-    names another graph in the folder). Raises BackendError when the folder, the config or the graph is missing or
-    the graph's inputs are not the bundle's.
+    ``OnnxBackend(bundle_dir, quantize=None | "int8" | "q4_0" | "q4_mix", threads=None)``: reads ``config.json``
+    (vocab size, context, layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, the scheme's graph,
+    ``serve.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the folder). Raises BackendError for a
+    quantization without an ONNX form, or when the folder, the config or the graph is missing or the graph's inputs
+    are not the bundle's.
     """
 
     name = "onnx"
@@ -148,6 +151,7 @@ class OnnxBackend:
         self.path = Path(bundle_dir)
         try:
             self.quantize = parse_quantize(quantize)
+            check_backend(self.quantize, "onnx")
         except ValueError as e:
             raise BackendError(str(e)) from None
         cfg_path = self.path / CONFIG
@@ -165,7 +169,7 @@ class OnnxBackend:
             raise BackendError(f"{cfg_path}: missing or invalid key {e}") from None
         self.model_path = self.path / (model_file or ONNX_GRAPHS[self.quantize])
         if not self.model_path.is_file():
-            hint = " (export with --quantize int8)" if self.quantize == "int8" and model_file is None else ""
+            hint = f" (export with --quantize {self.quantize})" if self.quantize and model_file is None else ""
             raise BackendError(f"{self.model_path}: no such ONNX graph in the bundle{hint}")
         self.threads = int(threads) if threads else default_threads()
         so = ort.SessionOptions()

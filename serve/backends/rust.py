@@ -15,6 +15,7 @@ import numpy as np
 
 from serve.backends.base import BackendError, check_ids
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET
+from serve.quant import check_backend, parse_quantize
 
 try:  # the extension is optional: serve works with the onnx backend without it
     import rust_runtime as _rr
@@ -67,8 +68,8 @@ class RustSequence:
 
 
 class RustBackend:
-    """Weights in Rust (f32, or quantized at load: ``quantize`` = a name of ``rust_runtime.QUANTIZE_NAMES``, "int8"
-    = q8_0 everywhere, "q4_0" = 4 bits everywhere, "q4_mix" = 4 bits with the embedding / lm_head / v / down at q8_0) plus a factory of KV caches."""
+    """Weights in Rust (f32, or quantized at load: q8_0 with ``quantize="int8"``; the schemes rust_runtime offers
+    are :data:`serve.quant.BACKEND_NAMES` ``["rust"]``) plus a factory of KV caches."""
 
     name = "rust"
 
@@ -82,8 +83,8 @@ class RustBackend:
     ):
         if _rr is None:
             raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR
-        if quantize is not None and quantize not in _rr.QUANTIZE_NAMES:
-            raise ValueError(f"quantize is {quantize!r}; expected None or one of {', '.join(_rr.QUANTIZE_NAMES)}")
+        quantize = parse_quantize(quantize)
+        check_backend(quantize, "rust")
         self.path = Path(path)
         # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
         # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time.

@@ -6,7 +6,8 @@ variable                    default                   meaning
 SHALIK_MODEL                newest ``runs/*/bundle``  bundle directory
 SHALIK_MODEL_NAME           bundle folder's parent    id in /v1/models
 SHALIK_BACKEND              ``onnx``                  ``onnx`` or ``rust``
-SHALIK_QUANTIZE             ``none``                  ``none`` or ``int8``
+SHALIK_QUANTIZE             ``none``                  a name of serve.quant.NAMES the backend offers
+                                                      (serve.quant.BACKEND_NAMES; docs/design.md)
 SHALIK_THREADS              all cores                 compute threads
 SHALIK_API_KEY              unset (no auth)           ``Authorization: Bearer KEY`` on all but /, /health,
                                                       /static/*
@@ -28,10 +29,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
-from serve.bundle import MANIFEST, QUANTIZE_CHOICES, parse_quantize
+from serve.bundle import MANIFEST
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.loader import BACKENDS
 from serve.policy import DEFAULT_MAX_BATCH, MAX_BATCH_LIMIT
+from serve.quant import NAMES, QuantizeError, check_backend, parse_quantize
 
 T = TypeVar("T")
 
@@ -115,6 +117,11 @@ class Settings:
             return v > 0
 
         backend = get("backend", str.lower, lambda v: v in BACKENDS, " or ".join(BACKENDS))
+        quantize = get("quantize", parse_quantize, lambda v: True, "one of " + ", ".join(NAMES))
+        try:
+            check_backend(quantize, backend, "SHALIK_QUANTIZE")
+        except QuantizeError as e:
+            raise SettingsError(f"{e} (SHALIK_BACKEND={backend})") from None
         model_raw = env.get("SHALIK_MODEL", "").strip()
         problem = None
         if model_raw:
@@ -131,7 +138,7 @@ class Settings:
             model=model,
             model_name=env.get("SHALIK_MODEL_NAME", "").strip() or None,
             backend=backend,
-            quantize=get("quantize", parse_quantize, lambda v: True, " or ".join(QUANTIZE_CHOICES)),
+            quantize=quantize,
             threads=get("threads", int, positive, "a positive integer"),
             api_key=env.get("SHALIK_API_KEY") or None,
             max_concurrency=get("max_concurrency", int, lambda v: 1 <= v <= MAX_BATCH_LIMIT,

@@ -1,0 +1,129 @@
+"""serve.quant, the one owner of the quantization schemes: its names are the ones rust_runtime, serve.load, the
+server's SHALIK_QUANTIZE and the export command lines accept; bad names, backends and shapes are clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve import quant as Q
+
+# Spellings that are not names: each must be refused by Python, and if rust_runtime accepts one it must come back
+# as one of Python's names (never as a name of its own).
+PROBES = ("q8_0", "q8", "f32", "float32", "int4", "q4-0", "q4", "q4_k_m", "q4_k", "fp8", "")
+
+
+def test_one_list_of_names_and_what_each_backend_offers():
+    assert Q.NAMES == ("none", "int8", "q4_0", "q4_mix")
+    assert Q.BACKEND_NAMES["onnx"] == Q.NAMES
+    assert Q.BACKEND_NAMES["rust"] == Q.NAMES   # rust_runtime quantizes to every scheme at load (issue 27)
+    assert {n: (s.bits, s.block, s.onnx, s.gguf, s.gguf_by) for n, s in {**Q.SCHEMES, **Q.GGUF_ONLY}.items()} == {
+        "int8": (8, 32, True, "q8_0", "gguf-py"), "q4_0": (4, 32, True, "q4_0", "gguf-py"),
+        "q4_mix": (4, 32, True, None, None), "q4_k_m": (4, 256, False, "q4_k_m", "llama.cpp")}
+    from export.gguf_quant import TYPES  # GGUF types are llama.cpp's names
+
+    assert TYPES == ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
+    from serve.bundle import ONNX_GRAPHS  # the file names are the bundle contract's
+
+    assert ONNX_GRAPHS == {None: "model.onnx", "int8": "model.int8.onnx", "q4_0": "model.q4_0.onnx",
+                           "q4_mix": "model.q4_mix.onnx"}
+    for s in Q.SCHEMES.values():
+        assert s.keep_8bit <= set(Q.ROLES) and s.thresholds is Q.GATE[s.bits]
+        assert {r for r in Q.ROLES if s.bits_of(r) == 8} == (set(Q.ROLES) if s.bits == 8 else set(s.keep_8bit))
+    # the plan in rust_runtime.QUANTIZE_PLAN's form (issue 27 part K, src/quant.rs)
+    kept = {n: {r for r, k in Q.plan(n).items() if k == "q8_0"} for n in Q.NAMES}
+    assert kept == {"none": set(), "int8": set(Q.ROLES), "q4_0": set(),                  # pure: the head too
+                    "q4_mix": {"embed_tokens", "lm_head", "v_proj", "down_proj"}}
+    assert set(Q.plan("q4_0").values()) == {"q4_0"} and Q.plan("q4_mix")["gate_proj"] == "q4_0"
+    assert set(Q.plan("none").values()) == {None}
+    assert Q.GGUF_ONLY["q4_k_m"].block_of("q_proj") == 256 and Q.SCHEMES["q4_mix"].block_of("down_proj") == 32
+    # 4 bits are allowed more than 8, never less
+    g8, g4 = Q.GATE[8], Q.GATE[4]
+    assert g4.val_nll_delta_max >= g8.val_nll_delta_max and g4.top1_agreement_min <= g8.top1_agreement_min
+    assert g4.mean_abs_top_logprob_delta_max >= g8.mean_abs_top_logprob_delta_max
+
+
+@pytest.mark.parametrize("value,want", [(None, None), ("none", None), ("NONE", None), (" int8 ", "int8"),
+                                        ("Q4_0", "q4_0"), ("q4_MIX", "q4_mix")])
+def test_parse_quantize(value, want):
+    assert Q.parse_quantize(value) == want
+
+
+@pytest.mark.parametrize("value", [*PROBES, 8, b"int8"])
+def test_parse_quantize_refuses_what_is_not_a_name(value):
+    with pytest.raises(Q.QuantizeError, match=r"SHALIK_QUANTIZE is .*; expected None or one of none, int8, q4_0, q4_mix"):
+        Q.parse_quantize(value, "SHALIK_QUANTIZE")
+
+
+def test_check_backend_names_what_is_offered_and_where(monkeypatch):
+    """Every backend offers every name today; a backend without a scheme (as rust was before issue 27) is refused
+    naming what it offers and which backend has the scheme."""
+    monkeypatch.setitem(Q.BACKEND_NAMES, "rust", ("none", "int8"))
+    Q.check_backend(None, "rust")
+    Q.check_backend("q4_mix", "onnx")
+    with pytest.raises(Q.QuantizeError, match=r"quantize is 'Q4_K_M'; expected None or one of none, int8, q4_0, q4_mix "
+                                              r"\(q4_k_m is llama.cpp's GGUF mix: python -m export.gguf BUNDLE --type "
+                                              r"q4_k_m\)"):
+        Q.parse_quantize("Q4_K_M")
+    for name in ("q4_0", "q4_mix"):
+        with pytest.raises(Q.QuantizeError, match=rf"'{name}' is not offered by the rust backend \(it offers "
+                                                  r"none, int8\); use backend 'onnx'"):
+            Q.check_backend(name, "rust")
+
+
+def test_check_shape_refuses_rows_that_do_not_fill_blocks():
+    q4, km = Q.SCHEMES["q4_0"], Q.GGUF_ONLY["q4_k_m"]
+    Q.check_shape(q4, "model.layers.0.mlp.down_proj.weight", (64, 1280))
+    Q.check_shape(q4, "model.norm.weight", (48,))                       # norms are never quantized
+    with pytest.raises(Q.QuantizeError, match=r"model.layers.0.mlp.down_proj.weight \[64, 48\]: q4_0 quantizes it in "
+                                              r"blocks of 32 .* 48 input features.*fit: none \(keep it float32\)"):
+        Q.check_shape(q4, "model.layers.0.mlp.down_proj.weight", (64, 48))
+    with pytest.raises(Q.QuantizeError, match=r"q_proj.weight \[64, 64\]: q4_k_m .* blocks of 256 .*fit: int8, q4_0, "
+                                              r"q4_mix$"):
+        Q.check_shape(km, "model.layers.1.self_attn.q_proj.weight", (64, 64))
+    with pytest.raises(Q.QuantizeError, match="not a quantizable weight"):
+        Q.role_of("model.layers.0.input_layernorm.weight")
+    assert Q.role_of("lm_head.weight") == "lm_head" and Q.role_of("model.embed_tokens.weight") == "embed_tokens"
+
+
+def test_rust_runtime_has_python_s_list_of_names(bundle):
+    """Rust's list of quantization names is serve.quant's: rust_runtime.QUANTIZE_NAMES and QUANTIZE_PLAN equal
+    NAMES and plan(); Model.load(quantize=...)
+    takes exactly the names of BACKEND_NAMES["rust"] and reports each back, refuses every other name of NAMES naming
+    it (so serve.quant says rust=True exactly where Rust has the scheme), and answers no spelling with a name of its
+    own."""
+    import rust_runtime  # built by `pip install -e ".[all]"` (README)
+    assert tuple(rust_runtime.QUANTIZE_NAMES) == Q.NAMES
+    assert {n: dict(p) for n, p in rust_runtime.QUANTIZE_PLAN.items()} == {n: Q.plan(n) for n in Q.NAMES}
+    for name in Q.NAMES:
+        if name in Q.BACKEND_NAMES["rust"]:
+            m = rust_runtime.Model.load(str(bundle), threads=1, quantize=name, verify=False)
+            assert m.quantize == name
+        else:
+            with pytest.raises(ValueError, match=name):
+                rust_runtime.Model.load(str(bundle), threads=1, quantize=name, verify=False)
+    for probe in PROBES:
+        try:
+            m = rust_runtime.Model.load(str(bundle), threads=1, quantize=probe, verify=False)
+        except ValueError:
+            continue
+        assert m.quantize in Q.BACKEND_NAMES["rust"], f"rust_runtime accepts {probe!r} as {m.quantize!r}"
+
+
+def test_serve_load_and_settings_refuse_a_scheme_the_backend_lacks(bundle, monkeypatch):
+    from serve import load
+    from serve.backends.base import BackendError
+    from serve.http.settings import Settings, SettingsError
+
+    assert load(bundle, backend="rust", quantize="Q4_MIX", verify=False).backend.quantize == "q4_mix"
+    monkeypatch.setitem(Q.BACKEND_NAMES, "rust", ("none", "int8"))   # a backend without the 4-bit schemes
+    for name in ("q4_0", "q4_mix"):
+        with pytest.raises(ValueError, match=rf"quantize '{name}' is not offered by the rust backend"):
+            load(bundle, backend="rust", quantize=name)
+        with pytest.raises(SettingsError, match=rf"SHALIK_QUANTIZE '{name}' is not offered by the rust backend.*"
+                                                r"SHALIK_BACKEND=rust"):
+            Settings.from_env({"SHALIK_QUANTIZE": name, "SHALIK_BACKEND": "rust"})
+    with pytest.raises(BackendError, match=r"model.q4_0.onnx: no such ONNX graph .*export with --quantize q4_0"):
+        load(bundle, backend="onnx", quantize="q4_0", verify=False)   # the fixture bundle has int8 only
+    with pytest.raises(SettingsError, match=r"SHALIK_QUANTIZE='q4_k_m': expected one of none, int8, q4_0, q4_mix"):
+        Settings.from_env({"SHALIK_QUANTIZE": "q4_k_m"})
+    assert Settings.from_env({"SHALIK_QUANTIZE": "Q4_0", "SHALIK_MODEL": str(bundle)}).quantize == "q4_0"
