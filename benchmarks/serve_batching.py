@@ -21,6 +21,12 @@ Engines (``ENGINES``: each a lane of benchmarks/lanes.py, served by its runtime'
 
 * ``rust f32``, ``rust int8``, ``rust q4_0``, ``rust q4_mix``: rust_runtime.Engine with max_batch = C, in-process
   (the quantized lanes on rust_runtime's integer kernels).
+* ``http rust f32``, ``http rust int8``, ``http rust q4_0``, ``http rust q4_mix``: the same rust_runtime.Engine
+  behind Shalik's server, ``uvicorn serve.app:app`` (``SHALIK_BACKEND=rust``, ``SHALIK_QUANTIZE``,
+  ``SHALIK_MAX_CONCURRENCY`` = C), started per cell like llama-server and timed like it, over HTTP on localhost: each
+  stream a streaming ``POST /v1/completions`` of the same ids (``ignore_eos``, ``logprobs: 0`` so that each chunk
+  says how many tokens it brings). The gap to the in-process lane is the server's per-token work (detokenization,
+  SSE, the event loop) and the client's.
 * ``onnx f32``: serve's own engine (serve.engine.StepEngine, the Python scheduler the onnx backend serves through)
   over the bundle's model.onnx with OnnxBackend.decode_batch, with the same max_batch / token_budget /
   prefill_chunk; in-process.
@@ -69,9 +75,14 @@ from train.atomic import atomic_path, atomic_write_json, atomic_write_text  # no
 # onnx → serve.engine.StepEngine, llama → llama-server on the lane's GGUF
 ENGINES = {"rust f32": "rust-f32", "rust int8": "rust-int8", "rust q4_0": "rust-q4_0", "rust q4_mix": "rust-q4_mix",
            "onnx f32": "ort-fp32", "llama-server f32": "llama-f32", "llama-server q8_0": "llama-q8_0",
-           "llama-server q4_0": "llama-q4_0", "llama-server q4_k_m": "llama-q4_k_m"}
+           "llama-server q4_0": "llama-q4_0", "llama-server q4_k_m": "llama-q4_k_m",
+           "http rust f32": "rust-f32", "http rust int8": "rust-int8", "http rust q4_0": "rust-q4_0",
+           "http rust q4_mix": "rust-q4_mix"}
 PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0",  # Shalik lane → its llama-server lane
-         "rust q4_0": "llama-server q4_0", "rust q4_mix": "llama-server q4_k_m"}
+         "rust q4_0": "llama-server q4_0", "rust q4_mix": "llama-server q4_k_m",
+         "http rust f32": "llama-server f32", "http rust int8": "llama-server q8_0",
+         "http rust q4_0": "llama-server q4_0", "http rust q4_mix": "llama-server q4_k_m"}
+HTTP_PREFIX = "http "  # engines served by `uvicorn serve.app:app` (Shalik's server) and timed over HTTP
 BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
               "`--llama-server PATH` for a binary elsewhere")
 
@@ -129,24 +140,20 @@ def default_llama_server() -> str | None:
     return str(built[-1]) if built else shutil.which("llama-server")
 
 
-class LlamaServer:
-    """One ``llama-server`` process on a GGUF (``--parallel slots``, ``threads`` for decode and batch, ``ctx`` total
-    context = slots × per-slot context), on a free localhost port; its log goes to ``log``. ``stream(ids, new)``
-    yields the number of tokens each SSE chunk of a streaming ``/completion`` brings, and appends that stream's
-    final ``timings`` to ``self.timings``. Raises RuntimeError when the server exits or is not healthy in
-    ``timeout`` seconds (naming its log)."""
+class LocalServer:
+    """A server process on a free localhost port (``cmd`` built from the port), its output in ``log``, waited for
+    until ``GET /health`` answers 200. Raises RuntimeError when it exits or is not healthy in ``timeout`` seconds
+    (naming ``what`` and its log)."""
 
-    def __init__(self, binary: str, gguf: Path, slots: int, threads: int, ctx: int, log: Path, timeout: float = 120):
-        self.port, self.log, self.timings = free_port(), log, []
-        self._lock = threading.Lock()
-        cmd = [binary, "-m", str(gguf), "--parallel", str(slots), "-t", str(threads), "-tb", str(threads),
-               "-c", str(ctx), "--host", "127.0.0.1", "--port", str(self.port)]
+    def __init__(self, what: str, cmd, log: Path, env: dict | None = None, timeout: float = 120):
+        self.port, self.log, self.what = free_port(), log, what
         with open(log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(cmd(self.port), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, cwd=ROOT)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} before it was healthy; see {log}")
+                raise RuntimeError(f"{what} exited with {self.proc.returncode} before it was healthy; see {log}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/health")
@@ -158,32 +165,21 @@ class LlamaServer:
                 pass
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"llama-server not healthy after {timeout:.0f} s; see {log}")
+                raise RuntimeError(f"{what} not healthy after {timeout:.0f} s; see {log}")
             time.sleep(0.1)
 
-    def stream(self, ids: list[int], new: int) -> Iterator[int]:
-        body = json.dumps({"prompt": ids, "n_predict": new, "stream": True, "temperature": 0.0, "top_k": 1,
-                           "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "presence_penalty": 0.0,
-                           "frequency_penalty": 0.0, "cache_prompt": False, "ignore_eos": True})
+    def post_stream(self, path: str, body: dict) -> Iterator[dict]:
+        """POST ``body`` as JSON to ``path`` and yield the JSON of each server-sent ``data:`` line (``[DONE]``
+        ends it). Raises RuntimeError on a non-200 answer."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
-            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status != 200:
-                raise RuntimeError(f"llama-server /completion: HTTP {resp.status}: {resp.read()[:300]!r}")
-            seen = 0
+                raise RuntimeError(f"{self.what} {path}: HTTP {resp.status}: {resp.read()[:300]!r}")
             for line in resp:
-                if not line.startswith(b"data: "):
-                    continue
-                chunk = json.loads(line[6:])
-                n = int(chunk.get("tokens_predicted", seen))
-                if n > seen:
-                    yield n - seen
-                    seen = n
-                if chunk.get("stop"):
-                    with self._lock:
-                        self.timings.append(chunk.get("timings", {}))
-                    return
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    yield json.loads(line[6:])
         finally:
             conn.close()
 
@@ -195,6 +191,60 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class ShalikServer(LocalServer):
+    """``uvicorn serve.app:app`` on ``bundle`` with the rust backend at ``quantize`` (None: float32),
+    ``SHALIK_MAX_CONCURRENCY`` = ``slots`` (the engine's batch), ``threads`` compute threads. ``stream(ids, new)``
+    sends ``ids`` without their leading ``<|endoftext|>`` (the server prepends it) as a streaming
+    ``/v1/completions`` (greedy, ``ignore_eos``, ``logprobs: 0`` so that each chunk says how many tokens it
+    brings) and yields that count per chunk."""
+
+    def __init__(self, bundle: Path, quantize: str | None, slots: int, threads: int, log: Path):
+        env = {**os.environ, "SHALIK_MODEL": str(bundle), "SHALIK_BACKEND": "rust",
+               "SHALIK_QUANTIZE": quantize or "none", "SHALIK_THREADS": str(threads),
+               "SHALIK_MAX_CONCURRENCY": str(slots), "SHALIK_MAX_QUEUE": str(max(64, slots)), "SHALIK_VERIFY": "0"}
+        super().__init__("uvicorn serve.app:app", lambda port: [
+            sys.executable, "-m", "uvicorn", "serve.app:app", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning"], log, env)
+
+    def stream(self, ids: list[int], new: int) -> Iterator[int]:
+        body = {"prompt": ids[1:], "max_tokens": new, "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "logprobs": 0}
+        for chunk in self.post_stream("/v1/completions", body):
+            n = sum(len((c.get("logprobs") or {}).get("tokens", [])) for c in chunk.get("choices", []))
+            if n:
+                yield n
+
+
+class LlamaServer(LocalServer):
+    """One ``llama-server`` process on a GGUF (``--parallel slots``, ``threads`` for decode and batch, ``ctx`` total
+    context = slots × per-slot context), on a free localhost port; its log goes to ``log``. ``stream(ids, new)``
+    yields the number of tokens each SSE chunk of a streaming ``/completion`` brings, and appends that stream's
+    final ``timings`` to ``self.timings``. Raises RuntimeError when the server exits or is not healthy in
+    ``timeout`` seconds (naming its log)."""
+
+    def __init__(self, binary: str, gguf: Path, slots: int, threads: int, ctx: int, log: Path, timeout: float = 120):
+        self.timings: list[dict] = []
+        self._lock = threading.Lock()
+        super().__init__("llama-server", lambda port: [
+            binary, "-m", str(gguf), "--parallel", str(slots), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+            "--host", "127.0.0.1", "--port", str(port)], log, timeout=timeout)
+
+    def stream(self, ids: list[int], new: int) -> Iterator[int]:
+        body = {"prompt": ids, "n_predict": new, "stream": True, "temperature": 0.0, "top_k": 1, "top_p": 1.0,
+                "min_p": 0.0, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                "cache_prompt": False, "ignore_eos": True}
+        seen = 0
+        for chunk in self.post_stream("/completion", body):
+            n = int(chunk.get("tokens_predicted", seen))
+            if n > seen:
+                yield n - seen
+                seen = n
+            if chunk.get("stop"):
+                with self._lock:
+                    self.timings.append(chunk.get("timings", {}))
+                return
 
 
 def request_ids(j: int, prompt_len: int, eot: int) -> list[int]:
@@ -300,8 +350,8 @@ def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], m
         f"`python benchmarks/serve_batching.py --rounds {meta['rounds']}`. Every lane: the same {meta['prompt'] + 1} "
         f"token ids a stream (`<|endoftext|>` + {meta['prompt']}), {meta['new']} greedy tokens, end-of-text ignored; "
         f"× C={c0}: the figure over the same engine's at concurrency {c0}. ITL: gaps between consecutive tokens of "
-        "one stream after its first token, pooled over streams. Shalik's engines are timed in-process, "
-        "llama-server over HTTP on localhost (SSE chunk arrival times at the client).",
+        "one stream after its first token, pooled over streams. Shalik's engines are timed in-process, the "
+        "`http` lanes and llama-server over HTTP on localhost (SSE chunk arrival times at the client).",
         "",
         "| engine | concurrency | tokens | tokens/s | tokens/s × C=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
         "| ITL p99 ms | ITL p99 × C=1 | ITL max ms | tokens/s by round (load 1 min) |",
@@ -372,7 +422,7 @@ def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], m
 
 
 def plot(path: Path, rows: list[dict], threads: int) -> None:
-    """Aggregate tokens/s against concurrency, one line per engine (llama-server dashed), pooled over the rounds,
+    """Aggregate tokens/s against concurrency, one line per engine (llama-server dashed, Shalik over HTTP dash-dotted), pooled over the rounds,
     with each engine's best round dotted; skipped without matplotlib."""
     try:
         import matplotlib
@@ -385,7 +435,8 @@ def plot(path: Path, rows: list[dict], threads: int) -> None:
     for name in [e for e in ENGINES if any(r["engine"] == e for r in rows)]:
         mine = [r for r in rows if r["engine"] == name]
         (line,) = ax.plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=name,
-                          linestyle="--" if lane(name).runtime == "llama" else "-")
+                          linestyle="--" if lane(name).runtime == "llama" else
+                          "-." if name.startswith(HTTP_PREFIX) else "-")
         ax.plot([r["concurrency"] for r in mine], [max(r["rounds_tokens_per_s"]) for r in mine], marker="x",
                 linestyle=":", color=line.get_color(), alpha=0.5)
     ax.set_xscale("log", base=2)
@@ -438,11 +489,14 @@ def main() -> None:
     eot = bundles.eot_id(bundle)
     # rust and onnx: the lane's backend, loaded once; llama: the lane's GGUF, served by a llama-server per cell
     models = {name: bundles.gguf(bundle, lane(name).kind) if lane(name).runtime == "llama"
-              else lanes.load(lane(name), bundle, args.threads) for name in engines}
+              else lanes.load(lane(name), bundle, args.threads) for name in engines if not name.startswith(HTTP_PREFIX)}
     with tempfile.TemporaryDirectory() as tmp:
 
         def open_client(name: str, c: int):
             runtime = lane(name).runtime
+            if name.startswith(HTTP_PREFIX):
+                return ShalikServer(bundle, lane(name).kind, c, args.threads,
+                                    Path(tmp) / f"uvicorn-{lane(name).name}-{c}.log")
             if runtime == "rust":
                 return RustClient(models[name].model, c, args.token_budget, args.prefill_chunk)
             if runtime == "llama":

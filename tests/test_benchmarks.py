@@ -142,3 +142,18 @@ def test_timed_scripts_run_by_path_and_use_the_timing_module(script):
     out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd=ROOT / "tests",
                          env=env, timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-500:]
+
+
+def test_serve_batching_http_lane_counts_every_token_through_uvicorn(bundle, tmp_path):
+    """The ``http rust q4_0`` lane: Shalik's server on the fixture bundle, 2 slots; two concurrent streams of 5
+    greedy tokens past end-of-text are counted exactly (run_concurrency, as the benchmark runs a cell)."""
+    import benchmarks.serve_batching as serve_batching
+
+    server = serve_batching.ShalikServer(bundle, "q4_0", 2, 1, tmp_path / "uvicorn.log")
+    try:
+        eot = bundles.eot_id(bundle)
+        r = serve_batching.run_concurrency(server, 2, 4, 5, eot)
+        assert r["tokens"] == 10 and len(r["ttft"]) == 2 and len(r["itl"]) == 8
+    finally:
+        server.close()
+    assert server.proc.returncode is not None

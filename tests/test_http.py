@@ -264,6 +264,11 @@ def test_h4_max_tokens_null_default_capped_by_context():
         r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20}).json()
         assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("ababab", "stop")
         assert r["usage"]["completion_tokens"] == 3
+        # vLLM's ignore_eos: past end-of-text to max_tokens (its text appears), for fixed-length benchmarks
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+        assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (6, "length")
+        assert r["choices"][0]["text"].startswith("ababab") and r["choices"][0]["text"] != "ababab"
+        assert c.post("/v1/completions", json={"prompt": prompt, "ignore_eos": "yes"}).status_code == 400
 
 
 def test_default_max_tokens_setting():

@@ -44,7 +44,7 @@ class StreamOptions(_Request):
 
 
 class CompletionRequest(_Request):
-    """OpenAI's /v1/completions request, plus `top_k` and `repetition_penalty`."""
+    """OpenAI's /v1/completions request, plus vLLM's `top_k`, `repetition_penalty` and `ignore_eos`."""
 
     model: str | None = Field(None, description="Must equal the served model's id when given.")
     prompt: str | Texts | TokenIds | TokenIdLists = Field(
@@ -64,6 +64,8 @@ class CompletionRequest(_Request):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
+    ignore_eos: bool = Field(False, description=f"Keep generating past `{EOT}` (its text then appears), as vLLM's "
+                                                "`ignore_eos`: fixed lengths for benchmarks.")
     user: str | None = Field(None, description="Ignored.")
     # OpenAI parameters this server does not implement: refused (400) rather than silently ignored; the schema
     # says so too (maximum / maxProperties / maxLength apply to the non-null branch)

@@ -46,7 +46,8 @@ def generation_options(req: CompletionRequest, default_max_tokens: int) -> dict[
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed, stop=req.stop, top_logprobs=req.logprobs,
-        echo=req.echo and req.logprobs is not None, default_max_new_tokens=default_max_tokens)
+        echo=req.echo and req.logprobs is not None, ignore_eos=req.ignore_eos,
+        default_max_new_tokens=default_max_tokens)
 
 
 def start_generations(lm: LM, req: CompletionRequest, default_max_tokens: int) -> list[Generation]:
