@@ -53,6 +53,9 @@ CANDIDATES: dict[str, list[str]] = {
     "d256-l6-v16k": _shape(256, 6, 4, 2, 768, 16000),
     "d256-l4-v8k": _shape(256, 4, 4, 2, 768, 8000),
     "d128-l4-v32k": _shape(128, 4, 4, 2, 384, 32000),    # configs/tiny.toml's shape
+    # the first search's winner was its smallest (d256-l4-v8k): these two bracket it, shallower and narrower
+    "d256-l2-v8k": _shape(256, 2, 4, 2, 768, 8000),
+    "d128-l4-v8k": _shape(128, 4, 2, 1, 384, 8000),
 }
 
 

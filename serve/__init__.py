@@ -1,7 +1,7 @@
 """Shalik serving: load a bundle and generate, stream, complete or score on CPU — without torch.
 
     from serve import load
-    lm = load("runs/small/bundle", backend="onnx")          # or backend="rust", quantize="int8"
+    lm = load("runs/cpu/bundle", backend="onnx")          # or backend="rust", quantize="int8"
     print(lm.generate("আমি বাংলায়", max_new_tokens=32, temperature=0.8, seed=1))
 
 HTTP: ``uvicorn serve.app:app`` (serve/http/). Command line: ``python -m serve.generate BUNDLE``. The bundle

@@ -27,7 +27,7 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
     ``"none"`` or a name of :data:`serve.quant.NAMES` that the backend offers (``serve.quant.BACKEND_NAMES``);
     threads: compute threads, an int >= 1 (None = all cores); name: the model's label
-    (default: the bundle folder's parent name, e.g. ``small`` for ``runs/small/bundle``); verify: read the
+    (default: the bundle folder's parent name, e.g. ``cpu`` for ``runs/cpu/bundle``); verify: read the
     manifest and check the sha256 of every file the backend reads against it first
     (:func:`serve.bundle.verify_files`; False skips the manifest altogether, for those who verify the bundle
     elsewhere or serve a hand-made folder); max_batch / token_budget: the engine's sequences per step and tokens

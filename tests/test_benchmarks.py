@@ -50,7 +50,7 @@ def test_relative_keeps_machine_paths_out_of_results(tmp_path):
 
 
 def test_shapes_come_from_configs():
-    assert bundles.preset_names() == ["base-400m", "small", "tiny"]
+    assert bundles.preset_names() == ["base-400m", "cpu", "small", "tiny"]
     small = bundles.shape("small")
     assert {k: small[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                                   "intermediate_size", "max_position_embeddings", "vocab_size")} == {

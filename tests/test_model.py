@@ -271,6 +271,9 @@ def test_presets_param_counts():
               for name in ("tiny", "small")}
     assert 4.5e6 < counts["tiny"] < 5.5e6
     assert 30e6 < counts["small"] < 36e6
+    # the main job's preset at its own 8k vocabulary: 8000·128 + 4·(128·(128 + 2·64 + 128) + 3·128·384 + 2·128) + 128
+    cpu = load_config("cpu")
+    assert LlamaForCausalLM(model_config_for(cpu, cpu.tokenizer.vocab_size)).num_params() == 1_811_584
     with torch.device("meta"):
         big = LlamaForCausalLM(model_config_for(load_config("base-400m"), 32000))
     # 32000·1024 + 24·(2·1024² + 2·1024·512 + 3·1024·4096 + 2·1024) + 1024

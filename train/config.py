@@ -73,7 +73,7 @@ class ModelSection:
     initializer_range: float = 0.02
 
 
-DEFAULT_PRESET = "small"  # the README's main job: every command's --config default (benchmarks/presets.py chose it)
+DEFAULT_PRESET = "cpu"  # the README's main job: every command's --config default (benchmarks/presets.py chose it)
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer: the names train/optim.py builds
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule: the names train/optim.py's lr_at computes
 

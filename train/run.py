@@ -1,6 +1,6 @@
 """``python -m train.run``: prepare data, run preflight, train, evaluate, checkpoint — resumable exactly.
 
-With no arguments it trains config ``small`` on ``data/sample`` into ``runs/small``. The run directory, the
+With no arguments it trains config ``cpu`` (train.config.DEFAULT_PRESET) on ``data/sample`` into ``runs/cpu``. The run directory, the
 metrics keys and the checkpoint layout are docs/design.md's. The loop:
 
 * device chosen automatically; on CUDA bf16 autocast, TF32, fused AdamW, the SDPA backend picked by a numerics
