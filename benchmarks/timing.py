@@ -145,10 +145,12 @@ def bare_python_rss_mb() -> float:
 def relative(path: Path) -> str:
     """``path`` relative to the repository root when it lies inside it (results never record this machine's
     absolute paths), else as given."""
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
+    for p in (Path(path).absolute(), Path(path).resolve()):  # a linked runs/ folder lies inside, as its link says
+        try:
+            return str(p.relative_to(ROOT))
+        except ValueError:
+            pass
+    return str(path)
 
 
 # ---------------------------------------------------------------- one engine per process
