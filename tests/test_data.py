@@ -314,7 +314,7 @@ def test_config_errors_name_the_key(override, match):
 
 
 def test_config_unknown_preset():
-    with pytest.raises(ConfigError, match="presets are: base-400m, small, tiny"):
+    with pytest.raises(ConfigError, match="presets are: base-400m, cpu, small, tiny"):
         load_config("huge", [])
 
 
