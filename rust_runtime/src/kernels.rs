@@ -621,12 +621,15 @@ fn panel_product_at(
     }
 }
 
-/// Run `f` on this thread's scratch vector in `key`, or on a fresh one if the kept one is busy
-/// (a rayon job stolen while this thread waits inside a parallel region can run another matmul
-/// here).
-fn with_scratch<R>(key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>, f: impl FnOnce(&mut Vec<f32>) -> R) -> R {
+/// Run `f` on this thread's scratch in `key` (a float vector, quantized activations, ...), or on a
+/// fresh default one if the kept one is busy (a rayon job stolen while this thread waits inside a
+/// parallel region can run another matmul here).
+pub(crate) fn with_scratch<T: Default, R>(
+    key: &'static std::thread::LocalKey<RefCell<T>>,
+    f: impl FnOnce(&mut T) -> R,
+) -> R {
     key.with(|cell| {
-        let mut fresh = Vec::new();
+        let mut fresh = T::default();
         let mut kept = cell.try_borrow_mut();
         let buf = match kept.as_deref_mut() {
             Ok(b) => b,

@@ -39,7 +39,7 @@
 //! The unsigned offsets of q8_0 and q4_0 are undone with the activations' block sums:
 //! Σ x·(w + o) = Σ x·w + o·Σ x.
 
-use crate::kernels::{Par, SyncPtr};
+use crate::kernels::{with_scratch, Par, SyncPtr};
 use crate::qblocks;
 #[cfg(test)]
 use crate::qblocks::QK_K;
@@ -682,20 +682,13 @@ unsafe fn tile_generic(kind: BlockKind, t: &Tile, n: usize) {
     }
 }
 
-/// Run `f` on this thread's scratch of at least `len` floats, or a fresh one if the kept one is
-/// busy (a rayon job stolen while this thread waits can run another matmul here).
+/// Run `f` on this thread's scratch of at least `len` floats (kernels::with_scratch, grown here).
 fn with_acc<R>(
     key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>,
     len: usize,
     f: impl FnOnce(&mut [f32]) -> R,
 ) -> R {
-    key.with(|cell| {
-        let mut fresh = Vec::new();
-        let mut kept = cell.try_borrow_mut();
-        let buf = match kept.as_deref_mut() {
-            Ok(b) => b,
-            Err(_) => &mut fresh,
-        };
+    with_scratch(key, |buf| {
         if buf.len() < len {
             buf.resize(len, 0.0);
         }

@@ -6,7 +6,7 @@
 //! element is one fixed chain, so results do not depend on the batch.
 
 use crate::error::{Error, Result};
-use crate::kernels::{PackedF32, Par};
+use crate::kernels::{with_scratch, PackedF32, Par};
 use crate::kernels_int::{BlockKind, PackedQ, QuantRows};
 use std::cell::RefCell;
 
@@ -134,14 +134,7 @@ impl Linear {
                     /// This thread's quantized activations, kept between matmuls.
                     static XQ: RefCell<QuantRows> = RefCell::new(QuantRows::default());
                 }
-                XQ.with(|cell| {
-                    // a rayon job stolen while this thread waits may run another forward here
-                    let mut fresh = QuantRows::default();
-                    let mut kept = cell.try_borrow_mut();
-                    let xq = match kept.as_deref_mut() {
-                        Ok(b) => b,
-                        Err(_) => &mut fresh,
-                    };
+                with_scratch(&XQ, |xq| {
                     xq.quantize(par, x, m, inp);
                     for (row0, q) in parts {
                         q.matmul(par, xq, &mut y[*row0..], out);
