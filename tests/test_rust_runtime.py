@@ -514,7 +514,7 @@ def test_quantize_names_and_plan_are_serve_quants():
     for name in ("q4_0", "q4_mix"):
         keep = serve_quant.SCHEMES[name].keep_8bit
         assert plan[name] == {r: "q8_0" if r in keep else "q4_0" for r in serve_quant.ROLES}, name
-    assert rust_runtime.int_simd_level in ("Avx512Vnni", "Avx2", "Generic")
+    assert rust_runtime.int_simd_level in ("Amx", "Avx512Vnni", "Avx2", "Generic")
 
 
 def test_rust_runtime_refuses_names_that_are_not_serves(wide):

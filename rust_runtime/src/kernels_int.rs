@@ -60,6 +60,14 @@ const CHUNK_BYTES: usize = 16 << 10;
 /// Groups a one-token matmul (decode) streams at once on AVX-512: that many sequential streams
 /// for the hardware prefetchers.
 const GEMV_GROUPS: usize = 4;
+/// Tokens from which a matmul at level Amx runs AMX tiles (fewer: the AVX-512 VNNI tiles, which
+/// were as fast or faster up to 16–24 tokens in `bench_decode linear`: AMX computes whole tiles of
+/// 16 tokens and unpacks q4_0 per group).
+pub const AMX_MIN_TOKENS: usize = 32;
+/// AMX: token rows that run over every group before the next rows start (a multiple of 16).
+const AMX_TOKEN_BLOCK: usize = 64;
+/// AMX: weight bytes of one group × one k chunk that the token tiles share (from L2).
+const AMX_CHUNK_BYTES: usize = 160 << 10;
 /// Token rows that run over every group before the next rows start (a multiple of TILE): their
 /// quantized activations stay in L2 across the groups, and the outputs they write touch few pages.
 const TOKEN_BLOCK: usize = 60;
@@ -112,6 +120,9 @@ pub fn bits_per_weight(kind: BlockKind) -> f64 {
 /// The integer kernels' SIMD level.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IntLevel {
+    /// Intel AMX-INT8 tiles (`crate::amx`) for q8_0 and q4_0 at `AMX_MIN_TOKENS` tokens or more,
+    /// AVX-512 VNNI otherwise (this level implies it).
+    Amx,
     /// AVX-512 F + BW + VNNI (`vpdpbusd`) and F16C.
     Avx512Vnni,
     /// AVX2 + FMA + F16C (`vpmaddubsw`).
@@ -119,18 +130,19 @@ pub enum IntLevel {
     Generic,
 }
 
-/// The level the CPU runs, detected once. `SHALIK_RUST_SIMD=avx2` or `=generic` caps it (as for
-/// the f32 kernels).
+/// The level the CPU runs, detected once. `SHALIK_RUST_SIMD=avx512`, `=avx2` or `=generic` caps it
+/// (the last two as for the f32 kernels; `avx512`: no AMX).
 pub fn int_level() -> IntLevel {
     static LEVEL: OnceLock<IntLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let cap = std::env::var("SHALIK_RUST_SIMD").unwrap_or_default();
-        let all = int_levels();
-        match cap.as_str() {
+        let cap = match std::env::var("SHALIK_RUST_SIMD").unwrap_or_default().as_str() {
             "generic" => IntLevel::Generic,
-            "avx2" => *all.iter().find(|l| **l != IntLevel::Avx512Vnni).unwrap_or(&IntLevel::Generic),
-            _ => all[0],
-        }
+            "avx2" => IntLevel::Avx2,
+            "avx512" => IntLevel::Avx512Vnni,
+            _ => IntLevel::Amx,
+        };
+        // int_levels() is fastest first and the enum's order is the same
+        *int_levels().iter().find(|l| **l as u8 >= cap as u8).unwrap_or(&IntLevel::Generic)
     })
 }
 
@@ -141,6 +153,9 @@ pub fn int_levels() -> Vec<IntLevel> {
     {
         use std::arch::is_x86_feature_detected as has;
         if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") && has!("fma") {
+            if crate::amx::available() {
+                v.push(IntLevel::Amx);
+            }
             v.push(IntLevel::Avx512Vnni);
         }
         if has!("avx2") && has!("fma") && has!("f16c") {
@@ -317,7 +332,7 @@ impl PackedQ {
     /// Safety: y must hold (m − 1)·ys + out floats, and this call must own those groups' columns.
     unsafe fn groups(&self, level: IntLevel, x: &QuantRows, range: Range<usize>, y: *mut f32, ys: usize) {
         #[cfg(target_arch = "x86_64")]
-        if x.m == 1 && level == IntLevel::Avx512Vnni {
+        if x.m == 1 && matches!(level, IntLevel::Avx512Vnni | IntLevel::Amx) {
             // decode: up to GEMV_GROUPS whole groups at once, straight into y; a partial last
             // group goes through the tiles
             let units = self.nb / self.kind.unit_blocks();
@@ -355,6 +370,10 @@ impl PackedQ {
 
     /// Groups `range` through the register tiles (see `groups`).
     unsafe fn tiles(&self, level: IntLevel, x: &QuantRows, range: Range<usize>, y: *mut f32, ys: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if level == IntLevel::Amx && self.kind != BlockKind::Q4K && x.m >= AMX_MIN_TOKENS {
+            return self.tiles_amx(x, range, y, ys);
+        }
         let (m, out, nb, kind) = (x.m, self.out, self.nb, self.kind);
         let (ubl, ub) = (kind.unit_blocks(), kind.unit_bytes());
         let data = self.data();
@@ -378,7 +397,7 @@ impl PackedQ {
                             let tile = Tile {
                                 w: gw.add(b0 / ubl * ub),
                                 stride: ub,
-                                x: x.q.as_ptr().add(t * x.kp + b0 * QK),
+                                x: x.quants().add(t * x.kp + b0 * QK),
                                 xs: x.kp,
                                 sx: x.s.as_ptr().add(t * nb + b0),
                                 dx: x.d.as_ptr().add(t * nb + b0),
@@ -390,18 +409,103 @@ impl PackedQ {
                             run_tile(level, kind, TILE.min(tn - t0), &tile);
                         }
                     }
-                    let rows = GROUP.min(out - g * GROUP);
-                    for t in 0..tn {
-                        let (src, dst) = (acc.as_ptr().add(t * GROUP), y.add((tb + t) * ys + g * GROUP));
-                        if rows == GROUP {
-                            std::ptr::copy_nonoverlapping(src, dst, GROUP);
-                        } else {
-                            std::ptr::copy_nonoverlapping(src, dst, rows);
-                        }
-                    }
+                    store_group(acc, tn, out, g, y.add(tb * ys), ys);
                 }
             }
         });
+    }
+
+    /// Groups `range` through AMX tiles of 16 tokens (`crate::amx`; q8_0 and q4_0): per token
+    /// block and group, k in chunks that stay in L1 (q4_0's unpacked once a chunk), every token
+    /// tile over each chunk.
+    ///
+    /// Safety: as `groups`; `amx::available()`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tiles_amx(&self, x: &QuantRows, range: Range<usize>, y: *mut f32, ys: usize) {
+        use crate::amx;
+        let (m, out, nb, kind) = (x.m, self.out, self.nb, self.kind);
+        let ub = kind.unit_bytes(); // one 32-block a unit
+        let data = self.data();
+        let chunk = (AMX_CHUNK_BYTES / ub).clamp(1, nb);
+        let mc = m.min(AMX_TOKEN_BLOCK);
+        thread_local! {
+            /// This thread's partial sums (AMX_TOKEN_BLOCK × 32), C tiles and unpacked q4_0 chunk.
+            static SCRATCH: RefCell<(Vec<f32>, Vec<i32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+        }
+        with_scratch(&SCRATCH, |(acc, c, unpacked)| {
+            acc.resize(acc.len().max(mc * GROUP + 16), 0.0);
+            let acc = {
+                let o = acc.as_ptr().align_offset(64);
+                &mut acc[o..]
+            };
+            // the C tiles and unpacked quants from 64-byte boundaries (tile rows whole cache lines)
+            c.resize(2 * amx::RUN_INTS + 16, 0);
+            let c = {
+                let o = c.as_ptr().align_offset(64);
+                &mut c[o..]
+            };
+            let q4 = kind == BlockKind::Q4_0;
+            let need = if q4 { chunk * amx::BLOCK_BYTES } else { 0 } + 64;
+            unpacked.resize(unpacked.len().max(need), 0);
+            let unpacked = {
+                let o = unpacked.as_ptr().align_offset(64);
+                &mut unpacked[o..]
+            };
+            amx::configure();
+            for tb in (0..m).step_by(mc) {
+                let tn = mc.min(m - tb);
+                for g in range.clone() {
+                    let gw = data.as_ptr().add(g * nb * ub);
+                    for b0 in (0..nb).step_by(chunk) {
+                        let (w, blocks) = (gw.add(b0 * ub), chunk.min(nb - b0));
+                        let (bq, bqs) = if q4 {
+                            amx::unpack_q4(w, ub, blocks, unpacked.as_mut_ptr());
+                            (unpacked.as_ptr(), amx::BLOCK_BYTES)
+                        } else {
+                            (w.add(SCALES), ub)
+                        };
+                        // the weights after this chunk (the next chunk, or the next group's first)
+                        let next = (g * nb + b0 + blocks) * ub;
+                        let pf_bytes = (chunk * ub).min(range.end * nb * ub - next.min(range.end * nb * ub));
+                        for t0 in (0..tn).step_by(amx::TOKENS) {
+                            let t = tb + t0;
+                            let tile = Tile {
+                                w,
+                                stride: ub,
+                                x: x.quants().add(t * x.kp + b0 * QK),
+                                xs: x.kp,
+                                sx: x.s.as_ptr().add(t * nb + b0),
+                                dx: x.d.as_ptr().add(t * nb + b0),
+                                ds: nb,
+                                blocks,
+                                y: acc.as_mut_ptr().add(t0 * GROUP),
+                                resume: b0 > 0,
+                            };
+                            // each token tile fetches its share of the next chunk into L2
+                            let tiles = tn.div_ceil(amx::TOKENS);
+                            let share = pf_bytes.div_ceil(tiles).next_multiple_of(64);
+                            let from = (t0 / amx::TOKENS * share).min(pf_bytes);
+                            let (pf, pf_bytes) = (data.as_ptr().add(next + from), share.min(pf_bytes - from));
+                            let n = amx::TOKENS.min(tn - t0);
+                            amx::tile(&tile, n, kind.offset(), bq, bqs, c.as_mut_ptr(), pf, pf_bytes);
+                        }
+                    }
+                    store_group(acc, tn, out, g, y.add(tb * ys), ys);
+                }
+            }
+            amx::release();
+        });
+    }
+}
+
+/// Copy a group's outputs of tn tokens (32 floats a token in `acc`) to columns [32·g, 32·g + 32) ∩
+/// [0, out) of rows 0..tn of y (row t at `y + t·ys`).
+///
+/// Safety: y must cover those rows and columns.
+unsafe fn store_group(acc: &[f32], tn: usize, out: usize, g: usize, y: *mut f32, ys: usize) {
+    let rows = GROUP.min(out - g * GROUP);
+    for t in 0..tn {
+        std::ptr::copy_nonoverlapping(acc.as_ptr().add(t * GROUP), y.add(t * ys + g * GROUP), rows);
     }
 }
 
@@ -471,11 +575,18 @@ pub struct QuantRows {
     /// bytes per row of `q` (k, rounded up to a multiple of 64)
     kp: usize,
     q: Vec<i8>,
+    /// where the rows start in `q` (a 64-byte boundary)
+    qo: usize,
     s: Vec<i32>,
     d: Vec<f32>,
 }
 
 impl QuantRows {
+    /// The first row's quants (row t at `+ t·kp`).
+    fn quants(&self) -> *const i8 {
+        self.q[self.qo..].as_ptr()
+    }
+
     /// Quantize x (m × k, row-major; k a multiple of 32), each row on its own (per-row work:
     /// the result for a row does not depend on the others), split over `par`'s threads when large.
     pub fn quantize(&mut self, par: &Par, x: &[f32], m: usize, k: usize) {
@@ -485,10 +596,13 @@ impl QuantRows {
         self.m = m;
         self.k = k;
         self.kp = kp;
-        self.q.resize(m * kp + 64, 0);
+        // whole 16-row tiles readable (AMX's A tiles read 16 token rows; the rows past m are not
+        // used), from a 64-byte boundary (a row a whole number of cache lines)
+        self.q.resize(m.div_ceil(16) * 16 * kp + 128, 0);
+        self.qo = self.q.as_ptr().align_offset(64);
         self.s.resize(m * nb, 0);
         self.d.resize(m * nb, 0.0);
-        let (qp, sp, dp) = (Shared(self.q.as_mut_ptr()), Shared(self.s.as_mut_ptr()), Shared(self.d.as_mut_ptr()));
+        let (qp, sp, dp) = (Shared(self.q[self.qo..].as_mut_ptr()), Shared(self.s.as_mut_ptr()), Shared(self.d.as_mut_ptr()));
         let body = |rows: Range<usize>| {
             let (qp, sp, dp) = (qp, sp, dp);
             for t in rows {
@@ -517,10 +631,24 @@ struct Shared<T>(*mut T);
 unsafe impl<T> Send for Shared<T> {}
 unsafe impl<T> Sync for Shared<T> {}
 
-/// One row: per 32-block the int8 quants, their sum and the scale (see `QuantRows`). Written so
-/// that it vectorizes (lane-wise max, rounding with the 1.5·2²³ trick, which rounds half to even
-/// for |v| < 2²²), and the same code serves every SIMD level.
+/// One row: per 32-block the int8 quants, their sum and the scale (see `QuantRows`): AVX-512
+/// where the CPU has it (`x86::quantize_row_avx512`), else portable code (lane-wise max,
+/// rounding with the 1.5·2²³ trick, which rounds half to even for |v| < 2²²). Both give the same
+/// bits (max is exact in any order, the scale is the same division, and both round half to even).
 pub fn quantize_row(x: &[f32], q: &mut [i8], s: &mut [i32], d: &mut [f32]) {
+    let nb = x.len() / QK;
+    assert!(q.len() >= nb * QK && s.len() >= nb && d.len() >= nb, "quantize_row: {} values into {} quants", x.len(), q.len());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(int_level(), IntLevel::Amx | IntLevel::Avx512Vnni) {
+        // SAFETY: the level implies AVX-512 F + BW; the slices were checked above
+        unsafe { x86::quantize_row_avx512(x.as_ptr(), nb, q.as_mut_ptr(), s.as_mut_ptr(), d.as_mut_ptr()) };
+        return;
+    }
+    quantize_row_portable(x, q, s, d)
+}
+
+/// `quantize_row` in portable code (see there).
+pub fn quantize_row_portable(x: &[f32], q: &mut [i8], s: &mut [i32], d: &mut [f32]) {
     const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
     for (b, xb) in x.chunks_exact(QK).enumerate() {
         let mut bad = [false; QK];
@@ -570,23 +698,24 @@ pub fn quantize_row(x: &[f32], q: &mut [i8], s: &mut [i32], d: &mut [f32]) {
 /// token t's quants at `x + t·xs`, its block sums and scales at `sx + t·ds`, `dx + t·ds`;
 /// outputs (32 floats a token) at `y + t·GROUP`, resumed from the partial sums there when `resume`.
 #[derive(Clone, Copy)]
-struct Tile {
-    w: *const u8,
-    stride: usize,
-    x: *const i8,
-    xs: usize,
-    sx: *const i32,
-    dx: *const f32,
-    ds: usize,
-    blocks: usize,
-    y: *mut f32,
-    resume: bool,
+pub(crate) struct Tile {
+    pub(crate) w: *const u8,
+    pub(crate) stride: usize,
+    pub(crate) x: *const i8,
+    pub(crate) xs: usize,
+    pub(crate) sx: *const i32,
+    pub(crate) dx: *const f32,
+    pub(crate) ds: usize,
+    pub(crate) blocks: usize,
+    pub(crate) y: *mut f32,
+    pub(crate) resume: bool,
 }
 
 /// Run one tile of n tokens at `level`.
 ///
 /// Safety: the pointers of `tile` must cover n tokens × `blocks` blocks (see `Tile`).
 unsafe fn run_tile(level: IntLevel, kind: BlockKind, n: usize, tile: &Tile) {
+    let level = if level == IntLevel::Amx { IntLevel::Avx512Vnni } else { level };
     macro_rules! by_n {
         ($m:ident :: $f:ident $(, $q4:literal)?) => {
             match n {
@@ -710,6 +839,40 @@ mod x86 {
     #[inline(always)]
     unsafe fn bcast4y(p: *const i8) -> __m256i {
         _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+    }
+
+    /// `super::quantize_row` of nb 32-blocks at `x` into `q` (nb·32 bytes), `s` and `d` (nb each).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn quantize_row_avx512(x: *const f32, nb: usize, q: *mut i8, s: *mut i32, d: *mut f32) {
+        let inf = _mm512_set1_ps(f32::INFINITY);
+        for b in 0..nb {
+            let (x0, x1) = (_mm512_loadu_ps(x.add(b * QK)), _mm512_loadu_ps(x.add(b * QK + 16)));
+            let (a0, a1) = (_mm512_abs_ps(x0), _mm512_abs_ps(x1));
+            // |x| < inf is false for NaN and ±inf
+            let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a0, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a1, inf) == 0xFFFF;
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+            if !finite || amax <= 0.0 {
+                std::ptr::write_bytes(q.add(b * QK), 0, QK);
+                *s.add(b) = 0;
+                *d.add(b) = if finite { amax / 127.0 } else { f32::NAN };
+                continue;
+            }
+            // as the portable code: v = x·(127/amax), NaN (0·inf, amax below 127/f32::MAX) to 0,
+            // clamped to ±127 as a float (inf too), then rounded half to even
+            let id = _mm512_set1_ps(127.0 / amax);
+            let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+            const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let round = |x: __m512| {
+                let v = _mm512_mul_ps(x, id);
+                let v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(v, v), v);
+                _mm512_cvt_roundps_epi32::<RNE>(_mm512_min_ps(_mm512_max_ps(v, lo), hi))
+            };
+            let (r0, r1) = (round(x0), round(x1));
+            _mm_storeu_si128(q.add(b * QK).cast(), _mm512_cvtepi32_epi8(r0));
+            _mm_storeu_si128(q.add(b * QK + 16).cast(), _mm512_cvtepi32_epi8(r1));
+            *s.add(b) = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+            *d.add(b) = amax / 127.0;
+        }
     }
 
     /// 16 f16 at `p` as f32.
@@ -857,7 +1020,7 @@ mod x86 {
         let (stride, off) = (kind.unit_bytes(), kind.offset());
         let low = _mm512_set1_epi8(0x0F);
         let mut accf = [[_mm512_setzero_ps(); 2]; G];
-        let xq = x.q.as_ptr();
+        let xq = x.quants();
         for b in 0..nb {
             let c = _mm512_set1_epi32(-off * x.s[b]);
             let mut acc = [[c; 2]; G];
@@ -916,7 +1079,7 @@ mod x86 {
         let stride = BlockKind::Q4K.unit_bytes();
         let low = _mm512_set1_epi8(0x0F);
         let mut accf = [[_mm512_setzero_ps(); 2]; G];
-        let xq = x.q.as_ptr();
+        let xq = x.quants();
         for u in 0..units {
             for g in 0..G {
                 for l in 0..stride / 64 / 8 {
@@ -1131,7 +1294,7 @@ mod tests {
     fn reference(w: &[f32], rows: usize, x: &QuantRows, t: usize) -> Vec<f64> {
         let (k, nb) = (x.k, x.k / QK);
         (0..rows)
-            .map(|r| (0..k).map(|i| w[r * k + i] as f64 * x.q[t * x.kp + i] as f64 * x.d[t * nb + i / QK] as f64).sum())
+            .map(|r| (0..k).map(|i| w[r * k + i] as f64 * x.q[x.qo + t * x.kp + i] as f64 * x.d[t * nb + i / QK] as f64).sum())
             .collect()
     }
 
@@ -1208,6 +1371,34 @@ mod tests {
                 assert!(y.iter().all(|v| v.is_nan()), "{kind:?} {level:?}: {y:?}");
             }
         }
+    }
+
+    #[test]
+    fn activation_quantization_has_the_same_bits_on_every_path() {
+        // halfway products (x·127/amax = k + ½), zeros, a zero block, denormal and huge blocks, NaN, inf
+        let mut x: Vec<f32> = acts(1, 32 * 12);
+        for (i, v) in x[..32].iter_mut().enumerate() {
+            *v = i as f32 - 16.5; // k + ½: rounding half to even decides
+        }
+        x[0] = 127.0; // amax 127: the scale is 1
+        x[32..64].iter_mut().for_each(|v| *v = 0.0);
+        x[64..96].iter_mut().enumerate().for_each(|(i, v)| *v = f32::from_bits(1 + i as u32)); // denormal
+        x[96..128].iter_mut().enumerate().for_each(|(i, v)| *v = f32::MAX / (1.0 + i as f32));
+        x[130] = f32::NAN;
+        x[170] = f32::NEG_INFINITY;
+        x[200] = 1e-39; // one denormal among normal values
+        for v in x[224..256].iter_mut().step_by(2) {
+            *v = -*v;
+        }
+        let nb = x.len() / 32;
+        let (mut q, mut s, mut d) = (vec![0i8; x.len()], vec![0i32; nb], vec![0f32; nb]);
+        let (mut q2, mut s2, mut d2) = (vec![1i8; x.len()], vec![1i32; nb], vec![1f32; nb]);
+        quantize_row(&x, &mut q, &mut s, &mut d);
+        quantize_row_portable(&x, &mut q2, &mut s2, &mut d2);
+        assert_eq!(q, q2);
+        assert_eq!(s, s2);
+        assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), d2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert!(d[4].is_nan() && d[5].is_nan() && !d[6].is_nan() && q[64..96].iter().any(|&v| v != 0));
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! `engine`, `policy`, `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
 //! (feature `python`, turned on by maturin) wraps it.
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod bundle;
 pub mod cache;
 pub mod config;
