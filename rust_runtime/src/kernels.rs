@@ -901,13 +901,16 @@ unsafe fn tile_generic<const T: usize>(w: *const f32, ss: usize, x: *const f32, 
 /// IEEE operations per element whatever the width (Rust never contracts a·b + c into an fma), so
 /// every level gives the same bits.
 macro_rules! simd_versions {
-    ($body:ident ( $($arg:ident : $ty:ty),* )) => {{
+    ($body:ident ( $($arg:ident : $ty:ty),* )) => {
+        simd_versions!($body ( $($arg : $ty),* ) -> ())
+    };
+    ($body:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty) => {{
         #[cfg(target_arch = "x86_64")]
         {
             #[target_feature(enable = "avx512f,avx512bw,fma")]
-            unsafe fn avx512($($arg: $ty),*) { $body($($arg),*) }
+            unsafe fn avx512($($arg: $ty),*) -> $ret { $body($($arg),*) }
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2($($arg: $ty),*) { $body($($arg),*) }
+            unsafe fn avx2($($arg: $ty),*) -> $ret { $body($($arg),*) }
             match simd_level() {
                 // SAFETY: the level was detected on this CPU
                 SimdLevel::Avx512 => return unsafe { avx512($($arg),*) },
@@ -1007,6 +1010,11 @@ pub fn rope_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 
 /// max(x) (NaN ignored) and whether x holds a NaN or +inf, in one vectorizable pass.
 pub fn max_and_bad(x: &[f32]) -> (f32, bool) {
+    simd_versions!(max_and_bad_body(x: &[f32]) -> (f32, bool))
+}
+
+#[inline(always)]
+fn max_and_bad_body(x: &[f32]) -> (f32, bool) {
     let mut m = [f32::NEG_INFINITY; 16];
     let mut bad = [false; 16];
     let mut c = x.chunks_exact(16);
@@ -1032,6 +1040,11 @@ pub fn max_and_bad(x: &[f32]) -> (f32, bool) {
 
 /// Σ e^(x[i] − m), accumulated in 16 f32 lanes and summed in f64.
 pub fn sum_exp_shifted(x: &[f32], m: f32) -> f64 {
+    simd_versions!(sum_exp_shifted_body(x: &[f32], m: f32) -> f64)
+}
+
+#[inline(always)]
+fn sum_exp_shifted_body(x: &[f32], m: f32) -> f64 {
     let mut acc = [0f32; 16];
     let mut c = x.chunks_exact(16);
     for ch in &mut c {
@@ -1048,7 +1061,12 @@ pub fn sum_exp_shifted(x: &[f32], m: f32) -> f64 {
 
 /// In-place softmax over `x` (max-subtracted; the exps in one vectorized pass, summed in 16 lanes).
 pub fn softmax_inplace(x: &mut [f32]) {
-    let (m, _) = max_and_bad(x);
+    simd_versions!(softmax_inplace_body(x: &mut [f32]))
+}
+
+#[inline(always)]
+fn softmax_inplace_body(x: &mut [f32]) {
+    let (m, _) = max_and_bad_body(x);
     for v in x.iter_mut() {
         *v = exp_approx(*v - m);
     }

@@ -416,7 +416,7 @@ impl PackedQ {
     }
 
     /// Groups `range` through AMX tiles of 16 tokens (`crate::amx`; q8_0 and q4_0): per token
-    /// block and group, k in chunks that stay in L1 (q4_0's unpacked once a chunk), every token
+    /// block and group, k in chunks that stay in L2 (q4_0's unpacked once a chunk), every token
     /// tile over each chunk.
     ///
     /// Safety: as `groups`; `amx::available()`.

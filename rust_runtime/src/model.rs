@@ -355,11 +355,21 @@ impl Model {
         let qkv_dim = q_dim + 2 * nkv * hd;
         let group = nh / nkv;
         let tile = kernels::TILE;
-        // units: (item, first row of the block, rows in it, query head)
+        // units: (item, first row of the block, rows in it, query head); a decode row (an item with
+        // one row) takes the `group` query heads of one kv head at once when they fit a tile
+        // (head = the first of them, rows = 0 marks such a unit): they read the same keys and
+        // values, and each head's scores and outputs are the same chains as alone
+        let by_kv = group > 1 && group <= tile;
         let mut units: Vec<(usize, usize, usize, usize)> = Vec::new();
         let mut work = 0usize;
         let mut max_ctx = 0usize;
         for (b, &(r0, n, pos0)) in spans.iter().enumerate() {
+            if n == 1 && by_kv {
+                units.extend((0..nkv).map(|kvh| (b, r0, 0, kvh * group)));
+                work += nh * (pos0 + 1) * hd;
+                max_ctx = max_ctx.max(pos0 + 1);
+                continue;
+            }
             for j in (0..n).step_by(tile) {
                 let t = tile.min(n - j);
                 units.extend((0..nh).map(|head| (b, r0 + j, t, head)));
@@ -368,8 +378,44 @@ impl Model {
             max_ctx = max_ctx.max(pos0 + n);
         }
         let op = SyncPtr(out.as_mut_ptr());
+        // one decode row × the `group` query heads from `head0` (all on kv head head0 / group): the
+        // heads are the tile's rows
+        let decode_heads = |b: usize, r0: usize, head0: usize, buf: &mut AttnScratch| {
+            let n = spans[b].2 + 1; // keys: the row's position and those before
+            let cache = caches[b];
+            let kvh = head0 / group;
+            let (kh, vh, hp) = (cache.k_head(layer, kvh), cache.v_head(layer, kvh), cache.hd_pad());
+            buf.q.clear();
+            for i in 0..hd {
+                buf.q.extend((0..group).map(|g| qkv[r0 * qkv_dim + (head0 + g) * hd + i]));
+            }
+            buf.scores.resize(group * n, 0.0);
+            let keys = Panels { w: kh, gs: hd * CHUNK, ss: CHUNK, rows: n };
+            kernels::panel_product(&keys, &buf.q, group, hd, &mut buf.scores, n, false);
+            for g in 0..group {
+                let s = &mut buf.scores[g * n..(g + 1) * n];
+                for v in s.iter_mut() {
+                    *v *= scale;
+                }
+                kernels::softmax_inplace(s);
+            }
+            buf.p.clear();
+            for tt in 0..n {
+                buf.p.extend((0..group).map(|g| buf.scores[g * n + tt]));
+            }
+            buf.out.resize(group * hd, 0.0);
+            let values = Panels { w: vh, gs: CHUNK, ss: hp, rows: hd };
+            kernels::panel_product(&values, &buf.p, group, n, &mut buf.out, hd, false);
+            let op = op;
+            // SAFETY: each (row, head) writes its own hd-long slice of `out`.
+            let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(r0 * q_dim + head0 * hd), group * hd) };
+            o.copy_from_slice(&buf.out[..group * hd]);
+        };
         let unit = |u: usize, buf: &mut AttnScratch| {
             let (b, r0, t, head) = units[u];
+            if t == 0 {
+                return decode_heads(b, r0, head, buf);
+            }
             let (row0, _, pos0) = spans[b];
             let p0 = pos0 + (r0 - row0); // position of the block's first row
             let n = p0 + t; // keys the block's last row sees
