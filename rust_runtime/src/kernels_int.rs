@@ -394,18 +394,8 @@ impl PackedQ {
                     for b0 in (0..nb).step_by(chunk) {
                         for t0 in (0..tn).step_by(TILE) {
                             let t = tb + t0;
-                            let tile = Tile {
-                                w: gw.add(b0 / ubl * ub),
-                                stride: ub,
-                                x: x.quants().add(t * x.kp + b0 * QK),
-                                xs: x.kp,
-                                sx: x.s.as_ptr().add(t * nb + b0),
-                                dx: x.d.as_ptr().add(t * nb + b0),
-                                ds: nb,
-                                blocks: chunk.min(nb - b0),
-                                y: acc.as_mut_ptr().add(t0 * GROUP),
-                                resume: b0 > 0,
-                            };
+                            let (w, blocks, y) = (gw.add(b0 / ubl * ub), chunk.min(nb - b0), acc.as_mut_ptr().add(t0 * GROUP));
+                            let tile = Tile::of(x, w, ub, t, b0, blocks, y);
                             run_tile(level, kind, TILE.min(tn - t0), &tile);
                         }
                     }
@@ -469,18 +459,7 @@ impl PackedQ {
                         let pf_bytes = (chunk * ub).min(range.end * nb * ub - next.min(range.end * nb * ub));
                         for t0 in (0..tn).step_by(amx::TOKENS) {
                             let t = tb + t0;
-                            let tile = Tile {
-                                w,
-                                stride: ub,
-                                x: x.quants().add(t * x.kp + b0 * QK),
-                                xs: x.kp,
-                                sx: x.s.as_ptr().add(t * nb + b0),
-                                dx: x.d.as_ptr().add(t * nb + b0),
-                                ds: nb,
-                                blocks,
-                                y: acc.as_mut_ptr().add(t0 * GROUP),
-                                resume: b0 > 0,
-                            };
+                            let tile = Tile::of(x, w, ub, t, b0, blocks, acc.as_mut_ptr().add(t0 * GROUP));
                             // each token tile fetches its share of the next chunk into L2
                             let tiles = tn.div_ceil(amx::TOKENS);
                             let share = pf_bytes.div_ceil(tiles).next_multiple_of(64);
@@ -709,6 +688,29 @@ pub(crate) struct Tile {
     pub(crate) blocks: usize,
     pub(crate) y: *mut f32,
     pub(crate) resume: bool,
+}
+
+impl Tile {
+    /// The tile of tokens from `t` over blocks b0..b0 + blocks of `x`, against the group's units from
+    /// `w` (`stride` bytes apart), its outputs at `y`, resumed when b0 > 0.
+    ///
+    /// Safety: as `Tile`'s pointers (t and the blocks within x; w and y covering them).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn of(x: &QuantRows, w: *const u8, stride: usize, t: usize, b0: usize, blocks: usize, y: *mut f32) -> Tile {
+        let nb = x.k / QK;
+        Tile {
+            w,
+            stride,
+            x: x.quants().add(t * x.kp + b0 * QK),
+            xs: x.kp,
+            sx: x.s.as_ptr().add(t * nb + b0),
+            dx: x.d.as_ptr().add(t * nb + b0),
+            ds: nb,
+            blocks,
+            y,
+            resume: b0 > 0,
+        }
+    }
 }
 
 /// Run one tile of n tokens at `level`.
