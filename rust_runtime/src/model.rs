@@ -355,82 +355,46 @@ impl Model {
         let qkv_dim = q_dim + 2 * nkv * hd;
         let group = nh / nkv;
         let tile = kernels::TILE;
-        // units: (item, first row of the block, rows in it, query head); a decode row (an item with
-        // one row) takes the `group` query heads of one kv head at once when they fit a tile
-        // (head = the first of them, rows = 0 marks such a unit): they read the same keys and
-        // values, and each head's scores and outputs are the same chains as alone
+        // units: (item, first row of the block, rows in it t, first query head h0, heads hn): the
+        // tile's rows are (row j, head h0 + g) for j < t, g < hn. A block of prefill rows takes one
+        // head; a decode row (an item with one row) the `group` query heads of one kv head when they
+        // fit a tile, which then read its keys and values once. Each row's scores and outputs are
+        // the same chains whatever the tile's other rows.
         let by_kv = group > 1 && group <= tile;
-        let mut units: Vec<(usize, usize, usize, usize)> = Vec::new();
+        let mut units: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
         let mut work = 0usize;
         let mut max_ctx = 0usize;
         for (b, &(r0, n, pos0)) in spans.iter().enumerate() {
-            if n == 1 && by_kv {
-                units.extend((0..nkv).map(|kvh| (b, r0, 0, kvh * group)));
-                work += nh * (pos0 + 1) * hd;
-                max_ctx = max_ctx.max(pos0 + 1);
-                continue;
-            }
             for j in (0..n).step_by(tile) {
                 let t = tile.min(n - j);
-                units.extend((0..nh).map(|head| (b, r0 + j, t, head)));
+                if n == 1 && by_kv {
+                    units.extend((0..nkv).map(|kvh| (b, r0, 1, kvh * group, group)));
+                } else {
+                    units.extend((0..nh).map(|head| (b, r0 + j, t, head, 1)));
+                }
                 work += nh * t * (pos0 + j + t) * hd;
             }
             max_ctx = max_ctx.max(pos0 + n);
         }
         let op = SyncPtr(out.as_mut_ptr());
-        // one decode row × the `group` query heads from `head0` (all on kv head head0 / group): the
-        // heads are the tile's rows
-        let decode_heads = |b: usize, r0: usize, head0: usize, buf: &mut AttnScratch| {
-            let n = spans[b].2 + 1; // keys: the row's position and those before
-            let cache = caches[b];
-            let kvh = head0 / group;
-            let (kh, vh, hp) = (cache.k_head(layer, kvh), cache.v_head(layer, kvh), cache.hd_pad());
-            buf.q.clear();
-            for i in 0..hd {
-                buf.q.extend((0..group).map(|g| qkv[r0 * qkv_dim + (head0 + g) * hd + i]));
-            }
-            buf.scores.resize(group * n, 0.0);
-            let keys = Panels { w: kh, gs: hd * CHUNK, ss: CHUNK, rows: n };
-            kernels::panel_product(&keys, &buf.q, group, hd, &mut buf.scores, n, false);
-            for g in 0..group {
-                let s = &mut buf.scores[g * n..(g + 1) * n];
-                for v in s.iter_mut() {
-                    *v *= scale;
-                }
-                kernels::softmax_inplace(s);
-            }
-            buf.p.clear();
-            for tt in 0..n {
-                buf.p.extend((0..group).map(|g| buf.scores[g * n + tt]));
-            }
-            buf.out.resize(group * hd, 0.0);
-            let values = Panels { w: vh, gs: CHUNK, ss: hp, rows: hd };
-            kernels::panel_product(&values, &buf.p, group, n, &mut buf.out, hd, false);
-            let op = op;
-            // SAFETY: each (row, head) writes its own hd-long slice of `out`.
-            let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(r0 * q_dim + head0 * hd), group * hd) };
-            o.copy_from_slice(&buf.out[..group * hd]);
-        };
         let unit = |u: usize, buf: &mut AttnScratch| {
-            let (b, r0, t, head) = units[u];
-            if t == 0 {
-                return decode_heads(b, r0, head, buf);
-            }
+            let (b, r0, t, h0, hn) = units[u];
+            let rows = t * hn; // tile row k: (row k / hn, head h0 + k % hn)
             let (row0, _, pos0) = spans[b];
             let p0 = pos0 + (r0 - row0); // position of the block's first row
             let n = p0 + t; // keys the block's last row sees
             let cache = caches[b];
-            let kvh = head / group; // GQA: q head h reads kv head h / group
+            let kvh = h0 / group; // GQA: q head h reads kv head h / group
             let (kh, vh, hp) = (cache.k_head(layer, kvh), cache.v_head(layer, kvh), cache.hd_pad());
             buf.q.clear();
             for i in 0..hd {
-                buf.q.extend((0..t).map(|j| qkv[(r0 + j) * qkv_dim + head * hd + i]));
+                buf.q.extend((0..rows).map(|k| qkv[(r0 + k / hn) * qkv_dim + (h0 + k % hn) * hd + i]));
             }
-            buf.scores.resize(t * n, 0.0);
+            buf.scores.resize(rows * n, 0.0);
             let keys = Panels { w: kh, gs: hd * CHUNK, ss: CHUNK, rows: n };
-            kernels::panel_product(&keys, &buf.q, t, hd, &mut buf.scores, n, false);
-            for j in 0..t {
-                let s = &mut buf.scores[j * n..j * n + p0 + j + 1];
+            kernels::panel_product(&keys, &buf.q, rows, hd, &mut buf.scores, n, false);
+            for k in 0..rows {
+                let s = &mut buf.scores[k * n..k * n + p0 + k / hn + 1];
                 for v in s.iter_mut() {
                     *v *= scale;
                 }
@@ -438,22 +402,24 @@ impl Model {
             }
             buf.p.clear();
             for tt in 0..=p0 {
-                buf.p.extend((0..t).map(|j| buf.scores[j * n + tt]));
+                buf.p.extend((0..rows).map(|k| buf.scores[k * n + tt]));
             }
-            buf.out.resize(t * hd, 0.0);
+            buf.out.resize(rows * hd, 0.0);
             let values = Panels { w: vh, gs: CHUNK, ss: hp, rows: hd };
-            kernels::panel_product(&values, &buf.p, t, p0 + 1, &mut buf.out, hd, false);
-            for j in 1..t {
-                // row j's positions past p0, continuing its own chains
-                let pj = &buf.scores[j * n + p0 + 1..j * n + p0 + 1 + j];
+            kernels::panel_product(&values, &buf.p, rows, p0 + 1, &mut buf.out, hd, false);
+            for k in hn..rows {
+                // row j = k / hn's positions past p0, continuing its own chains
+                let j = k / hn;
+                let pj = &buf.scores[k * n + p0 + 1..k * n + p0 + 1 + j];
                 let later = Panels { w: &vh[(p0 + 1) * hp..], ..values };
-                kernels::panel_product(&later, pj, 1, j, &mut buf.out[j * hd..], hd, true);
+                kernels::panel_product(&later, pj, 1, j, &mut buf.out[k * hd..], hd, true);
             }
             let op = op;
-            for j in 0..t {
+            for k in 0..rows {
                 // SAFETY: each (row, head) writes its own hd-long slice of `out`.
-                let o = unsafe { std::slice::from_raw_parts_mut(op.0.add((r0 + j) * q_dim + head * hd), hd) };
-                o.copy_from_slice(&buf.out[j * hd..(j + 1) * hd]);
+                let at = (r0 + k / hn) * q_dim + (h0 + k % hn) * hd;
+                let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(at), hd) };
+                o.copy_from_slice(&buf.out[k * hd..(k + 1) * hd]);
             }
         };
         let scratch = || AttnScratch {
