@@ -517,6 +517,31 @@ def test_quantize_names_and_plan_are_serve_quants():
     assert rust_runtime.int_simd_level in ("Amx", "Avx512Vnni", "Avx2", "Generic")
 
 
+def _levels_under(env: dict[str, str]) -> tuple[str, str, str]:
+    """(simd_level, int_simd_level, stderr) of a fresh interpreter importing rust_runtime under ``env``."""
+    import os
+    import subprocess
+
+    code = "import rust_runtime as r; print(r.simd_level, r.int_simd_level)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120, check=True)
+    f32, integer = out.stdout.split()
+    return f32, integer, out.stderr
+
+
+def test_simd_cap_lowers_both_kernel_levels_and_an_unknown_value_is_named_and_ignored():
+    """SHALIK_RUST_SIMD caps the f32 and the integer kernels alike (one parser, kernels::simd_cap); a typo is said
+    on stderr and changes nothing."""
+    assert _levels_under({"SHALIK_RUST_SIMD": "generic"})[:2] == ("Generic", "Generic")
+    assert _levels_under({"SHALIK_RUST_SIMD": "avx2"})[:2] == ("Avx2Fma", "Avx2")
+    default = (rust_runtime.simd_level, rust_runtime.int_simd_level)
+    f32, integer, err = _levels_under({"SHALIK_RUST_SIMD": "avx51"})
+    assert (f32, integer) == default
+    assert 'SHALIK_RUST_SIMD="avx51" is not one of avx512, avx2, generic: ignored' in err
+    if default[1] == "Amx":
+        assert _levels_under({"SHALIK_RUST_SIMD": "avx512"})[:2] == ("Avx512", "Avx512Vnni")
+
+
 def test_rust_runtime_refuses_names_that_are_not_serves(wide):
     """Spellings close to a name (llama.cpp's, GGUF's) are refused with the list, never taken as a name of Rust's."""
     d, _ = wide

@@ -20,19 +20,15 @@
 //! kernel 5.16+, Documentation/arch/x86/xstate.rst); `available` asks once. Rust has no stable AMX
 //! intrinsics, so the tile instructions are inline assembly.
 
-use crate::kernels_int::{Tile, GROUP, QK};
+use crate::kernels_int::{Tile, GROUP, Q8_BYTES, QK, SCALES};
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 /// Token rows of one tile (A's and C's rows).
 pub const TOKENS: usize = 16;
-/// Bytes of one 32-block's quants of a group as bytes (q8_0's layout; q4_0 unpacked to it).
-pub const BLOCK_BYTES: usize = GROUP * QK;
 /// Blocks whose C tiles are stored before the epilogue reads them back (2 KB each).
 pub const SUB: usize = 4;
-/// Offset of a q8_0 / q4_0 unit's quants (after the group's 32 f16 scales).
-const SCALES: usize = GROUP * 2;
 
 /// Whether this CPU has AMX-TILE and AMX-INT8 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 25) and the OS
 /// lets this process use the tile data (asked once; false where the kernel refuses, e.g. before
@@ -91,15 +87,15 @@ pub unsafe fn release() {
 }
 
 /// Unpack `blocks` q4_0 units of one group (the first at `w`, the next `stride` bytes on) to the
-/// q8_0 byte layout at `dst` (BLOCK_BYTES a block): the low nibbles of a 64-byte step pair are
+/// q8_0 byte layout at `dst` (Q8_BYTES a block): the low nibbles of a 64-byte step pair are
 /// step 2j, the high ones step 2j + 1 (the values q + 8, 0..=15).
 ///
-/// Safety: `w` must cover the units and `dst` blocks · BLOCK_BYTES bytes.
+/// Safety: `w` must cover the units and `dst` blocks · Q8_BYTES bytes.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn unpack_q4(w: *const u8, stride: usize, blocks: usize, dst: *mut u8) {
     let low = _mm512_set1_epi8(0x0F);
     for b in 0..blocks {
-        let (q, d) = (w.add(b * stride + SCALES), dst.add(b * BLOCK_BYTES));
+        let (q, d) = (w.add(b * stride + SCALES), dst.add(b * Q8_BYTES));
         for j in 0..4 {
             for p in 0..2 {
                 let v = _mm512_loadu_si512(q.add(j * GROUP * 4 + p * 64).cast());

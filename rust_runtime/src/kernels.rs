@@ -14,17 +14,40 @@ pub enum SimdLevel {
     Generic,
 }
 
+/// The cap `SHALIK_RUST_SIMD` puts on the kernels' SIMD level, read once for the f32 and the integer
+/// kernels: `avx512` (no AMX), `avx2`, `generic`, or unset / empty (none). Any other value is named
+/// on stderr as ignored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimdCap {
+    None,
+    Avx512,
+    Avx2,
+    Generic,
+}
+
+pub fn simd_cap() -> SimdCap {
+    static CAP: OnceLock<SimdCap> = OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("SHALIK_RUST_SIMD").unwrap_or_default().as_str() {
+        "" => SimdCap::None,
+        "avx512" => SimdCap::Avx512,
+        "avx2" => SimdCap::Avx2,
+        "generic" => SimdCap::Generic,
+        other => {
+            eprintln!("rust_runtime: SHALIK_RUST_SIMD={other:?} is not one of avx512, avx2, generic: ignored");
+            SimdCap::None
+        }
+    })
+}
+
 pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::env::var("SHALIK_RUST_SIMD").as_deref() == Ok("generic") {
+            if simd_cap() == SimdCap::Generic {
                 return SimdLevel::Generic;
             }
-            if std::env::var("SHALIK_RUST_SIMD").as_deref() != Ok("avx2")
-                && std::arch::is_x86_feature_detected!("avx512f")
-            {
+            if simd_cap() != SimdCap::Avx2 && std::arch::is_x86_feature_detected!("avx512f") {
                 return SimdLevel::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -209,7 +232,14 @@ fn pinning(threads: usize) -> impl Fn(usize) + Send + Sync + 'static {
         // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0;
-        let off = std::env::var("SHALIK_RUST_PIN").as_deref() == Ok("0");
+        let off = match std::env::var("SHALIK_RUST_PIN").unwrap_or_default().as_str() {
+            "0" => true,
+            "" | "1" => false,
+            other => {
+                eprintln!("rust_runtime: SHALIK_RUST_PIN={other:?} is not 0 or 1: threads pinned");
+                false
+            }
+        };
         let all: Vec<usize> =
             if ok && !off { (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect() } else { vec![] };
         if all.len() >= threads { all } else { vec![] }
@@ -1094,8 +1124,10 @@ mod tests {
 
     #[test]
     fn back_to_back_installs_with_parallel_regions_finish() {
-        // each install starts pollers on the other threads; one must never spin inside a job that
-        // the next install's work waits for (this hung before pollers refused to nest)
+        // each install starts pollers on the other threads; none may spin for good above a job that
+        // the next install's work waits for (the first version, whose pollers spun until their own
+        // call ended, hung kernels_int's batch-invariance test; this loop guards that installs
+        // finish, it did not reproduce that hang)
         let par = Par::new(2).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -1322,4 +1354,3 @@ mod tests {
         assert!(s[2] > s[1] && s[1] > s[0]);
     }
 }
-

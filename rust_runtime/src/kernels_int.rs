@@ -39,7 +39,7 @@
 //! The unsigned offsets of q8_0 and q4_0 are undone with the activations' block sums:
 //! Σ x·(w + o) = Σ x·w + o·Σ x.
 
-use crate::kernels::{with_scratch, Par, SyncPtr};
+use crate::kernels::{with_scratch, Par, SimdCap, SyncPtr};
 use crate::qblocks;
 #[cfg(test)]
 use crate::qblocks::QK_K;
@@ -72,8 +72,9 @@ const AMX_CHUNK_BYTES: usize = 160 << 10;
 /// quantized activations stay in L2 across the groups, and the outputs they write touch few pages.
 const TOKEN_BLOCK: usize = 60;
 /// Bytes of a q8_0 / q4_0 unit's header, and of one 32-block's quants of a group.
-const SCALES: usize = GROUP * 2;
-const Q8_BYTES: usize = GROUP * QK;
+pub(crate) const SCALES: usize = GROUP * 2;
+/// (q8_0's quants of a group's block: also the bytes AMX reads q4_0 unpacked to)
+pub(crate) const Q8_BYTES: usize = GROUP * QK;
 const Q4_BYTES: usize = GROUP * QK / 2;
 /// q4_K header: d, dmin (f16 a row), then the 8 sub-blocks' scales and mins (a byte a row).
 const K_DMIN: usize = GROUP * 2;
@@ -130,16 +131,16 @@ pub enum IntLevel {
     Generic,
 }
 
-/// The level the CPU runs, detected once. `SHALIK_RUST_SIMD=avx512`, `=avx2` or `=generic` caps it
-/// (the last two as for the f32 kernels; `avx512`: no AMX).
+/// The level the CPU runs, detected once, under `kernels::simd_cap` (`SHALIK_RUST_SIMD`; `avx512`:
+/// no AMX).
 pub fn int_level() -> IntLevel {
     static LEVEL: OnceLock<IntLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let cap = match std::env::var("SHALIK_RUST_SIMD").unwrap_or_default().as_str() {
-            "generic" => IntLevel::Generic,
-            "avx2" => IntLevel::Avx2,
-            "avx512" => IntLevel::Avx512Vnni,
-            _ => IntLevel::Amx,
+        let cap = match crate::kernels::simd_cap() {
+            SimdCap::Generic => IntLevel::Generic,
+            SimdCap::Avx2 => IntLevel::Avx2,
+            SimdCap::Avx512 => IntLevel::Avx512Vnni,
+            SimdCap::None => IntLevel::Amx,
         };
         // int_levels() is fastest first and the enum's order is the same
         *int_levels().iter().find(|l| **l as u8 >= cap as u8).unwrap_or(&IntLevel::Generic)
@@ -423,24 +424,11 @@ impl PackedQ {
             static SCRATCH: RefCell<(Vec<f32>, Vec<i32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
         }
         with_scratch(&SCRATCH, |(acc, c, unpacked)| {
-            acc.resize(acc.len().max(mc * GROUP + 16), 0.0);
-            let acc = {
-                let o = acc.as_ptr().align_offset(64);
-                &mut acc[o..]
-            };
-            // the C tiles and unpacked quants from 64-byte boundaries (tile rows whole cache lines)
-            c.resize(2 * amx::RUN_INTS + 16, 0);
-            let c = {
-                let o = c.as_ptr().align_offset(64);
-                &mut c[o..]
-            };
+            // every buffer from a 64-byte boundary (tile rows whole cache lines)
             let q4 = kind == BlockKind::Q4_0;
-            let need = if q4 { chunk * amx::BLOCK_BYTES } else { 0 } + 64;
-            unpacked.resize(unpacked.len().max(need), 0);
-            let unpacked = {
-                let o = unpacked.as_ptr().align_offset(64);
-                &mut unpacked[o..]
-            };
+            let acc = aligned(acc, mc * GROUP);
+            let c = aligned(c, 2 * amx::RUN_INTS);
+            let unpacked = aligned(unpacked, if q4 { chunk * Q8_BYTES } else { 0 });
             amx::configure();
             for tb in (0..m).step_by(mc) {
                 let tn = mc.min(m - tb);
@@ -450,13 +438,13 @@ impl PackedQ {
                         let (w, blocks) = (gw.add(b0 * ub), chunk.min(nb - b0));
                         let (bq, bqs) = if q4 {
                             amx::unpack_q4(w, ub, blocks, unpacked.as_mut_ptr());
-                            (unpacked.as_ptr(), amx::BLOCK_BYTES)
+                            (unpacked.as_ptr(), Q8_BYTES)
                         } else {
                             (w.add(SCALES), ub)
                         };
                         // the weights after this chunk (the next chunk, or the next group's first)
                         let next = (g * nb + b0 + blocks) * ub;
-                        let pf_bytes = (chunk * ub).min(range.end * nb * ub - next.min(range.end * nb * ub));
+                        let pf_bytes = (chunk * ub).min((range.end * nb * ub).saturating_sub(next));
                         for t0 in (0..tn).step_by(amx::TOKENS) {
                             let t = tb + t0;
                             let tile = Tile::of(x, w, ub, t, b0, blocks, acc.as_mut_ptr().add(t0 * GROUP));
@@ -475,6 +463,16 @@ impl PackedQ {
             amx::release();
         });
     }
+}
+
+/// At least `len` elements of `v` (grown with zeros when shorter) from a 64-byte boundary.
+fn aligned<T: Copy + Default>(v: &mut Vec<T>, len: usize) -> &mut [T] {
+    let pad = 64 / std::mem::size_of::<T>();
+    if v.len() < len + pad {
+        v.resize(len + pad, T::default());
+    }
+    let o = v.as_ptr().align_offset(64);
+    &mut v[o..]
 }
 
 /// Copy a group's outputs of tn tokens (32 floats a token in `acc`) to columns [32·g, 32·g + 32) ∩
