@@ -232,3 +232,17 @@ def test_gguf_and_modelfile_carry_the_chat_format(bundle, tmp_path):
     modelfile = (tmp_path / "Modelfile").read_text(encoding="utf-8")
     assert f'TEMPLATE """{OLLAMA_TEMPLATE}"""' in modelfile
     assert f'PARAMETER stop "{IM_END}"' in modelfile and 'PARAMETER stop "<|endoftext|>"' in modelfile
+
+
+def test_modelfile_template_follows_the_tokenizer():
+    """A base model's Modelfile keeps the raw template and only the <|endoftext|> stop; a chat model's has the
+    ChatML template and both stops."""
+    from export.modelfile import modelfile_text
+    from train.chat_format import OLLAMA_TEMPLATE
+
+    sampling = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.1, "max_new_tokens": 64}
+    base = modelfile_text("m.gguf", 128, sampling).splitlines()
+    chat = modelfile_text("m.gguf", 128, sampling, chat=True)
+    assert 'TEMPLATE """{{ .Prompt }}"""' in base and f'PARAMETER stop "{IM_END}"' not in base
+    assert f'TEMPLATE """{OLLAMA_TEMPLATE}"""' in chat and f'PARAMETER stop "{IM_END}"' in chat.splitlines()
+    assert 'PARAMETER stop "<|endoftext|>"' in chat.splitlines()
