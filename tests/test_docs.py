@@ -273,3 +273,15 @@ def test_the_serving_guide_lists_every_shalik_variable_the_code_reads():
                            flags=re.M))
     assert read - table == set(), f"docs/serve.md's table lacks {sorted(read - table)}"
     assert table - read == set(), f"docs/serve.md's table lists variables no code reads: {sorted(table - read)}"
+
+
+def test_no_issue_numbers_in_product_code():
+    """Issue numbers go stale in code (git history has them); a figure's home is its results page."""
+    offenders = []
+    for folder in ("train", "export", "serve", "rust_runtime/src"):
+        for f in (ROOT / folder).rglob("*"):
+            if f.suffix in {".py", ".rs", ".toml", ".pyi"}:
+                for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+                    if re.search(r"\bissues? #?\d+", line, flags=re.I):
+                        offenders.append(f"{f.relative_to(ROOT)}:{n}")
+    assert not offenders, "issue numbers in product code: " + ", ".join(offenders)
