@@ -26,7 +26,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# sequences per step: where more streams stop paying for their inter-token latency (benchmarks/results/serve_batching.md)
+# sequences per step: where more streams stop paying for their latency (benchmarks/results/serve_batching.md)
 DEFAULT_MAX_BATCH = 16
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step (decode tokens + prefill chunks); llama.cpp's n_batch
 # prompt tokens in a step that also decodes: a cap on how much a step beside decodes grows, so arriving prompts do not
