@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import unicodedata
 
 import pytest
 
 from tests.client_helpers import uvicorn_server
+from tests.test_http import _rust_available
 from tests.test_llamacpp_tokenizer import _llama_cpp
 from train.chat_format import CHAT_TEMPLATE, IM_END, render
 from train.tokenizer.pretokenizers import SCRIPT_EDGES
@@ -66,6 +68,9 @@ TEMPLATE_CONVERSATIONS: list[list[dict]] = [
 ]
 
 
+CONV = [{"role": "system", "content": SYSTEM_BN}, _user(BN_QUESTIONS[0])]
+
+
 @pytest.fixture(scope="module")
 def lm(bundle):
     from serve import load
@@ -101,6 +106,39 @@ def test_transformers_apply_chat_template_ids_equal_the_servers(bundle, lm):
         [lm.eot_id, *lm.tokenize(render(conv, False))]
 
 
+@pytest.mark.parametrize("backend", ["onnx", pytest.param("rust", marks=pytest.mark.skipif(
+    not _rust_available(), reason="rust_runtime is not built (pip install -e '.[all]' builds it)"))])
+def test_both_engines_run_chat_unchanged_and_end_at_the_end_id(bundle, backend):
+    """The server's chat on each backend equals that backend's LM.chat, and a choice ends at an end id (what
+    <|im_end|> is to a chat reply) with finish_reason "stop", the id not in the output: the engines take ids and
+    run it unchanged."""
+    from fastapi.testclient import TestClient
+
+    from serve import load
+    from serve.chat import chat_prompt_ids
+    from serve.http.app import create_app
+    from serve.http.settings import Settings
+
+    lm = load(bundle, backend=backend, threads=1)
+    try:
+        full = lm.chat(CONV, 8, temperature=0)
+        assert len(full.token_ids) == 8 and full.finish_reason == "length"  # a base-trained model: no turn end
+        end = full.token_ids[2]
+        cut = lm.collect(lm.start_choices(chat_prompt_ids(lm, CONV), 1, 8, temperature=0, end_ids=frozenset({end}))[0])
+        k = full.token_ids.index(end)
+        assert cut.token_ids == full.token_ids[:k] and cut.finish_reason == "stop"
+        assert cut.text == lm.detokenize(full.token_ids[:k])
+    finally:
+        lm.close()
+    with TestClient(create_app(Settings(model=bundle, model_name="tiny", backend=backend))) as c:
+        deadline = time.monotonic() + 120
+        while c.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = c.post("/v1/chat/completions", json={"messages": CONV, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == full.text
+
+
 # ----------------------------------------------------------------------------------------------- OpenAI SDK
 
 @pytest.fixture(scope="module")
@@ -108,9 +146,6 @@ def client(bundle):
     openai = pytest.importorskip("openai")
     with uvicorn_server(bundle, SHALIK_API_KEY=KEY, SHALIK_MODEL_NAME=NAME) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-CONV = [{"role": "system", "content": SYSTEM_BN}, _user(BN_QUESTIONS[0])]
 
 
 def test_sdk_plain_chat_equals_lm_chat(client, lm):
