@@ -14,7 +14,8 @@ Token ids of a conversation are ``[id of <|endoftext|>]`` + ``encode(render(mess
 (``serve.lm``: "every prompt is encoded as ``<|endoftext|>`` + prompt"). :data:`CHAT_TEMPLATE` starts with
 ``{{ bos_token }}`` (``<|endoftext|>`` in tokenizer_config.json), so ``transformers``' ``apply_chat_template``
 gives these ids exactly, as llama-cpp-python's Jinja2 formatter does; llama.cpp's built-in ChatML renders
-:func:`render`'s text and adds ``<|endoftext|>`` as BOS itself (the GGUF's ``add_bos_token`` is true). The tokenizer keeps ``<|im_start|>`` and
+:func:`render`'s text and adds ``<|endoftext|>`` as BOS itself (the GGUF's ``add_bos_token`` is true), and its
+Jinja path (``common/chat.cpp``, llama-server's default) cuts a rendered leading BOS before adding its own. The tokenizer keeps ``<|im_start|>`` and
 ``<|im_end|>`` whole (special added tokens), so encoding the rendered text as one string gives the same ids as
 the other runtimes; never encode pieces separately.
 
