@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.conftest import fast_config
+from train.components.step_module import no_buffer_sync
 from train.device import choose_sdpa_backend
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, causal_lm_loss, chunked_lm_loss
 from train.optim import build_optimizer
@@ -59,7 +60,7 @@ def _training_run(backend: str, activation_checkpoint: str = "none", optimizer: 
     step_model = CausalLMLoss(model, chunk_tokens=48, activation_checkpoint=activation_checkpoint)
     step_model.compile_blocks(4, backend=backend)
     # static_graph stays off with no_sync accumulation (the reducer asserts: expect_autograd_hooks_), as in train.run
-    ddp = DDP(step_model, bucket_cap_mb=100, broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=False)
+    ddp = DDP(step_model, bucket_cap_mb=100, **no_buffer_sync(), gradient_as_bucket_view=True, static_graph=False)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if optimizer == "adamw" else
            build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), optimizer=optimizer))
     data = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(1))
