@@ -760,3 +760,17 @@ def test_damaged_latest_is_an_export_error_naming_it(tmp_path):
     (root / "latest").write_bytes(b"\xff\xfe step")
     with pytest.raises(ExportError, match="latest"):
         resolve_checkpoint(tmp_path / "run")
+
+
+def test_the_export_s_modules_leave_dependency_info_records_unprinted():
+    """onnxruntime's 4-bit quantizer configures the root logger at INFO on import; imported through export, it must
+    not: the exporter's passes (onnx_ir, onnxscript) log hundreds of INFO records, and none may reach the user."""
+    import subprocess
+    import sys
+
+    code = ("import logging, export.onnx, export.quantize\n"
+            "logging.getLogger('onnx_ir.passes.common.initializer_deduplication').info('Replaced initializer a')\n"
+            "logging.getLogger('onnx_ir').warning('a warning')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "a warning" in r.stderr and "Replaced initializer" not in r.stderr + r.stdout
