@@ -132,12 +132,15 @@ def test_parity_table_covers_every_case(exported):
     for form, bits in (("onnx int8", 8), ("onnx q4_mix", 4), ("rust int8", 8)):  # quality gate
         th = GATE[bits]
         rows = {c["case"]: c for c in p["cases"] if c["runtime"] == form}
-        assert rows["val NLL change, nats/token"]["value"] <= th.val_nll_delta_max
-        for lang in ("bn", "en"):                   # per language: NLL change, top-1 agreement, |Δ log p|
+        assert rows["all: val NLL change, nats/token"]["value"] <= th.val_nll_delta_max
+        for lang in ("bn", "en", "all"):            # per language and over all: NLL change, top-1, |Δ log p|
             assert rows[f"{lang}: top-1 agreement with fp32"]["value"] >= th.top1_agreement_min
             lp = rows[f"{lang}: mean |Δ log p| of fp32's top token, nats"]
             assert 0 < lp["value"] <= th.mean_abs_top_logprob_delta_max == lp["tol"]
-        assert len(rows) == 7 and all(r["ok"] for r in rows.values())
+        assert len(rows) == 9 and all(r["ok"] for r in rows.values())
+    # the Rust q4_0 the gate measures unasked fails on this model: recorded, kept out of the parity table
+    q = json.loads((exported / "manifest.json").read_text())["quantization"]["forms"]
+    assert q["rust q4_0"]["ok"] is False and not any(c["runtime"] == "rust q4_0" for c in p["cases"])
 
 
 def test_quality_gate_recorded(exported):
@@ -225,7 +228,8 @@ def test_config_json_and_card(exported, ckpt):
         assert needle in card, needle
     for form, file in (("onnx q4_mix", "`model.q4_mix.onnx`"), ("rust int8", "quantized at load")):  # the gate
         assert all(f"| {form} | {file} | {lang} |" in card for lang in ("bn", "en", "all")), form
-    assert "Gate at 8 bits: Δ NLL ≤ 0.05" in card and "Gate at 4 bits: Δ NLL ≤ 0.1" in card
+    assert "Gate at 8 bits: Δ NLL ≤ 0.05" in card and "Gate at 4 bits: Δ NLL ≤ 0.10" in card
+    assert "Passed: `onnx int8`, `onnx q4_mix`" in card and "Failed: `rust q4_0`" in card
     data = json.loads((exported / "manifest.json").read_text())["data"]
     assert data["sources"] and all("license" in s for s in data["sources"])
     assert all(s["source"] in card for s in data["sources"])
@@ -679,7 +683,8 @@ def test_quality_gate_fails_on_agreement_even_when_nll_is_fine():
     entry = {"forms": {"onnx q4_0": judge(Form("onnx", SCHEMES["q4_0"], None, "model.q4_0.onnx"),
                                           {"all": fine, "by_lang": {"bn": fine}})}}
     assert entry["forms"]["onnx q4_0"]["ok"] is False
-    assert [r.ok for r in cases(entry)] == [True, True, False, True]
+    # per language, then over all: NLL change, top-1 agreement, |Δ log p|
+    assert [r.ok for r in cases(entry)] == [True, False, True, True, False, True]
     # between the 8- and 4-bit limits: passes at 4 bits, fails at 8
     mid = {**fine, "top1_agreement": 0.9, "delta": 0.07}
     assert passes(mid, SCHEMES["q4_0"]) and not passes(mid, SCHEMES["int8"])

@@ -52,6 +52,16 @@ def gloo_one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
+def test_ddp_is_built_without_deprecated_arguments(gloo_one_rank):
+    """The trainer's DDP keywords (no_buffer_sync) raise none of torch's deprecation warnings."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        DDP(torch.nn.Linear(4, 4), bucket_cap_mb=100, **no_buffer_sync(), gradient_as_bucket_view=True)
+
+
 def _training_run(backend: str, activation_checkpoint: str = "none", optimizer: str = "adamw"):
     """Compile + bf16 autocast + fused AdamW + DDP(gloo, the run's settings), accumulation with no_sync, over steps
     whose last micro-batch is short; returns (graphs at warm-up, graphs after, losses)."""
