@@ -93,10 +93,10 @@ def passes(figures: dict, thresholds: dict) -> bool:
 
 def misses(entry: dict) -> list[str]:
     """The figures of one form's gate entry that miss their threshold, each as ``"bn: val NLL change +0.112
-    nats/token > 0.10"`` (per language, then over all)."""
+    nats/token > 0.10"`` (per language in name order, then over all: Rust's order too)."""
     th = entry.get("thresholds") or GATE[int(entry.get("bits", 8))].as_dict()
     out = []
-    for where, figs in [*(entry.get("by_lang") or {}).items(), ("all", entry.get("all") or {})]:
+    for where, figs in [*sorted((entry.get("by_lang") or {}).items()), ("all", entry.get("all") or {})]:
         for f in FIGURES:
             if f.key not in figs:
                 continue
@@ -169,5 +169,5 @@ def check_form(manifest: dict | None, where: str, runtime: str, quantize: str | 
 
 
 def _passed(manifest: dict | None) -> str:
-    ok = [name for name, r in forms_summary(manifest).items() if r]
+    ok = sorted(name for name, r in forms_summary(manifest).items() if r)
     return "passed: " + ", ".join(ok) if ok else "none passed; float32 always serves"

@@ -59,7 +59,7 @@ def test_a_failed_form_is_refused_in_every_loader_naming_the_form_the_figure_and
                  lambda: load(gated, backend="rust", quantize="int8", verify=False),
                  lambda: rust_runtime.Model.load(str(gated), quantize="int8"),
                  lambda: rust_runtime.Model.load(str(gated), quantize="int8", verify=False)):
-        with pytest.raises(RuntimeError, match=rf"rust {FAILED}; .*allow_ungated=True \(SHALIK_ALLOW_UNGATED=1\)"):
+        with pytest.raises(ValueError, match=rf"rust {FAILED}; .*allow_ungated=True \(SHALIK_ALLOW_UNGATED=1\)"):
             call()
     # float32 needs no verdict
     assert load(gated, backend="rust").backend.quantize == "none"
@@ -79,14 +79,14 @@ def test_allow_ungated_loads_it_and_logs_what_it_overrides(gated, caplog):
 
 
 def test_a_form_without_a_verdict_is_refused_saying_how_to_get_one(gated):
-    with pytest.raises(RuntimeError, match=r"rust q4_mix has no quality-gate verdict \(not measured: step 0 "
+    with pytest.raises(ValueError, match=r"rust q4_mix has no quality-gate verdict \(not measured: step 0 "
                                            r"\(random init\)\); export the bundle again .*python -m export.onnx"):
         load(gated, backend="rust", quantize="q4_mix")
-    with pytest.raises(RuntimeError, match=r"rust q4_0 has no quality-gate verdict \(manifest.json records no "
+    with pytest.raises(ValueError, match=r"rust q4_0 has no quality-gate verdict \(manifest.json records no "
                                            r"quality-gate verdict for it\)"):
         rust_runtime.Model.load(str(gated), quantize="q4_0")
     (gated / MANIFEST).unlink()   # a hand-made folder, loaded unverified: no verdict either
-    with pytest.raises(RuntimeError, match=r"rust int8 has no quality-gate verdict \(the bundle has no manifest.json\)"):
+    with pytest.raises(ValueError, match=r"rust int8 has no quality-gate verdict \(the bundle has no manifest.json\)"):
         load(gated, backend="rust", quantize="int8", verify=False)
     with pytest.raises(UngatedError, match=r"onnx int8 has no quality-gate verdict \(the bundle has no manifest"):
         load(gated, backend="onnx", quantize="int8", verify=False)

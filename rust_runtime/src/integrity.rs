@@ -182,7 +182,8 @@ fn misses(entry: &serde_json::Value) -> Vec<String> {
 /// Refuse to serve a quantized form that the export's quality gate did not pass (the rule of
 /// `serve/verdict.py`): `manifest` is the bundle's (None: it has none), `form` is "rust <scheme>".
 /// Ok(None) when it passed; Ok(Some(what is overridden)) when it did not and `allow_ungated`;
-/// else `Error::Format` naming the form, the figure and the threshold (a failed form) or why there
+/// else `Error::InvalidArgument` (ValueError: the quantization asked for is refused, as serve's
+/// UngatedError is a ValueError) naming the form, the figure and the threshold (a failed form) or why there
 /// is no verdict and how to get one.
 pub fn check_form(manifest: Option<&serde_json::Value>, place: &Path, form: &str, allow_ungated: bool) -> Result<Option<String>> {
     let entry = manifest.and_then(|m| m.get("quantization")).and_then(|q| q.get("forms")).and_then(|f| f.get(form));
@@ -228,7 +229,7 @@ pub fn check_form(manifest: Option<&serde_json::Value>, place: &Path, form: &str
     if allow_ungated {
         Ok(Some(format!("{}: serving {what}, because allow_ungated overrides the gate", place.display())))
     } else {
-        Err(Error::format(format!("{}: {what}; {how}", place.display())))
+        Err(Error::arg(format!("{}: {what}; {how}", place.display())))
     }
 }
 

@@ -110,9 +110,9 @@ impl PyModel {
     /// accept a folder without a manifest; one that is there is still read, so a newer
     /// format_version and the gate's verdicts hold whatever `verify` says).
     /// allow_ungated: load a quantized form that the export's quality gate failed or did not
-    /// measure (the manifest's `quantization.forms["rust <scheme>"]`; refused otherwise, naming
-    /// the form, the figure and the threshold), logging what it overrides on the `rust_runtime`
-    /// logger.
+    /// measure (the manifest's `quantization.forms["rust <scheme>"]`; refused otherwise with a
+    /// ValueError naming the form, the figure and the threshold), logging what it overrides on
+    /// the `rust_runtime` logger.
     #[staticmethod]
     #[pyo3(signature = (path, threads=None, quantize=None, verify=true, allow_ungated=false))]
     fn load(
