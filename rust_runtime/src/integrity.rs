@@ -126,7 +126,14 @@ fn check_format(manifest: &serde_json::Value, mpath: &Path) -> Result<()> {
 const FIGURES: [(&str, &str, bool, &str, &str, bool); 3] = [
     ("delta", "val NLL change", true, "val_nll_delta_max", " nats/token", true),
     ("top1_agreement", "top-1 agreement with fp32", false, "top1_agreement_min", "", false),
-    ("mean_abs_top_logprob_delta", "mean |Δ log p| of fp32's top token", true, "mean_abs_top_logprob_delta_max", " nats", false),
+    (
+        "mean_abs_top_logprob_delta",
+        "mean |Δ log p| of fp32's top token",
+        true,
+        "mean_abs_top_logprob_delta_max",
+        " nats",
+        false,
+    ),
 ];
 /// How a gate can be overridden, in every message (`serve.verdict.OVERRIDE`).
 const OVERRIDE: &str = "allow_ungated=True (SHALIK_ALLOW_UNGATED=1)";
@@ -163,10 +170,9 @@ fn misses(entry: &serde_json::Value) -> Vec<String> {
     }
     for (place, figs) in places {
         for (key, label, at_most, limit_key, unit, signed) in FIGURES {
-            let (Some(value), Some(limit)) = (
-                figs.get(key).and_then(|v| v.as_f64()),
-                th.and_then(|t| t.get(limit_key)).and_then(|v| v.as_f64()),
-            ) else {
+            let (Some(value), Some(limit)) =
+                (figs.get(key).and_then(|v| v.as_f64()), th.and_then(|t| t.get(limit_key)).and_then(|v| v.as_f64()))
+            else {
                 continue;
             };
             let ok = value.is_finite() && if at_most { value <= limit } else { value >= limit };
@@ -185,7 +191,12 @@ fn misses(entry: &serde_json::Value) -> Vec<String> {
 /// else `Error::InvalidArgument` (ValueError: the quantization asked for is refused, as serve's
 /// UngatedError is a ValueError) naming the form, the figure and the threshold (a failed form) or why there
 /// is no verdict and how to get one.
-pub fn check_form(manifest: Option<&serde_json::Value>, place: &Path, form: &str, allow_ungated: bool) -> Result<Option<String>> {
+pub fn check_form(
+    manifest: Option<&serde_json::Value>,
+    place: &Path,
+    form: &str,
+    allow_ungated: bool,
+) -> Result<Option<String>> {
     let entry = manifest.and_then(|m| m.get("quantization")).and_then(|q| q.get("forms")).and_then(|f| f.get(form));
     let scheme = form.split(' ').nth(1).unwrap_or(form);
     let (what, how) = match (manifest, entry, entry.and_then(|e| e.get("ok")).and_then(|o| o.as_bool())) {
@@ -196,7 +207,12 @@ pub fn check_form(manifest: Option<&serde_json::Value>, place: &Path, form: &str
                 .and_then(|m| m.get("quantization"))
                 .and_then(|q| q.get("forms"))
                 .and_then(|f| f.as_object())
-                .map(|f| f.iter().filter(|(_, r)| r.get("ok").and_then(|o| o.as_bool()) == Some(true)).map(|(k, _)| k.as_str()).collect())
+                .map(|f| {
+                    f.iter()
+                        .filter(|(_, r)| r.get("ok").and_then(|o| o.as_bool()) == Some(true))
+                        .map(|(k, _)| k.as_str())
+                        .collect()
+                })
                 .unwrap_or_default();
             let passed = if passed.is_empty() {
                 "none passed; float32 always serves".to_string()
@@ -204,7 +220,10 @@ pub fn check_form(manifest: Option<&serde_json::Value>, place: &Path, form: &str
                 format!("passed: {}", passed.join(", "))
             };
             (
-                format!("{form} failed the export's quality gate ({})", if m.is_empty() { "failed".into() } else { m.join("; ") }),
+                format!(
+                    "{form} failed the export's quality gate ({})",
+                    if m.is_empty() { "failed".into() } else { m.join("; ") }
+                ),
                 format!("serve a form that passed ({passed}), or load it anyway with {OVERRIDE}"),
             )
         }
@@ -269,7 +288,10 @@ mod tests {
         // a newer major version is refused naming both versions; another format is refused
         write_manifest(&dir, FORMAT, FORMAT_VERSION + 1);
         let e = verify_bundle(&dir).unwrap_err().to_string();
-        assert!(e.contains(&format!("format_version {} is newer than this reader's {FORMAT_VERSION}", FORMAT_VERSION + 1)), "{e}");
+        assert!(
+            e.contains(&format!("format_version {} is newer than this reader's {FORMAT_VERSION}", FORMAT_VERSION + 1)),
+            "{e}"
+        );
         write_manifest(&dir, "something-else", FORMAT_VERSION);
         assert!(verify_bundle(&dir).unwrap_err().to_string().contains("something-else"));
         write_manifest(&dir, FORMAT, FORMAT_VERSION);
@@ -298,7 +320,10 @@ mod tests {
         let m = serde_json::json!({"format": FORMAT, "format_version": FORMAT_VERSION + 1, "files": {}});
         std::fs::write(dir.join(MANIFEST), m.to_string()).unwrap();
         let e = read_manifest(&dir).unwrap_err().to_string();
-        assert!(e.contains(&format!("format_version {} is newer than this reader's {FORMAT_VERSION}", FORMAT_VERSION + 1)), "{e}");
+        assert!(
+            e.contains(&format!("format_version {} is newer than this reader's {FORMAT_VERSION}", FORMAT_VERSION + 1)),
+            "{e}"
+        );
         let m = serde_json::json!({"format": FORMAT, "format_version": FORMAT_VERSION, "files": {}});
         std::fs::write(dir.join(MANIFEST), m.to_string()).unwrap();
         assert!(read_manifest(&dir).unwrap().is_some());
@@ -309,7 +334,8 @@ mod tests {
     fn a_form_the_gate_did_not_pass_is_refused_naming_the_figure_and_the_threshold() {
         let th = serde_json::json!({"val_nll_delta_max": 0.1, "top1_agreement_min": 0.85,
                                     "mean_abs_top_logprob_delta_max": 0.25});
-        let fig = |d: f64, t: f64| serde_json::json!({"delta": d, "top1_agreement": t, "mean_abs_top_logprob_delta": 0.05});
+        let fig =
+            |d: f64, t: f64| serde_json::json!({"delta": d, "top1_agreement": t, "mean_abs_top_logprob_delta": 0.05});
         let m = serde_json::json!({"quantization": {"forms": {
             "rust int8": {"ok": true, "thresholds": th, "by_lang": {"bn": fig(0.0, 0.99)}, "all": fig(0.0, 0.99)},
             "rust q4_0": {"ok": false, "thresholds": th, "by_lang": {"bn": fig(0.112, 0.8496), "en": fig(0.05, 0.9)},
@@ -318,15 +344,23 @@ mod tests {
         let place = Path::new("runs/x/bundle");
         assert_eq!(check_form(Some(&m), place, "rust int8", false).unwrap(), None);
         let e = check_form(Some(&m), place, "rust q4_0", false).unwrap_err().to_string();
-        assert!(e.contains("runs/x/bundle: rust q4_0 failed the export's quality gate (bn: val NLL change +0.112 \
-                            nats/token > 0.10; bn: top-1 agreement with fp32 0.8496 < 0.85)"), "{e}");
+        assert!(
+            e.contains(
+                "runs/x/bundle: rust q4_0 failed the export's quality gate (bn: val NLL change +0.112 \
+                            nats/token > 0.10; bn: top-1 agreement with fp32 0.8496 < 0.85)"
+            ),
+            "{e}"
+        );
         assert!(e.contains("passed: rust int8") && e.contains("allow_ungated=True"), "{e}");
         let e = check_form(Some(&m), place, "rust q4_mix", false).unwrap_err().to_string();
         assert!(e.contains("rust q4_mix has no quality-gate verdict (not measured: step 0 (random init))"), "{e}");
         let e = check_form(None, place, "rust q4_mix", false).unwrap_err().to_string();
         assert!(e.contains("(the bundle has no manifest.json)") && e.contains("--quantize q4_mix"), "{e}");
         let ok = check_form(Some(&m), place, "rust q4_0", true).unwrap().unwrap();
-        assert!(ok.contains("serving rust q4_0 failed the export's quality gate") && ok.contains("allow_ungated"), "{ok}");
+        assert!(
+            ok.contains("serving rust q4_0 failed the export's quality gate") && ok.contains("allow_ungated"),
+            "{ok}"
+        );
         assert_eq!(fmt_figure(0.853, 0.85, false), "0.853");
         assert_eq!(fmt_figure(0.85, 0.85, false), "0.850");
         assert_eq!(fmt_figure(0.1001, 0.1, true), "+0.1001");

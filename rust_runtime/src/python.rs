@@ -140,11 +140,16 @@ impl PyModel {
                     std::io::Error::from(std::io::ErrorKind::NotFound),
                 ));
             }
-            let manifest =
-                if verify { Some(crate::integrity::verify_bundle(dir)?) } else { crate::integrity::read_manifest(dir)? };
+            let manifest = if verify {
+                Some(crate::integrity::verify_bundle(dir)?)
+            } else {
+                crate::integrity::read_manifest(dir)?
+            };
             let overridden = match q {
                 Quantize::None => None,
-                _ => crate::integrity::check_form(manifest.as_ref(), dir, &format!("rust {}", q.name()), allow_ungated)?,
+                _ => {
+                    crate::integrity::check_form(manifest.as_ref(), dir, &format!("rust {}", q.name()), allow_ungated)?
+                }
             };
             let tok = Tok::from_file(&tok_path)?;
             let model = Model::load(dir, q, n)?;
