@@ -86,7 +86,7 @@ def forms(bundle: Path, scratch: Path, runtimes: list[str], threads: int | None,
             for s in SCHEMES.values():
                 if s.rust:
                     out.append(G.Form("rust", s, rr.Model.load(str(bundle), threads=threads, quantize=s.name,
-                                                               verify=False).logits))
+                                                               verify=False, allow_ungated=True).logits))
                 else:
                     skipped[f"rust {s.name}"] = "rust_runtime does not offer it yet (serve/quant.py)"
     if "llama.cpp" in runtimes:

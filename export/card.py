@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from export import gate as G
 from export.modelfile import MODELFILE, sampling_defaults
 from export.parity import format_table
 from export.source import Source
@@ -29,6 +30,7 @@ from serve.bundle import (
     read_manifest,
     rehash,
 )
+from serve.verdict import fmt_figure, fmt_limit
 from train.atomic import atomic_write_text
 from train.tokenizer.pretokenizers import identify
 
@@ -130,26 +132,49 @@ def _floor_section(ev: dict) -> list[str]:
 
 
 def _quantization_section(quant: dict | None) -> list[str]:
-    """The quality gate of the quantized forms (:mod:`export.gate`): one row per form and language."""
+    """The quality gate of the quantized forms (:mod:`export.gate`): which passed (the only ones a loader serves
+    without ``allow_ungated``), one row per form and language with the continuation agreement, the thresholds as
+    the rule states them."""
     forms = (quant or {}).get("forms") or {}
     if not forms:
         return []
+    by_verdict = {v: [n for n, r in forms.items() if r.get("ok") is v] for v in (True, False, None)}
     out = [f"Quantized forms against float32 (`{ONNX}`), on the run's validation text "
-           f"({(quant or {}).get('tokens', 0):,} tokens):", "",
-           "| form | file | language | Δ NLL | top-1 agreement with fp32 | mean abs Δ log p of fp32's top token | gate |",
-           "|---|---|---|---:|---:|---:|---|"]
+           f"({(quant or {}).get('tokens', 0):,} tokens). `serve.load`, the server (`SHALIK_QUANTIZE`) and "
+           "`rust_runtime.Model.load` serve a quantized form only when it passed; the others are refused unless "
+           "`allow_ungated=True` (`SHALIK_ALLOW_UNGATED=1`). "
+           + " ".join(f"{what}: {', '.join(f'`{n}`' for n in names)}." for what, names in
+                      (("Passed", by_verdict[True]), ("Failed", by_verdict[False]),
+                       ("Not measured", by_verdict[None])) if names), ""]
+    if G.no_4bit_note(quant or {}):
+        out += [f"**No 4-bit form passes the gate for this model** ({', '.join(n for n, r in forms.items() if r.get('bits') == 4)}): "
+                "a model this small loses too much at 4 bits; serve it at int8 or float32.", ""]
+    out += ["| form | file | language | Δ NLL | top-1 agreement with fp32 | mean abs Δ log p of fp32's top token | "
+            "identical greedy continuations | gate |", "|---|---|---|---:|---:|---:|---:|---|"]
+    conts = {}
     for name, r in forms.items():
         file = f"`{r['file']}`" if r.get("file") else "quantized at load"
         if r.get("ok") is None:
-            out.append(f"| {name} | {file} | — | — | — | — | not measured: {r.get('note', '')} |")
+            out.append(f"| {name} | {file} | — | — | — | — | — | not measured: {r.get('note', '')} |")
             continue
+        c = r.get("continuations") or {}
+        if c:
+            conts[(c["prompt_tokens"], c["new_tokens"])] = True
+        by = c.get("by_lang") or {}
+        total = (sum(v["identical"] for v in by.values()), sum(v["prompts"] for v in by.values()))
         for lang, v in {**r["by_lang"], "all": r["all"]}.items():
-            out.append(f"| {name} | {file} | {lang} | {v['delta']:+.4f} | {_pct(v['top1_agreement'])} | "
-                       f"{v['mean_abs_top_logprob_delta']:.4f} | {'pass' if v['ok'] else 'FAIL'} |")
+            k, n = (by[lang]["identical"], by[lang]["prompts"]) if lang in by else total if by and lang == "all" else (None, 0)
+            out.append(f"| {name} | {file} | {lang} | {fmt_figure(v['delta'], signed=True)} | "
+                       f"{fmt_figure(v['top1_agreement'])} | {fmt_figure(v['mean_abs_top_logprob_delta'])} | "
+                       f"{'—' if k is None else f'{k} of {n}'} | {'pass' if v['ok'] else 'FAIL'} |")
     bits = sorted({(r["bits"], tuple(r["thresholds"].values())) for r in forms.values()}, reverse=True)
-    out += [""] + [f"Gate at {b} bits: Δ NLL ≤ {d}, top-1 agreement ≥ {_pct(t)}, mean abs Δ log p ≤ {lp} nats, "
-                   "for every language." for b, (d, t, lp) in bits] + [""]
-    return out
+    out += [""] + [f"Gate at {b} bits: Δ NLL ≤ {fmt_limit(d)} nats/token, top-1 agreement ≥ {fmt_limit(t)}, mean abs "
+                   f"Δ log p ≤ {fmt_limit(lp)} nats, for every language." for b, (d, t, lp) in bits]
+    for pt, nt in conts:
+        out.append(f"Identical greedy continuations (what a user sees at temperature 0; measured, not gated): of "
+                   f"{G.PROMPTS_PER_LANG} prompts of {pt} validation tokens per language, how many continue for "
+                   f"{nt} tokens exactly as float32 does.")
+    return out + [""]
 
 
 def _pct(x: float) -> str:

@@ -12,7 +12,14 @@ q4_0 graphs (:mod:`export.quantize`), ``rust_runtime`` quantizing at load, llama
 reference runs once per window, however many forms are measured. Its result, ``manifest.json``'s
 ``quantization`` entry (:func:`gate_entry`): ``{data, tokens, reference, forms: {FORM: {scheme, bits, block,
 keep_8bit, summary, runtime, file, thresholds, all: {…}, by_lang: {LANG: {nll_f32, nll, delta, top1_agreement,
-mean_abs_top_logprob_delta, tokens, ok}}, ok}}}``, FORM = "<runtime> <scheme>" (e.g. "onnx q4_0", "rust int8", "llama.cpp q4_k_m").
+mean_abs_top_logprob_delta, tokens, ok}}, continuations, ok}}}``, FORM = "<runtime> <scheme>" (e.g. "onnx q4_0",
+"rust int8", "llama.cpp q4_k_m"). The pass rule, the figures' labels and their printing are
+:mod:`serve.verdict`'s, which the loaders read the verdicts with.
+
+What a user sees is measured too, not gated: ``continuations`` = ``{prompt_tokens, new_tokens, by_lang: {LANG:
+{identical, prompts}}}``, how many greedy continuations of :data:`CONTINUATION_TOKENS` tokens are identical to
+float32's, from :data:`PROMPTS_PER_LANG` prompts of :data:`PROMPT_TOKENS` tokens per language cut evenly from
+the same validation text (a form whose runtime has a KV cache: ``Form.new_sequence``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -29,24 +37,32 @@ from export.errors import QualityGateError
 from export.valdata import ValData
 from serve.bundle import ONNX
 from serve.quant import Scheme
+from serve.verdict import FIGURES, fmt_figure, fmt_limit
+from serve.verdict import passes as figures_pass
 
 ROWS = 256            # positions per block when comparing logits (bounds the float64 copies)
+PROMPTS_PER_LANG = 10     # continuation agreement: prompts per language,
+PROMPT_TOKENS = 32        # of this many validation tokens each,
+CONTINUATION_TOKENS = 64  # continued greedily this far (fewer when the windows are shorter)
 REFERENCE = f"onnx float32 ({ONNX})"
 MANIFEST_KEY = "quantization"
 
 Logits = Callable[[list[int]], np.ndarray]
+NewSequence = Callable[[], Any]  # a serve.backends.base.Sequence factory (prefill / decode on a KV cache)
 
 
 @dataclass(frozen=True)
 class Form:
     """One quantized form: its ``runtime`` ("onnx", "rust", "llama.cpp"), its :class:`Scheme` (None: the runtime's
     float32, a benchmark's control row that :func:`judge` does not take), ``logits`` (ids → float32
-    ``[len(ids), V]`` from position 0) and the ``file`` it lives in (None: quantized at load)."""
+    ``[len(ids), V]`` from position 0), the ``file`` it lives in (None: quantized at load) and ``new_sequence``
+    (a KV cache of it, for the continuations; None: not measured)."""
 
     runtime: str
     scheme: Scheme | None
     logits: Logits
     file: str | None = None
+    new_sequence: NewSequence | None = None
 
     @property
     def name(self) -> str:
@@ -89,11 +105,8 @@ def figures(sums: dict[str, float]) -> dict[str, float]:
 
 
 def passes(v: dict, s: Scheme) -> bool:
-    """One language's (or all's) :func:`figures` within scheme ``s``'s thresholds."""
-    th = s.thresholds
-    return bool(np.isfinite(v["delta"]) and v["delta"] <= th.val_nll_delta_max
-                and v["top1_agreement"] >= th.top1_agreement_min
-                and v["mean_abs_top_logprob_delta"] <= th.mean_abs_top_logprob_delta_max)
+    """One language's (or all's) :func:`figures` within scheme ``s``'s thresholds (:func:`serve.verdict.passes`)."""
+    return figures_pass(v, s.thresholds.as_dict())
 
 
 def measure(reference: Logits, forms: Iterable[Form], val: ValData, desc: str = "quality gate") -> dict[str, dict]:
@@ -146,15 +159,63 @@ def unmeasured(form: Form, why: str) -> dict:
     return {**_described(form), "ok": None, "note": why}
 
 
-def gate_entry(reference: Logits, forms: list[Form], val: ValData | None, no_data: str = "") -> dict:
+def prompts(val: ValData, n: int = PROMPTS_PER_LANG, length: int = PROMPT_TOKENS) -> dict[str, list[list[int]]]:
+    """``n`` prompts of ``length`` ids per language, cut at evenly spaced offsets of its validation windows (fewer
+    when the language has fewer ids; the length is capped at a quarter of the longest window)."""
+    out = {}
+    for lang, windows in val.windows.items():
+        ids = np.concatenate(windows) if windows else np.zeros(0, np.int64)
+        k = min(length, max(len(w) for w in windows) // 4) if windows else 0
+        if k < 1 or len(ids) < k:
+            continue
+        starts = sorted({int(x) for x in np.linspace(0, len(ids) - k, n)})
+        out[lang] = [ids[s:s + k].tolist() for s in starts]
+    return out
+
+
+def greedy(new_sequence: NewSequence, prompt: list[int], steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``prompt`` (argmax, ties to the lower id) through a KV cache."""
+    seq = new_sequence()
+    logits = np.asarray(seq.prefill(prompt))
+    out: list[int] = []
+    while len(out) < steps:
+        out.append(int(np.argmax(logits)))
+        if len(out) < steps:
+            logits = np.asarray(seq.decode(out[-1]))
+    return out
+
+
+def continuations(reference: NewSequence, forms: Iterable[Form], val: ValData) -> dict[str, dict]:
+    """``{form name: {prompt_tokens, new_tokens, by_lang: {lang: {identical, prompts}}}}`` for every form with a
+    ``new_sequence``: how many greedy continuations equal float32's (module doc)."""
+    forms = [f for f in forms if f.new_sequence is not None]
+    ps = prompts(val)
+    if not forms or not ps:
+        return {}
+    k = len(next(iter(ps.values()))[0])
+    steps = max(1, min(CONTINUATION_TOKENS, min(len(w) for ws in val.windows.values() for w in ws) - 1 - k))
+    out = {f.name: {"prompt_tokens": k, "new_tokens": steps, "by_lang": {}} for f in forms}
+    for lang, prompts_ in ps.items():
+        want = [greedy(reference, p, steps) for p in prompts_]
+        for f in forms:
+            same = sum(greedy(f.new_sequence, p, steps) == w for p, w in zip(prompts_, want))
+            out[f.name]["by_lang"][lang] = {"identical": same, "prompts": len(prompts_)}
+    return out
+
+
+def gate_entry(reference: Logits, forms: list[Form], val: ValData | None, no_data: str = "",
+               reference_sequence: NewSequence | None = None) -> dict:
     """``manifest.json``'s ``quantization`` entry for ``forms`` (module doc); with ``val`` None every form is
-    recorded unmeasured with ``no_data`` as the reason."""
+    recorded unmeasured with ``no_data`` as the reason. ``reference_sequence``: float32's KV cache, for the
+    continuations of the forms that have one (None: not measured)."""
     if val is None:
         return {"data": None, "tokens": 0, "reference": REFERENCE,
                 "forms": {f.name: unmeasured(f, no_data) for f in forms}}
     stats = measure(reference, forms, val)
+    conts = continuations(reference_sequence, forms, val) if reference_sequence is not None else {}
     return {"data": val.origin, "tokens": val.tokens, "reference": REFERENCE,
-            "forms": {f.name: judge(f, stats[f.name]) for f in forms}}
+            "forms": {f.name: {**judge(f, stats[f.name]), **({"continuations": conts[f.name]} if f.name in conts
+                                                              else {})} for f in forms}}
 
 
 def merge(old: dict | None, new: dict) -> dict:
@@ -166,38 +227,33 @@ def merge(old: dict | None, new: dict) -> dict:
 
 
 def cases(entry: dict) -> list[P.Case]:
-    """Parity-table rows for every measured form of a ``quantization`` entry: the NLL change over all languages,
-    then per language the NLL change, the top-1 agreement and the mean |Δ log p| of float32's top token."""
+    """Parity-table rows for every measured form of a ``quantization`` entry: per language and over all, each
+    figure of :data:`serve.verdict.FIGURES` beside its threshold and rule (printed at the rule's precision)."""
     rows: list[P.Case] = []
     for name, r in entry.get("forms", {}).items():
         if r.get("ok") is None:
             continue
         th = r["thresholds"]
-        dmax, tmin, lmax = th["val_nll_delta_max"], th["top1_agreement_min"], th["mean_abs_top_logprob_delta_max"]
-        a = r["all"]
-        rows.append(P.Case(name, "val NLL change, nats/token", a["delta"], dmax,
-                           bool(np.isfinite(a["delta"]) and a["delta"] <= dmax), f"{a['tokens']:,} tokens"))
-        for lang, v in r["by_lang"].items():
-            rows += [
-                P.Case(name, f"{lang}: val NLL change, nats/token", v["delta"], dmax,
-                       bool(np.isfinite(v["delta"]) and v["delta"] <= dmax), f"{v['tokens']:,} tokens"),
-                P.Case(name, f"{lang}: top-1 agreement with fp32", v["top1_agreement"], tmin,
-                       v["top1_agreement"] >= tmin, f"needs ≥ {tmin:.0%}"),
-                P.Case(name, f"{lang}: mean |Δ log p| of fp32's top token, nats", v["mean_abs_top_logprob_delta"],
-                       lmax, v["mean_abs_top_logprob_delta"] <= lmax, f"needs ≤ {lmax}"),
-            ]
+        for lang, v in [*r["by_lang"].items(), ("all", r["all"])]:
+            for f in FIGURES:
+                value, limit = float(v[f.key]), float(th[f.limit])
+                rows.append(P.Case(name, f"{lang}: {f.label}{',' if f.unit else ''}{f.unit}", value, limit,
+                                   f.ok(value, limit), f"{v['tokens']:,} tokens", rule=f.rule))
     return rows
 
 
-def failures(entry: dict) -> list[str]:
-    """Names of the measured forms of ``entry`` that fail their thresholds."""
-    return [n for n, r in entry.get("forms", {}).items() if r.get("ok") is False]
+def failures(entry: dict, only: Iterable[str] | None = None) -> list[str]:
+    """Names of the measured forms of ``entry`` that fail their thresholds (of ``only`` when given)."""
+    keep = None if only is None else set(only)
+    return [n for n, r in entry.get("forms", {}).items() if r.get("ok") is False and (keep is None or n in keep)]
 
 
-def enforce(entry: dict, nothing_written: str, log: Callable[[str], None] = print) -> None:
-    """Raise QualityGateError (exit code 1) when a measured form of ``entry`` fails, after logging its rows of the
-    gate's table; ``nothing_written`` ends the message (e.g. "no bundle was written")."""
-    bad = failures(entry)
+def enforce(entry: dict, nothing_written: str, log: Callable[[str], None] = print,
+            required: Iterable[str] | None = None) -> None:
+    """Raise QualityGateError (exit code 1) when a measured form of ``entry`` (of ``required`` when given: the
+    forms asked for) fails, after logging its rows of the gate's table; ``nothing_written`` ends the message
+    (e.g. "no bundle was written")."""
+    bad = failures(entry, required)
     if not bad:
         return
     rows = [r for r in cases(entry) if r.runtime in bad]
@@ -205,12 +261,27 @@ def enforce(entry: dict, nothing_written: str, log: Callable[[str], None] = prin
     log(table)
     first = next(r for r in rows if not r.ok)
     raise QualityGateError(f"the quality gate failed for {', '.join(bad)} (first: {first.runtime}, {first.case} = "
-                           f"{first.value:.4g}, limit {first.tol}); {nothing_written}",
+                           f"{fmt_figure(first.value, first.tol)}, limit {'≤' if first.rule == '<=' else '≥'} "
+                           f"{fmt_limit(first.tol)}); {nothing_written}{no_4bit_note(entry)}",
                            [r.as_dict() for r in rows], table)
+
+
+def no_4bit_note(entry: dict) -> str:
+    """A sentence (starting with "; ") when 4-bit forms were measured and none passed, else ""."""
+    four = {n: r for n, r in entry.get("forms", {}).items() if r.get("bits") == 4 and r.get("ok") is not None}
+    if not four or any(r["ok"] for r in four.values()):
+        return ""
+    return ("; no 4-bit form passes the gate on this model (" + ", ".join(four) + "): a model this small loses "
+            "too much at 4 bits; serve it at int8 or float32")
 
 
 def reference_logits(bundle: Path, threads: int | None = None) -> Logits:
     """The gate's reference: ``bundle``'s float32 ``model.onnx`` through serve's OnnxBackend."""
+    return reference_backend(bundle, threads).logits
+
+
+def reference_backend(bundle: Path, threads: int | None = None):
+    """``bundle``'s float32 ``model.onnx`` as serve's OnnxBackend (``logits`` and ``new_sequence``)."""
     from serve.backends.onnx import OnnxBackend
 
-    return OnnxBackend(bundle, threads=threads).logits
+    return OnnxBackend(bundle, threads=threads)

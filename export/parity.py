@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 
 from serve.backends.onnx import OnnxBackend
 from serve.bundle import ONNX, TOKENIZER, WEIGHTS
+from serve.verdict import fmt_figure, fmt_limit
 from train.checkpoint import load_weights
 from train.model import LlamaForCausalLM
 
@@ -63,6 +64,7 @@ class Case:
     tol: float | None
     ok: bool
     detail: str = ""
+    rule: str | None = None  # a quality-gate row: "<=" or ">=" its threshold (printed at the rule's precision)
 
     def as_dict(self) -> dict:
         """The row as a JSON-ready dict (manifest.json's ``parity.cases``)."""
@@ -395,17 +397,26 @@ def all_ok(cases: Iterable[Case]) -> bool:
 def _fmt_value(c: Case) -> str:
     if c.value is None:
         return "—"
+    if c.rule is not None:
+        return fmt_figure(c.value, c.tol)
     if c.case.startswith("greedy"):
         return f"{int(c.value)} tok"
     return f"{c.value:.2e}" if c.value else "0"
+
+
+def _fmt_tol(c: Case) -> str:
+    if c.tol is None:
+        return "—"
+    if c.rule is not None:  # a quality-gate threshold, as the rule states it (≥ 0.85, ≤ 0.10)
+        return f"{'≤' if c.rule == '<=' else '≥'} {fmt_limit(c.tol)}"
+    return f"{c.tol:.0e}" if c.tol else "exact"
 
 
 def format_table(cases: Iterable[Case | dict], markdown: bool = False) -> str:
     """The parity table as aligned text (or a Markdown table): runtime, case, max |Δlogit| or tokens, tol, ok."""
     rows = [c if isinstance(c, Case) else Case(**c) for c in cases]
     head = ("runtime", "case", "max |Δ| / tokens", "tol", "ok", "detail")
-    body = [(c.runtime, c.case, _fmt_value(c), "—" if c.tol is None else f"{c.tol:.0e}" if c.tol else "exact",
-             "ok" if c.ok else "FAIL", c.detail) for c in rows]
+    body = [(c.runtime, c.case, _fmt_value(c), _fmt_tol(c), "ok" if c.ok else "FAIL", c.detail) for c in rows]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r).replace("\n", " ") + " |" for r in body]

@@ -35,6 +35,7 @@ from export.target import check_target, os_error_in, write_error
 from export.valdata import find_run_shards, from_shards, load_val_data, run_seq_len
 from serve.bundle import CARD, CONFIG, ONNX, ONNX_GRAPHS, TOKENIZER, WEIGHTS, BundleError, read_manifest
 from serve.quant import SCHEMES, Scheme, scheme
+from serve.verdict import fmt_figure
 from train.atomic import atomic_dir, clean_stale, sha256_file
 
 __all__ = ["DTYPES", "ExportError", "ParityError", "export_bundle"]
@@ -171,9 +172,10 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
     _check_out(source, out, force)
     log(f"export: {source.ckpt} (step {source.step}, {source.model.num_params():,} parameters) → {out}")
     untrained = source.step == 0   # a random-init model's near-flat logits say nothing about a quantization
-    if schemes and untrained:
+    gated = _gated(schemes)
+    if gated and untrained:
         log(f"quantize: {UNTRAINED}")
-    val = _val_data(source, val_data, log) if schemes and not untrained else None
+    val = _val_data(source, val_data, log) if gated and not untrained else None
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
         manifest = _build(source, out, force, dtype, schemes, parity, val, exporter, log, t0)
@@ -187,11 +189,38 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
     return out
 
 
+def _gated(schemes: tuple[Scheme, ...]) -> tuple[Scheme, ...]:
+    """The schemes whose forms the gate measures: those asked for, and every scheme rust_runtime quantizes to at
+    load (when it is importable), since a loader may make any of them from the bundle's weights and serves only
+    a form whose verdict is in the manifest (serve.verdict)."""
+    rust = tuple(s for s in SCHEMES.values() if s.rust) if P.rust_available() else ()
+    return tuple(s for n, s in SCHEMES.items() if s in schemes or s in rust)
+
+
+class _Lazy:
+    """A form's model, loaded on first use (an unmeasured form is never loaded)."""
+
+    def __init__(self, load: Callable[[], object]):
+        self._load, self._model = load, None
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = self._load()
+        return self._model
+
+    def logits(self, ids):
+        return self.model.logits(ids)
+
+    def new_sequence(self):
+        return self.model.new_sequence()
+
+
 def _quantized_forms(tmp: Path, fp32_graph: Path, schemes: tuple[Scheme, ...],
                      log: Callable[[str], None]) -> list[G.Form]:
-    """Write each scheme's ONNX graph into the bundle folder ``tmp`` from ``fp32_graph`` and return every form the
-    gate measures: those graphs through onnxruntime, and the schemes rust_runtime offers through it (when it is
-    importable)."""
+    """Write each asked-for scheme's ONNX graph into the bundle folder ``tmp`` from ``fp32_graph`` and return every
+    form the gate measures: those graphs through onnxruntime, and every scheme rust_runtime offers through it (when
+    it is importable: :func:`_gated`)."""
     from serve.backends.onnx import OnnxBackend
 
     forms: list[G.Form] = []
@@ -200,16 +229,28 @@ def _quantized_forms(tmp: Path, fp32_graph: Path, schemes: tuple[Scheme, ...],
             t, graph = time.time(), ONNX_GRAPHS[s.name]
             write_onnx_form(s, fp32_graph, tmp / graph, tmp / WEIGHTS)
             log(f"quantize: {graph} ({s.name}) in {time.time() - t:.1f} s")
-            forms.append(G.Form("onnx", s, OnnxBackend(tmp, quantize=s.name).logits, graph))
-    rust = [s for s in schemes if s.rust]
-    if rust and P.rust_available():
+            m = _Lazy(lambda s=s: OnnxBackend(tmp, quantize=s.name))
+            forms.append(G.Form("onnx", s, m.logits, graph, m.new_sequence))
+    rust = [s for s in _gated(schemes) if s.rust]
+    if rust:
         import rust_runtime  # deferred: optional (rust_available() said it is there)
 
-        forms += [G.Form("rust", s, rust_runtime.Model.load(str(tmp), quantize=s.name, verify=False).logits)
-                  for s in rust]
-    elif rust:
+        def load(s: Scheme):
+            """The form to measure: no verdict exists yet (measuring is what the gate is for), so the override is
+            needed and its warning is not."""
+            quiet = logging.getLogger("rust_runtime")
+            was, quiet.disabled = quiet.disabled, True
+            try:
+                return rust_runtime.Model.load(str(tmp), quantize=s.name, verify=False, allow_ungated=True)
+            finally:
+                quiet.disabled = was
+
+        for s in rust:
+            m = _Lazy(lambda s=s: load(s))
+            forms.append(G.Form("rust", s, m.logits, None, m.new_sequence))
+    elif any(s.rust for s in schemes):
         log("quantize: rust_runtime is not importable here; its forms of "
-            f"{', '.join(s.name for s in rust)} are not gated")
+            f"{', '.join(s.name for s in schemes if s.rust)} are not gated")
     return forms
 
 
@@ -228,14 +269,27 @@ def _quality_gate(source: Source, tmp: Path, dtype: str, exporter: str, schemes:
     try:
         forms = _quantized_forms(tmp, ref_dir / ONNX, schemes, log)
         t = time.time()
-        quant = G.gate_entry(G.reference_logits(ref_dir) if val is not None else None, forms, val,
+        ref = G.reference_backend(ref_dir) if val is not None else None
+        quant = G.gate_entry(ref.logits if ref else None, forms, val,
                              UNTRAINED if source.step == 0 else
-                             "no validation data found (pass --val-data PATH); the quality gate was not measured")
+                             "no validation data found (pass --val-data PATH); the quality gate was not measured",
+                             reference_sequence=ref.new_sequence if ref else None)
     finally:
         shutil.rmtree(tmp / ".fp32", ignore_errors=True)
     log("quantize: quality gate " + ("not measured" if val is None else f"measured in {time.time() - t:.1f} s: " + "; ".join(
-        f"{n} ΔNLL {r['all']['delta']:+.4f}, top-1 {r['all']['top1_agreement']:.3f}" for n, r in quant["forms"].items())))
+        _gate_line(n, r) for n, r in quant["forms"].items())))
     return quant
+
+
+def _gate_line(name: str, r: dict) -> str:
+    """One form's verdict for the export's log: pass or FAIL, the figures over all, continuation agreement."""
+    line = (f"{name} {'pass' if r['ok'] else 'FAIL'} (ΔNLL {fmt_figure(r['all']['delta'], signed=True)}, "
+            f"top-1 {fmt_figure(r['all']['top1_agreement'])}")
+    cont = r.get("continuations")
+    if cont:
+        line += f", identical {cont['new_tokens']}-token greedy continuations " + ", ".join(
+            f"{lang} {v['identical']}/{v['prompts']}" for lang, v in cont["by_lang"].items())
+    return line + ")"
 
 
 def _build(source: Source, out: Path, force: bool, dtype: str, schemes: tuple[Scheme, ...], parity: bool, val,
@@ -253,11 +307,17 @@ def _build(source: Source, out: Path, force: bool, dtype: str, schemes: tuple[Sc
                 rows += P.rust_cases(tmp, source.model, greedy_ref)
             else:
                 log("parity: rust_runtime is not importable here; the Rust runtime is not checked")
-        quant = _quality_gate(source, tmp, dtype, chosen, schemes, val, log) if schemes else None
+        gated = _gated(schemes)
+        quant = _quality_gate(source, tmp, dtype, chosen, schemes, val, log) if gated else None
         if quant:
-            G.enforce(quant, "no bundle was written", log)   # also under --no-parity: a failing form is never written
-            if parity:
-                rows += G.cases(quant)
+            asked = {f"{rt} {s.name}" for s in schemes for rt in ("onnx", "rust")}
+            # also under --no-parity: a failing form asked for is never written
+            G.enforce(quant, "no bundle was written", log, required=asked)
+            if other := G.failures(quant):
+                log(f"quantize: {', '.join(other)} failed the gate (not asked for: recorded in the manifest and "
+                    f"the card, and serve.load refuses them without allow_ungated){G.no_4bit_note(quant)}")
+            if parity:  # a form not asked for that fails is not a failure of this bundle
+                rows += [r for r in G.cases(quant) if r.runtime not in other]
         table = P.format_table(rows)
         ok = P.all_ok(rows) if parity else None
         info = {

@@ -30,12 +30,28 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
-from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from safetensors import safe_open
 
 from export.errors import ExportError
 from serve.bundle import external_data
 from serve.quant import Q8_BLOCK, Scheme, check_shape, role_of
+
+
+def _import_quietly():
+    """onnxruntime's MatMulNBitsQuantizer, imported without the ``logging.basicConfig(level=INFO)`` its module runs
+    on import (which would print every dependency's INFO records — the exporter's passes log hundreds — for the
+    rest of the process): basicConfig does nothing while the root logger has a handler."""
+    root = logging.getLogger()
+    guard = logging.NullHandler()
+    root.addHandler(guard)
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        root.removeHandler(guard)
+    return MatMulNBitsQuantizer
+
+
+MatMulNBitsQuantizer = _import_quietly()
 
 ACCURACY_LEVEL = 4          # MatMulNBits: int8 activations, int32 accumulation
 EXTERNAL_DATA_FROM = 6 * 2**30  # float32 data above this: the quantized graph may pass protobuf's 2 GB, use external data

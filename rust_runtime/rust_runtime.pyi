@@ -31,7 +31,8 @@ class SamplingKwargs(TypedDict, total=False):
 class Model:
     @staticmethod
     def load(
-        path: str | PathLike[str], threads: int | None = None, quantize: str | None = None, verify: bool = True
+        path: str | PathLike[str], threads: int | None = None, quantize: str | None = None, verify: bool = True,
+        allow_ungated: bool = False,
     ) -> Model: ...
     @property
     def vocab_size(self) -> int: ...

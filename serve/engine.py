@@ -200,13 +200,14 @@ class _Request(Submission):
         self.choices: list[_Choice] = []
         self.seq: Any = None
         self.prefilled = 0
+        self.arrival = 0  # its place in the scheduler's order of arrival (serve.policy.Entry.arrival)
         self.submitted = 0.0
         self.deadline = math.inf
         self.on_end: Callable[[], None] | None = None  # the scheduler's count of running sequences
 
     def entry(self) -> Entry:
         """The planner's view (:class:`serve.policy.Entry`): one slot per open choice, the prompt left."""
-        return Entry(len(self.open), len(self.ids) - self.prefilled)
+        return Entry(len(self.open), len(self.ids) - self.prefilled, self.arrival)
 
     def finish_choice(self, index: int, ev: TokenEvent) -> None:
         """Post choice ``index``'s finishing event; the request is FINISHED when no choice is open."""
@@ -271,6 +272,7 @@ class _Scheduler:
         self.stats: dict[str, float] = dict.fromkeys(engine_stats_keys(), 0)
         self.stats["queue_wait_s"] = 0.0
         self.running = 0  # sequences of admitted requests not yet ended (live: read by other threads)
+        self.arrivals = 0  # requests queued so far: the next one's Entry.arrival
 
     def _one_ended(self) -> None:
         self.running -= 1
@@ -290,6 +292,7 @@ class _Scheduler:
         """Queue ``req``, submitted at time ``at`` (its timeout counts from there); ``max_new_tokens`` 0 ends it
         at once with "length"."""
         req.submitted = at
+        req.arrival, self.arrivals = self.arrivals, self.arrivals + 1
         if req.timeout_s is not None:
             req.deadline = at + req.timeout_s
         req.on_end = self._one_ended

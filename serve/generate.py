@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantize", choices=NAMES, default="none",
                    help="weights (serve/quant.py): onnx reads the bundle's graph of the scheme; rust quantizes at load")
     p.add_argument("--no-verify", action="store_true", help=f"skip checking the files' sha256 against {MANIFEST}")
+    p.add_argument("--allow-ungated", action="store_true",
+                   help="serve a quantized form the export's quality gate did not pass (logged; serve/verdict.py)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     return p.parse_args(argv)
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     try:
         lm = load(args.bundle, backend=args.backend, quantize=args.quantize, threads=args.threads,
-                  verify=not args.no_verify)
+                  verify=not args.no_verify, allow_ungated=args.allow_ungated)
     except (OSError, ValueError, ImportError) as e:
         print(f"error: cannot load {args.bundle}: {e}", file=sys.stderr)
         return 2

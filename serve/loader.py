@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.bundle import TOKENIZER, backend_files, verify_files
+from serve.bundle import MANIFEST, ONNX_GRAPHS, TOKENIZER, backend_files, read_manifest, verify_files
 from serve.lm import LM
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
 from serve.quant import check_backend, parse_quantize
+from serve.verdict import check_form
 
 __all__ = ["BACKENDS", "load"]
 
@@ -20,20 +21,23 @@ BACKENDS = ("onnx", "rust")
 
 def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
          name: str | None = None, verify: bool = True, max_batch: int = DEFAULT_MAX_BATCH,
-         token_budget: int = DEFAULT_TOKEN_BUDGET) -> LM:
+         token_budget: int = DEFAULT_TOKEN_BUDGET, allow_ungated: bool = False) -> LM:
     """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors, manifest.json) for
     serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
     ``"none"`` or a name of :data:`serve.quant.NAMES` that the backend offers (``serve.quant.BACKEND_NAMES``);
     threads: compute threads, an int >= 1 (None = all cores); name: the model's label
-    (default: the bundle folder's parent name, e.g. ``cpu`` for ``runs/cpu/bundle``); verify: read the
-    manifest and check the sha256 of every file the backend reads against it first
-    (:func:`serve.bundle.verify_files`; False skips the manifest altogether, for those who verify the bundle
-    elsewhere or serve a hand-made folder); max_batch / token_budget: the engine's sequences per step and tokens
-    per step (:mod:`serve.engine`).
+    (default: the bundle folder's parent name, e.g. ``cpu`` for ``runs/cpu/bundle``); verify: check the sha256 of
+    every file the backend reads against the manifest first (:func:`serve.bundle.verify_files`; False skips the
+    hashing and accepts a folder without a manifest, for those who verify the bundle elsewhere or serve a hand-made
+    folder — a manifest that is there is still read: its format_version and the gate's verdicts hold whatever
+    ``verify`` says); max_batch / token_budget: the engine's sequences per step and tokens per step
+    (:mod:`serve.engine`); allow_ungated: serve a quantized form that failed the export's quality gate or has no
+    verdict (:mod:`serve.verdict`), logging what it overrides.
     Raises BundleError (a ValueError) naming a corrupt or unlisted file, a missing manifest or one of a newer
-    format_version; TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
+    format_version (with any ``verify``), UngatedError (a BundleError) for a quantized form the gate did not pass
+    (naming the form, the figure and the threshold); TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
     FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
     threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
     anything is read.
@@ -58,16 +62,20 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     tok_file = path / TOKENIZER
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
+    manifest = read_manifest(path) if verify or (path / MANIFEST).exists() else None
     if verify:
         verify_files(path, backend_files(backend, quantize))
     if backend == "onnx":
         from serve.backends.onnx import OnnxBackend  # onnxruntime loads only when this backend is asked for
 
+        if (path / ONNX_GRAPHS[quantize]).is_file():  # else the backend names the missing graph and its export
+            check_form(manifest, str(path), "onnx", quantize, allow_ungated)
         model = OnnxBackend(path, quantize=quantize, threads=threads)
     else:
         from serve.backends.rust import RustBackend  # the optional Rust extension, likewise
 
-        model = RustBackend(path, quantize=quantize, threads=threads)
+        # rust_runtime.Model.load reads the same verdict in Rust (and logs an override there)
+        model = RustBackend(path, quantize=quantize, threads=threads, allow_ungated=allow_ungated)
     label = name or path.resolve().parent.name or path.name
     return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path, max_batch=max_batch,
               token_budget=token_budget)

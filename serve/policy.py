@@ -8,8 +8,8 @@ the table of cases that both engines run, see ``tests/test_scheduler_cases.py`` 
 1. **retire**: requests cancelled (or a choice of them), or past their deadline, leave — waiting or running;
 2. **plan** (:func:`plan_step`, pure: it never runs the model): admit waiting requests first come, first served
    while their choices fit in ``max_batch`` sequences (a request that does not fit waits, and so does everything
-   behind it); every decoding sequence gets one token; then prompt chunks in admission order under the prefill
-   budget (:func:`prefill_budget`: the whole ``token_budget`` when nothing decodes, else at most
+   behind it); every decoding sequence gets one token; then prompt chunks in admission order (the order requests
+   arrived, whatever their place in the batch) under the prefill budget (:func:`prefill_budget`: the whole ``token_budget`` when nothing decodes, else at most
    ``prefill_chunk`` tokens — Sarathi-Serve's stall-free batching — capped by what the decodes leave);
 3. **run** the backend on that work (one batched forward in Rust);
 4. **sample** every sequence that got logits (a prompt whose last chunk ran forks into its ``n`` choices first);
@@ -56,18 +56,21 @@ class Entry:
     """What the planner sees of a queued request or a batch entry.
 
     slots: sequences it holds in the batch (``n`` while waiting or prefilling, 1 for a decoding choice);
-    prompt_left: prompt tokens not yet in its cache (0: it decodes).
+    prompt_left: prompt tokens not yet in its cache (0: it decodes); arrival: the request's place in the order of
+    arrival (its engine counts submissions; admission is first come, first served, so this is also the order of
+    admission), which orders prompt chunks whatever the entry's index in the batch.
     """
 
     slots: int
     prompt_left: int
+    arrival: int = 0
 
 
 @dataclass(frozen=True)
 class Plan:
     """One step's work. ``admit``: the first ``admit`` waiting entries join the batch, after the running ones
     (``batch = running + waiting[:admit]``); ``decode``: indices into that batch that decode one token;
-    ``prefill``: (index into the batch, prompt tokens) chunks, in batch order."""
+    ``prefill``: (index into the batch, prompt tokens) chunks, in admission order (:attr:`Entry.arrival`)."""
 
     admit: int
     decode: tuple[int, ...]
@@ -98,9 +101,10 @@ def prefill_budget(token_budget: int, prefill_chunk: int, decoding: int) -> int:
 
 def plan_step(waiting: Sequence[Entry], running: Sequence[Entry], max_batch: int, token_budget: int,
               prefill_chunk: int) -> Plan:
-    """The work of one step (module docstring, step 2), given the queue in arrival order and the batch in
-    admission order. Pure: reads its arguments only. Assumes every entry's ``slots`` <= ``max_batch`` (the
-    engines refuse a larger ``n`` at submission), so the queue always drains."""
+    """The work of one step (module docstring, step 2), given the queue in arrival order and the batch in any order
+    (an engine may move entries around as sequences end): prompt chunks go by :attr:`Entry.arrival`, entries of
+    equal arrival in batch order. Pure: reads its arguments only. Assumes every entry's ``slots`` <= ``max_batch``
+    (the engines refuse a larger ``n`` at submission), so the queue always drains."""
     used = sum(e.slots for e in running)
     admit = 0
     for e in waiting:
@@ -112,9 +116,10 @@ def plan_step(waiting: Sequence[Entry], running: Sequence[Entry], max_batch: int
     decode = tuple(i for i, e in enumerate(batch) if e.prompt_left == 0)
     budget = prefill_budget(token_budget, prefill_chunk, len(decode))
     prefill = []
-    for i, e in enumerate(batch):
-        if e.prompt_left > 0 and budget > 0:
-            take = min(e.prompt_left, budget)
-            budget -= take
-            prefill.append((i, take))
+    for i in sorted((i for i, e in enumerate(batch) if e.prompt_left > 0), key=lambda i: batch[i].arrival):
+        if budget == 0:
+            break
+        take = min(batch[i].prompt_left, budget)
+        budget -= take
+        prefill.append((i, take))
     return Plan(admit, decode, tuple(prefill))

@@ -132,21 +132,29 @@ def test_parity_table_covers_every_case(exported):
     for form, bits in (("onnx int8", 8), ("onnx q4_mix", 4), ("rust int8", 8)):  # quality gate
         th = GATE[bits]
         rows = {c["case"]: c for c in p["cases"] if c["runtime"] == form}
-        assert rows["val NLL change, nats/token"]["value"] <= th.val_nll_delta_max
-        for lang in ("bn", "en"):                   # per language: NLL change, top-1 agreement, |Δ log p|
+        assert rows["all: val NLL change, nats/token"]["value"] <= th.val_nll_delta_max
+        for lang in ("bn", "en", "all"):            # per language and over all: NLL change, top-1, |Δ log p|
             assert rows[f"{lang}: top-1 agreement with fp32"]["value"] >= th.top1_agreement_min
             lp = rows[f"{lang}: mean |Δ log p| of fp32's top token, nats"]
             assert 0 < lp["value"] <= th.mean_abs_top_logprob_delta_max == lp["tol"]
-        assert len(rows) == 7 and all(r["ok"] for r in rows.values())
+        assert len(rows) == 9 and all(r["ok"] for r in rows.values())
+    # the Rust q4_0 the gate measures unasked fails on this model: recorded, kept out of the parity table
+    q = json.loads((exported / "manifest.json").read_text())["quantization"]["forms"]
+    assert q["rust q4_0"]["ok"] is False and not any(c["runtime"] == "rust q4_0" for c in p["cases"])
 
 
 def test_quality_gate_recorded(exported):
     m = json.loads((exported / "manifest.json").read_text())
     q = m["quantization"]
     assert q["tokens"] > 0 and q["reference"] == "onnx float32 (model.onnx)"
-    rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n in ("int8", "q4_mix")}
+    rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n != "none"}   # every Rust form, asked for or not
     assert set(q["forms"]) == {"onnx int8", "onnx q4_mix"} | rust
     for name, r in q["forms"].items():
+        if name == "rust q4_0":   # not asked for, fails on this model (the fixture's doc): recorded as failed
+            assert r["ok"] is False and not r["all"]["ok"]
+            continue
+        c = r["continuations"]   # measured, not gated
+        assert all(0 <= v["identical"] <= v["prompts"] == 10 for v in c["by_lang"].values()) and c["new_tokens"] > 0
         s = SCHEMES[r["scheme"]]
         assert name == f"{r['runtime']} {s.name}" and r["bits"] == s.bits and r["ok"] is True
         assert r["thresholds"] == GATE[s.bits].as_dict() and r["file"] == (ONNX_GRAPHS[s.name] if r["runtime"] == "onnx" else None)
@@ -225,7 +233,8 @@ def test_config_json_and_card(exported, ckpt):
         assert needle in card, needle
     for form, file in (("onnx q4_mix", "`model.q4_mix.onnx`"), ("rust int8", "quantized at load")):  # the gate
         assert all(f"| {form} | {file} | {lang} |" in card for lang in ("bn", "en", "all")), form
-    assert "Gate at 8 bits: Δ NLL ≤ 0.05" in card and "Gate at 4 bits: Δ NLL ≤ 0.1" in card
+    assert "Gate at 8 bits: Δ NLL ≤ 0.05" in card and "Gate at 4 bits: Δ NLL ≤ 0.10" in card
+    assert "Passed: `onnx int8`, `onnx q4_mix`" in card and "Failed: `rust q4_0`" in card
     data = json.loads((exported / "manifest.json").read_text())["data"]
     assert data["sources"] and all("license" in s for s in data["sources"])
     assert all(s["source"] in card for s in data["sources"])
@@ -679,7 +688,8 @@ def test_quality_gate_fails_on_agreement_even_when_nll_is_fine():
     entry = {"forms": {"onnx q4_0": judge(Form("onnx", SCHEMES["q4_0"], None, "model.q4_0.onnx"),
                                           {"all": fine, "by_lang": {"bn": fine}})}}
     assert entry["forms"]["onnx q4_0"]["ok"] is False
-    assert [r.ok for r in cases(entry)] == [True, True, False, True]
+    # per language, then over all: NLL change, top-1 agreement, |Δ log p|
+    assert [r.ok for r in cases(entry)] == [True, False, True, True, False, True]
     # between the 8- and 4-bit limits: passes at 4 bits, fails at 8
     mid = {**fine, "top1_agreement": 0.9, "delta": 0.07}
     assert passes(mid, SCHEMES["q4_0"]) and not passes(mid, SCHEMES["int8"])
@@ -760,3 +770,17 @@ def test_damaged_latest_is_an_export_error_naming_it(tmp_path):
     (root / "latest").write_bytes(b"\xff\xfe step")
     with pytest.raises(ExportError, match="latest"):
         resolve_checkpoint(tmp_path / "run")
+
+
+def test_the_export_s_modules_leave_dependency_info_records_unprinted():
+    """onnxruntime's 4-bit quantizer configures the root logger at INFO on import; imported through export, it must
+    not: the exporter's passes (onnx_ir, onnxscript) log hundreds of INFO records, and none may reach the user."""
+    import subprocess
+    import sys
+
+    code = ("import logging, export.onnx, export.quantize\n"
+            "logging.getLogger('onnx_ir.passes.common.initializer_deduplication').info('Replaced initializer a')\n"
+            "logging.getLogger('onnx_ir').warning('a warning')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "a warning" in r.stderr and "Replaced initializer" not in r.stderr + r.stdout

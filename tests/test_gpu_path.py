@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.conftest import fast_config
+from train.components.step_module import no_buffer_sync
 from train.device import choose_sdpa_backend
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, causal_lm_loss, chunked_lm_loss
 from train.optim import build_optimizer
@@ -51,6 +52,16 @@ def gloo_one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
+def test_ddp_is_built_without_deprecated_arguments(gloo_one_rank):
+    """The trainer's DDP keywords (no_buffer_sync) raise none of torch's deprecation warnings."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        DDP(torch.nn.Linear(4, 4), bucket_cap_mb=100, **no_buffer_sync(), gradient_as_bucket_view=True)
+
+
 def _training_run(backend: str, activation_checkpoint: str = "none", optimizer: str = "adamw"):
     """Compile + bf16 autocast + fused AdamW + DDP(gloo, the run's settings), accumulation with no_sync, over steps
     whose last micro-batch is short; returns (graphs at warm-up, graphs after, losses)."""
@@ -59,7 +70,7 @@ def _training_run(backend: str, activation_checkpoint: str = "none", optimizer: 
     step_model = CausalLMLoss(model, chunk_tokens=48, activation_checkpoint=activation_checkpoint)
     step_model.compile_blocks(4, backend=backend)
     # static_graph stays off with no_sync accumulation (the reducer asserts: expect_autograd_hooks_), as in train.run
-    ddp = DDP(step_model, bucket_cap_mb=100, broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=False)
+    ddp = DDP(step_model, bucket_cap_mb=100, **no_buffer_sync(), gradient_as_bucket_view=True, static_graph=False)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if optimizer == "adamw" else
            build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), optimizer=optimizer))
     data = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(1))

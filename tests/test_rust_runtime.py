@@ -453,7 +453,7 @@ def test_int8_close_to_f32(which, request):
     """q8_0 for every linear incl. lm_head: logits close to f32 (see Q8_*); greedy mostly equal."""
     d, hf = request.getfixturevalue(which)
     f32 = rust_runtime.Model.load(str(d), threads=1)
-    q8 = rust_runtime.Model.load(str(d), threads=1, quantize="int8")
+    q8 = rust_runtime.Model.load(str(d), threads=1, quantize="int8", allow_ungated=True)
     assert q8.quantize == "int8"
     ids = prompt_ids(48, seed=8)
     a, b = f32.logits(ids), q8.logits(ids)
@@ -485,7 +485,7 @@ def test_int8_close_to_f32(which, request):
             )
     assert max(lead) >= 4, f"q8 greedy leading agreement {lead}"
     # threads: the same bits
-    q8_2 = rust_runtime.Model.load(str(d), threads=2, quantize="int8")
+    q8_2 = rust_runtime.Model.load(str(d), threads=2, quantize="int8", allow_ungated=True)
     np.testing.assert_array_equal(q8_2.logits(ids), b)
 
 
@@ -563,7 +563,7 @@ def test_4_bit_close_to_rounding_the_weights(quantize, wide):
     full forward's bits."""
     d, hf = wide
     f32 = rust_runtime.Model.load(str(d), threads=1)
-    q4 = rust_runtime.Model.load(str(d), threads=1, quantize=quantize)
+    q4 = rust_runtime.Model.load(str(d), threads=1, quantize=quantize, allow_ungated=True)
     assert q4.quantize == quantize
     ids = prompt_ids(48, seed=9)
     a, b = f32.logits(ids), q4.logits(ids)
@@ -581,12 +581,12 @@ def test_4_bit_close_to_rounding_the_weights(quantize, wide):
     ref, r = hf_logits(hf, ids), hf_logits(rounded, ids)
     err, rounding = rel_rms(b, a), rel_rms(r, ref)
     assert err < Q4_VS_ROUNDING * rounding, f"{quantize} error {err:.3f} vs weight rounding alone {rounding:.3f}"
-    assert err > rel_rms(rust_runtime.Model.load(str(d), threads=1, quantize="int8").logits(ids), a)
+    assert err > rel_rms(rust_runtime.Model.load(str(d), threads=1, quantize="int8", allow_ungated=True).logits(ids), a)
     seq = q4.new_sequence()
     seq.prefill(ids[:40])
     for i in range(40, 48):
         np.testing.assert_array_equal(seq.decode(ids[i]), b[i])
-    np.testing.assert_array_equal(rust_runtime.Model.load(str(d), threads=2, quantize=quantize).logits(ids), b)
+    np.testing.assert_array_equal(rust_runtime.Model.load(str(d), threads=2, quantize=quantize, allow_ungated=True).logits(ids), b)
 
 
 # ----------------------------------------------------------------------------- sampling, stream
@@ -954,7 +954,7 @@ def test_rust_backend_implements_the_protocol(tiny):
         e = expect_error(bad, BackendError)
         assert isinstance(e, ValueError)
     assert seq.position == 15
-    q = RustBackend(d, quantize="int8", threads=1)
+    q = RustBackend(d, quantize="int8", threads=1, allow_ungated=True)  # a hand-made bundle: no gate
     assert q.quantize == "int8" and q.new_sequence().prefill(ids[:4]).shape == (512,)
     # generate / stream / generate_batch go through the batching engine and equal Model.generate bit for bit
     prompts = [prompt_ids(5 + j, seed=80 + j) for j in range(4)]

@@ -106,6 +106,8 @@ def test_the_python_engine_runs_each_case(case):
     reqs = [make_request(s, j) for j, s in enumerate(specs)]
     label = {id(r): s["id"] for r, s in zip(reqs, specs, strict=True)}
     total = ran_steps = 0
+    fed = dict.fromkeys(label.values(), 0)  # tokens fed per request: its first token comes when the prompt is in
+    first: dict[str, int] = {}
     for k in range(len(case["steps"]) + 1):
         for r, s in zip(reqs, specs, strict=True):
             if s.get("at", 0) == k:
@@ -118,6 +120,10 @@ def test_the_python_engine_runs_each_case(case):
         ran = sched.tick(float(k))
         got = {label[id(r)]: t for r, t in (ran or {}).items()}
         waiting = [label[id(r)] for r in sched.waiting]
+        for s in specs:
+            fed[s["id"]] += got.get(s["id"], 0)
+            if fed[s["id"]] >= s["prompt"] > 0 and s["id"] not in first:
+                first[s["id"]] = k
         if k < len(case["steps"]):
             step = case["steps"][k]
             assert (got, waiting) == (step["run"], step.get("waiting", [])), f"step {k}"
@@ -128,6 +134,8 @@ def test_the_python_engine_runs_each_case(case):
     st = sched.stats
     assert (st["steps"], st["prefill_tokens"] + st["decode_tokens"]) == (ran_steps, total)
     assert sched.running == 0
+    if "first_tokens" in case:
+        assert sorted(first, key=lambda a: (first[a], [s["id"] for s in specs].index(a))) == case["first_tokens"]
     for j, (r, s) in enumerate(zip(reqs, specs, strict=True)):
         own = alone(s, j)
         for i, (want_n, want_finish) in enumerate(s["end"]):
@@ -159,6 +167,13 @@ def test_the_step_engine_thread_times_out_and_refuses_what_rust_refuses():
 def test_the_prefill_budget_is_the_token_budget_alone_else_the_chunk_capped_by_the_decodes():
     assert [prefill_budget(64, 4, 0), prefill_budget(64, 4, 3), prefill_budget(10, 16, 7),
             prefill_budget(10, 16, 12)] == [64, 4, 3, 0]
+
+
+def test_prompt_chunks_go_in_admission_order_whatever_the_batch_layout():
+    # C (arrival 2) sits where a finished sequence was, before B (arrival 1): B's prompt goes first
+    assert plan_step([], [Entry(1, 6, 2), Entry(1, 3, 1)], 4, 4, 4) == Plan(0, (), ((1, 3), (0, 1)))
+    # an admitted request comes after every running prompt
+    assert plan_step([Entry(1, 2, 3)], [Entry(1, 0, 0), Entry(1, 5, 2)], 4, 4, 8) == Plan(1, (0,), ((1, 3),))
 
 
 def test_admission_is_fifo_and_a_request_that_does_not_fit_blocks_the_queue():

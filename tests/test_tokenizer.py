@@ -321,6 +321,16 @@ def test_train_cli_writes_a_loadable_tokenizer(tmp_path, mini_corpus, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_train_cli_help_states_the_default_preset_s_vocabulary_size(capsys):
+    from train.config import DEFAULT_PRESET, load_config
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    want = load_config(DEFAULT_PRESET).tokenizer.vocab_size
+    assert f"{want:,} for {DEFAULT_PRESET}" in text and "32000" not in text and want != 32000
+
+
 # ----------------------------------------------------------------------------------------------- for_nfc_text
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

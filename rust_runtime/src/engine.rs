@@ -143,6 +143,9 @@ struct Seq {
     tx: Sender<Event>,
     deadline: Option<Instant>,
     submitted: Instant,
+    /// the request's place in the order of arrival (`Entry::arrival`): prompt chunks go by it,
+    /// wherever the sequence sits in the batch
+    arrival: u64,
 }
 
 impl Seq {
@@ -168,7 +171,7 @@ impl Seq {
             Phase::Decoding { .. } => 0,
             _ => self.req.prompt.len() - self.prefilled,
         };
-        Entry { slots: self.open.len(), prompt_left }
+        Entry { slots: self.open.len(), prompt_left, arrival: self.arrival }
     }
 }
 
@@ -291,8 +294,9 @@ impl Drop for Engine {
 }
 
 /// The scheduler's state, owned by its thread (a test drives it directly: `handle` a command,
-/// then `tick` a step). `waiting`: the queue, arrival order; `running`: the batch, admission
-/// order (prefilling requests and decoding choices).
+/// then `tick` a step). `waiting`: the queue, arrival order; `running`: the batch (prefilling
+/// requests and decoding choices) in no particular order: a sequence that ends gives its place to
+/// the last one, and the plan orders prompt chunks by `Seq::arrival`.
 struct Scheduler {
     model: Arc<Model>,
     eot: Option<u32>,
@@ -303,6 +307,8 @@ struct Scheduler {
     cancelled: HashSet<u64>,
     cancelled_choices: HashSet<(u64, usize)>,
     stats: Arc<Mutex<Stats>>,
+    /// requests queued so far: the next one's `arrival`
+    arrivals: u64,
 }
 
 /// What one step ran: per request id, the tokens it fed the model (its prompt chunk, or one per
@@ -321,6 +327,7 @@ impl Scheduler {
             cancelled: HashSet::new(),
             cancelled_choices: HashSet::new(),
             stats,
+            arrivals: 0,
         }
     }
 
@@ -385,8 +392,10 @@ impl Scheduler {
                     tx,
                     deadline: req.timeout.map(|t| at + t),
                     submitted: at,
+                    arrival: self.arrivals,
                     req,
                 };
+                self.arrivals += 1;
                 if seq.req.max_new_tokens == 0 {
                     seq.finish(Finish::Length);
                 } else {
@@ -556,6 +565,7 @@ impl Scheduler {
                 tx: parent.tx.clone(),
                 deadline: parent.deadline,
                 submitted: parent.submitted,
+                arrival: parent.arrival,
             })
             .collect()
     }
@@ -742,6 +752,9 @@ mod tests {
         let steps = case["steps"].as_array().unwrap();
         let t0 = Instant::now();
         let (mut total, mut ran_steps) = (0usize, 0u64);
+        // tokens fed per request: its first token comes in the step that feeds the last of its prompt
+        let mut fed: Vec<u64> = vec![0; reqs.len()];
+        let mut first: Vec<Option<u64>> = vec![None; reqs.len()];
         for k in 0..=steps.len() as u64 {
             let now = t0 + Duration::from_secs(k);
             for (j, r) in reqs.iter().enumerate() {
@@ -764,6 +777,12 @@ mod tests {
             let ran = sched.tick(now);
             let got: BTreeMap<String, u64> = ran.iter().flatten().map(|&(id, t)| (label(id), t as u64)).collect();
             let waiting: Vec<String> = sched.waiting.iter().map(|s| label(s.id)).collect();
+            for (j, r) in reqs.iter().enumerate() {
+                fed[j] += got.get(r["id"].as_str().unwrap()).copied().unwrap_or(0);
+                if first[j].is_none() && num(r, "prompt", 0) > 0 && fed[j] >= num(r, "prompt", 0) {
+                    first[j] = Some(k);
+                }
+            }
             if let Some(step) = steps.get(k as usize) {
                 let want: BTreeMap<String, u64> =
                     step["run"].as_object().unwrap().iter().map(|(a, t)| (a.clone(), t.as_u64().unwrap())).collect();
@@ -785,6 +804,13 @@ mod tests {
         let st = sched.stats.lock().unwrap().clone();
         assert_eq!((st.steps, st.prefill_tokens as usize + st.decode_tokens as usize), (ran_steps, total), "{name}");
         assert_eq!((st.running, st.waiting), (0, 0), "{name}");
+        if let Some(want) = case.get("first_tokens").and_then(Value::as_array) {
+            let mut order: Vec<usize> = (0..reqs.len()).filter(|&j| first[j].is_some()).collect();
+            order.sort_by_key(|&j| (first[j], j));
+            let got: Vec<String> = order.iter().map(|&j| label(j as u64 + 1)).collect();
+            let want: Vec<String> = want.iter().map(|x| x.as_str().unwrap().to_string()).collect();
+            assert_eq!(got, want, "{name}: the order of first tokens");
+        }
         for (j, r) in reqs.iter().enumerate() {
             let want = r["end"].as_array().unwrap();
             let got = collect(rxs[j].as_ref().unwrap(), want.len());

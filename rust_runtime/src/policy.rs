@@ -74,16 +74,19 @@ pub enum Phase {
 
 /// What the planner sees of a queued request or a batch entry: `slots`, the sequences it holds
 /// (its open choices while waiting or prefilling, 1 when decoding); `prompt_left`, the prompt
-/// tokens not yet in its cache (0: it decodes).
+/// tokens not yet in its cache (0: it decodes); `arrival`, the request's place in the engine's
+/// order of arrival (admission is first come, first served, so also its order of admission),
+/// which orders prompt chunks whatever the entry's index in the batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub slots: usize,
     pub prompt_left: usize,
+    pub arrival: u64,
 }
 
 /// One step's work: the first `admit` waiting entries join the batch after the running ones
 /// (batch = running ++ waiting[..admit]); `decode`: batch indices that decode one token;
-/// `prefill`: (batch index, prompt tokens) chunks in batch order.
+/// `prefill`: (batch index, prompt tokens) chunks in admission order (`Entry::arrival`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
     pub admit: usize,
@@ -101,10 +104,11 @@ pub fn prefill_budget(limits: &Limits, decoding: usize) -> usize {
     }
 }
 
-/// The work of one step, given the queue in arrival order and the batch in admission order:
-/// admit first come, first served while the slots fit in `max_batch` (a request that does not
-/// fit waits, and so does everything behind it); every decoding entry decodes; then prompt
-/// chunks in batch order under [`prefill_budget`]. Pure. Assumes every entry's slots ≤
+/// The work of one step, given the queue in arrival order and the batch in any order (the engine
+/// moves an entry into the place of one that ended): admit first come, first served while the
+/// slots fit in `max_batch` (a request that does not fit waits, and so does everything behind
+/// it); every decoding entry decodes; then prompt chunks in admission order (`Entry::arrival`;
+/// equal arrivals in batch order) under [`prefill_budget`]. Pure. Assumes every entry's slots ≤
 /// max_batch (`Engine::submit` refuses a larger n), so the queue always drains.
 pub fn plan_step(waiting: &[Entry], running: &[Entry], limits: &Limits) -> Plan {
     let mut used: usize = running.iter().map(|e| e.slots).sum();
@@ -119,13 +123,16 @@ pub fn plan_step(waiting: &[Entry], running: &[Entry], limits: &Limits) -> Plan 
     let batch = || running.iter().chain(&waiting[..admit]).enumerate();
     let decode: Vec<usize> = batch().filter(|(_, e)| e.prompt_left == 0).map(|(i, _)| i).collect();
     let mut budget = prefill_budget(limits, decode.len());
+    let mut prompts: Vec<(usize, &Entry)> = batch().filter(|(_, e)| e.prompt_left > 0).collect();
+    prompts.sort_by_key(|(_, e)| e.arrival); // stable: equal arrivals keep batch order
     let mut prefill = Vec::new();
-    for (i, e) in batch() {
-        if e.prompt_left > 0 && budget > 0 {
-            let take = e.prompt_left.min(budget);
-            budget -= take;
-            prefill.push((i, take));
+    for (i, e) in prompts {
+        if budget == 0 {
+            break;
         }
+        let take = e.prompt_left.min(budget);
+        budget -= take;
+        prefill.push((i, take));
     }
     Plan { admit, decode, prefill }
 }
@@ -135,7 +142,7 @@ mod tests {
     use super::*;
 
     fn e(slots: usize, prompt_left: usize) -> Entry {
-        Entry { slots, prompt_left }
+        Entry { slots, prompt_left, arrival: 0 }
     }
 
     #[test]
@@ -159,6 +166,18 @@ mod tests {
         // beside two decodes: chunks of at most prefill_chunk in batch order
         let p = plan_step(&[e(1, 1)], &[e(1, 0), e(1, 3), e(1, 0)], &Limits { max_batch: 4, ..l });
         assert_eq!(p, Plan { admit: 1, decode: vec![0, 2], prefill: vec![(1, 2)] });
+    }
+
+    #[test]
+    fn prompt_chunks_go_in_admission_order_whatever_the_batch_layout() {
+        let l = Limits { max_batch: 4, token_budget: 4, prefill_chunk: 4 };
+        let a = |slots, prompt_left, arrival| Entry { slots, prompt_left, arrival };
+        // C (arrival 2) sits where a finished sequence was, before B (arrival 1): B's prompt goes first
+        let p = plan_step(&[], &[a(1, 6, 2), a(1, 3, 1)], &l);
+        assert_eq!(p, Plan { admit: 0, decode: vec![], prefill: vec![(1, 3), (0, 1)] });
+        // an admitted request comes after every running prompt
+        let p = plan_step(&[a(1, 2, 3)], &[a(1, 0, 0), a(1, 5, 2)], &Limits { prefill_chunk: 8, ..l });
+        assert_eq!(p, Plan { admit: 1, decode: vec![0], prefill: vec![(1, 3)] });
     }
 
     #[test]

@@ -106,15 +106,22 @@ impl PyModel {
     /// "q4_mix" (4 bits, the embedding / lm_head / v / down at q8_0): `QUANTIZE_PLAN`; weights are quantized at load.
     /// threads: compute threads (default: the process-wide pool size, see README).
     /// verify: check config.json, model.safetensors and tokenizer.json against the sha256 sums
-    /// of the bundle's manifest.json, refusing a bundle without one (False: skip the manifest).
+    /// of the bundle's manifest.json, refusing a bundle without one (False: skip the hashing and
+    /// accept a folder without a manifest; one that is there is still read, so a newer
+    /// format_version and the gate's verdicts hold whatever `verify` says).
+    /// allow_ungated: load a quantized form that the export's quality gate failed or did not
+    /// measure (the manifest's `quantization.forms["rust <scheme>"]`; refused otherwise with a
+    /// ValueError naming the form, the figure and the threshold), logging what it overrides on
+    /// the `rust_runtime` logger.
     #[staticmethod]
-    #[pyo3(signature = (path, threads=None, quantize=None, verify=true))]
+    #[pyo3(signature = (path, threads=None, quantize=None, verify=true, allow_ungated=false))]
     fn load(
         py: Python<'_>,
         path: PathBuf,
         threads: Option<i64>,
         quantize: Option<&str>,
         verify: bool,
+        allow_ungated: bool,
     ) -> PyResult<Self> {
         let q = Quantize::parse(quantize)?;
         let req = match threads {
@@ -123,7 +130,7 @@ impl PyModel {
             Some(t) => return Err(PyValueError::new_err(format!("threads is {t}; expected an integer >= 1"))),
         };
         let n = req.unwrap_or_else(default_threads);
-        let inner = detach(py, move || {
+        let (inner, overridden) = detach(py, move || {
             let dir: &Path = &path;
             let tok_path = dir.join(crate::bundle::TOKENIZER);
             if !dir.is_dir() {
@@ -133,14 +140,25 @@ impl PyModel {
                     std::io::Error::from(std::io::ErrorKind::NotFound),
                 ));
             }
-            if verify {
-                crate::integrity::verify_bundle(dir)?;
-            }
+            let manifest = if verify {
+                Some(crate::integrity::verify_bundle(dir)?)
+            } else {
+                crate::integrity::read_manifest(dir)?
+            };
+            let overridden = match q {
+                Quantize::None => None,
+                _ => {
+                    crate::integrity::check_form(manifest.as_ref(), dir, &format!("rust {}", q.name()), allow_ungated)?
+                }
+            };
             let tok = Tok::from_file(&tok_path)?;
             let model = Model::load(dir, q, n)?;
             let eot = tok.token_to_id(crate::bundle::EOT).or(model.cfg.eos_token_id);
-            Ok(Inner { model: Arc::new(model), tok, eot, dir: path.clone() })
+            Ok((Inner { model: Arc::new(model), tok, eot, dir: path.clone() }, overridden))
         })?;
+        if let Some(msg) = overridden {
+            py.import("logging")?.call_method1("getLogger", ("rust_runtime",))?.call_method1("warning", (msg,))?;
+        }
         Ok(PyModel { inner: Arc::new(inner) })
     }
 

@@ -69,7 +69,9 @@ class RustSequence:
 
 class RustBackend:
     """Weights in Rust (f32, or quantized at load: q8_0 with ``quantize="int8"``; the schemes rust_runtime offers
-    are :data:`serve.quant.BACKEND_NAMES` ``["rust"]``) plus a factory of KV caches."""
+    are :data:`serve.quant.BACKEND_NAMES` ``["rust"]``) plus a factory of KV caches. A quantized form loads only
+    when the export's quality gate passed it (``rust_runtime.Model.load``, :mod:`serve.verdict`), unless
+    ``allow_ungated``."""
 
     name = "rust"
 
@@ -80,6 +82,7 @@ class RustBackend:
         threads: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
+        allow_ungated: bool = False,
     ):
         if _rr is None:
             raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR
@@ -87,8 +90,10 @@ class RustBackend:
         check_backend(quantize, "rust")
         self.path = Path(path)
         # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
-        # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time.
-        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize, verify=False)
+        # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time; the
+        # manifest's format_version and the gate's verdict on the quantized form are checked by the extension.
+        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize, verify=False,
+                                    allow_ungated=allow_ungated)
         self.vocab_size: int = self.model.vocab_size
         self.max_position_embeddings: int = self.model.max_position_embeddings
         self.quantize: str = self.model.quantize

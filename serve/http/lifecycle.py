@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 
+from serve.bundle import BundleError, read_manifest
 from serve.http.admission import Admission
 from serve.http.errors import HTTPError
 from serve.http.metrics import Metrics
@@ -14,8 +15,18 @@ from serve.http.schemas import Health
 from serve.http.settings import Settings
 from serve.lm import LM
 from serve.loader import load
+from serve.verdict import form_name, forms_summary
 
 log = logging.getLogger("shalik.serve")
+
+
+def gate_forms(bundle) -> dict[str, bool | None] | None:
+    """``{form: passed}`` from the bundle's quality gate (:func:`serve.verdict.forms_summary`; None without a
+    readable manifest)."""
+    try:
+        return forms_summary(read_manifest(bundle)) if bundle is not None else None
+    except BundleError:
+        return None
 
 
 class ServerState:
@@ -29,6 +40,7 @@ class ServerState:
         if lm is None and settings.model is None and self.problem is None:
             self.problem = "no model configured (set SHALIK_MODEL to a bundle folder)"
         self.loading = False
+        self._forms: tuple[LM, dict | None] | None = None
         if lm is not None:
             lm.configure_engine(settings.max_concurrency)
             self.metrics.watch_engine(lambda: lm.engine.stats())
@@ -68,7 +80,7 @@ class ServerState:
         s = self.settings
         try:
             self.lm = load(s.model, backend=s.backend, quantize=s.quantize, threads=s.threads, name=self.name,
-                           verify=s.verify, max_batch=s.max_concurrency)
+                           verify=s.verify, max_batch=s.max_concurrency, allow_ungated=s.allow_ungated)
             lm = self.lm
             self.metrics.watch_engine(lambda: lm.engine.stats())
         except Exception as e:  # reported by /health; the server keeps answering
@@ -101,9 +113,13 @@ class ServerState:
         """The /health status code and body."""
         if self.lm is not None:
             lm = self.lm
-            return 200, Health(status="ok", model=self.name, backend=getattr(lm.backend, "name", None),
-                               quantize=getattr(lm.backend, "quantize", None) or "none",
-                               vocab_size=lm.vocab_size, context_length=lm.context_length)
+            backend, quantize = getattr(lm.backend, "name", None), getattr(lm.backend, "quantize", None) or "none"
+            if self._forms is None or self._forms[0] is not lm:  # read once per model
+                self._forms = (lm, gate_forms(lm.path))
+            forms = self._forms[1]
+            return 200, Health(status="ok", model=self.name, backend=backend, quantize=quantize,
+                               vocab_size=lm.vocab_size, context_length=lm.context_length, quantized_forms=forms,
+                               ungated=quantize != "none" and (forms or {}).get(form_name(backend, quantize)) is not True)
         if self.problem is not None:
             return 503, Health(status="unavailable", model=self.name, detail=self.problem)
         return 503, Health(status="loading", model=self.name, detail=f"loading {self.settings.model}")

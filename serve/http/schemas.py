@@ -242,6 +242,11 @@ class Health(BaseModel):
     quantize: str | None = None
     vocab_size: int | None = None
     context_length: int | None = None
+    quantized_forms: dict[str, bool | None] | None = Field(
+        None, description="The export's quality gate per form (\"rust q4_0\"): true passed, false failed, null "
+                          "not measured; a loader serves only the forms that passed, unless SHALIK_ALLOW_UNGATED=1.")
+    ungated: bool | None = Field(None, description="The served quantized form did not pass the gate "
+                                                   "(loaded with SHALIK_ALLOW_UNGATED=1).")
     detail: str | None = None
 
 

@@ -18,6 +18,8 @@ SHALIK_REQUEST_TIMEOUT_S    120                       → 504
 SHALIK_BODY_TIMEOUT_S       30                        longest wait for the next piece of a request body → 408
 SHALIK_DEFAULT_MAX_TOKENS   64                        when max_tokens is absent or null
 SHALIK_VERIFY               1                         check the bundle's sha256 sums at load (0: skip)
+SHALIK_ALLOW_UNGATED        0                         serve a quantized form the export's quality gate did
+                                                      not pass (1: load it, logging what it overrides)
 =========================== ========================= ==================================================
 """
 
@@ -80,6 +82,7 @@ class Settings:
     body_timeout_s: float = 30.0
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS
     verify: bool = True
+    allow_ungated: bool = False
     model_problem: str | None = None
 
     @property
@@ -149,5 +152,6 @@ class Settings:
             body_timeout_s=get("body_timeout_s", float, positive, "a positive number"),
             default_max_tokens=get("default_max_tokens", int, lambda v: v >= 0, "an integer >= 0"),
             verify=get("verify", parse_bool, lambda v: True, "1 or 0 (true/false)"),
+            allow_ungated=get("allow_ungated", parse_bool, lambda v: True, "1 or 0 (true/false)"),
             model_problem=problem,
         )

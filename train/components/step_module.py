@@ -21,6 +21,18 @@ from train.model import CausalLMLoss, LlamaForCausalLM
 DDP_BUCKET_MB = 100  # fewer, larger all-reduces than DDP's 25 MB default (base-400m: 16 buckets, not 64)
 
 
+def no_buffer_sync() -> dict[str, bool]:
+    """DistributedDataParallel's keyword for "do not sync buffers before each forward" (the model's only buffers
+    are RoPE tables, the same on every rank): ``forward_sync_buffers=False`` where torch has it (2.13 on, which
+    deprecates ``broadcast_buffers``), else ``broadcast_buffers=False``."""
+    import inspect  # noqa: PLC0415 - only under torchrun
+
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    new = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers": False} if new else {"broadcast_buffers": False}
+
+
 @dataclasses.dataclass
 class CompileInfo:
     """Which training path ran: ``path`` "compiled" or "eager", ``reason`` why, the warm-up seconds, and the
@@ -94,7 +106,7 @@ class StepModuleBuilder:
 
             d = placement.device
             return DDP(step_model, device_ids=[d.index] if d.type == "cuda" else None,
-                       bucket_cap_mb=DDP_BUCKET_MB, broadcast_buffers=False, gradient_as_bucket_view=True,
+                       bucket_cap_mb=DDP_BUCKET_MB, **no_buffer_sync(), gradient_as_bucket_view=True,
                        static_graph=placement.accum == 1)  # with no_sync accumulation DDP's reducer asserts
         return step_model
 

@@ -1,6 +1,6 @@
 """Command lines of the tokenizer (docs/design.md, "Command lines")::
 
-    python -m train.tokenizer train     --data P... [--vocab-size 32000] --out DIR [--config C]
+    python -m train.tokenizer train     --data P... [--vocab-size N] --out DIR [--config C]
     python -m train.tokenizer fertility --tokenizer DIR --data P... [--split val] [--compare T...] [--json]
 """
 
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args
+from train.config import DEFAULT_PRESET, ConfigError, HelpFormatter, add_config_args, config_from_args, load_config
 from train.corpus import DataError, list_input_files
 from train.fertility import fertility, load_any_tokenizer, print_table, split_docs
 from train.tokenizer import TokenizerError, save_tokenizer, tokenizer_sha256, train_tokenizer
@@ -60,6 +60,14 @@ def _cmd_fertility(args) -> int:
     return 0
 
 
+def _default_vocab() -> str:
+    """The default preset's vocabulary size, as --help shows it ("?" when the preset cannot be read)."""
+    try:
+        return f"{load_config(DEFAULT_PRESET).tokenizer.vocab_size:,}"
+    except ConfigError:
+        return "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m train.tokenizer``."""
     p = argparse.ArgumentParser(prog="python -m train.tokenizer", description="Train Shalik's tokenizer, or "
@@ -69,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="train a tokenizer on the train split of --data",
                        formatter_class=HelpFormatter)
     add_config_args(t)
-    t.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: the config's, 32000)")
+    t.add_argument("--vocab-size", type=int, default=None,
+                   help=f"vocabulary size (default: the config's tokenizer.vocab_size, {_default_vocab()} for "
+                        f"{DEFAULT_PRESET})")
     t.add_argument("--out", required=True, help="output folder (tokenizer.json, tokenizer_config.json)")
     t.add_argument("--force", action="store_true", help="replace an existing output folder")
     f = sub.add_parser("fertility", help="characters per token by language, against other tokenizers",
