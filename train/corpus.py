@@ -53,6 +53,8 @@ class Document:
     license: str | None = None
     title: str | None = None
     origin: str = ""
+    author: str | None = None
+    work: str | None = None  # a "work" or "group" field: the unit of the validation split (train.clean.works)
     bengali_share: float = 0.0  # share of the letters that are Bengali-block letters
 
 
@@ -126,6 +128,8 @@ def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Docume
         return None
     lic = meta.get("license")
     title = meta.get("title")
+    author = meta.get("author")
+    work = meta.get("work", meta.get("group"))
     share = bengali_letter_share(t)
     return Document(
         text=t,
@@ -135,6 +139,8 @@ def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Docume
         license=str(lic) if lic is not None else None,
         title=str(title) if title is not None else None,
         origin=origin,
+        author=str(author) if author is not None else None,
+        work=str(work) if work is not None else None,
     )
 
 
@@ -282,7 +288,7 @@ def iter_chunks(files: list[str], unreadable: dict[str, str | None] | None = Non
             yield from _file_chunks(i, f, chunk_bytes)
 
 
-_META = ("source", "license", "title")
+_META = ("source", "license", "title", "author", "work", "group")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
