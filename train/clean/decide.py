@@ -15,8 +15,8 @@ per document (:data:`TRAIN`, :data:`VAL` or a removal reason) and the report, in
    each candidate is compared with the first document of its band bucket, so the work is linear). A cluster
    keeps every validation member and drops its training members; without a validation member it keeps the first
    document in reading order. Nothing here depends on the number of workers;
-4. **decontam** — a training document sharing a 13-gram with a kept validation document
-   (``decontam_val``) or any n-gram with an evaluation item (``decontam_eval``, found by the workers) is removed.
+4. **decontam** — a training document sharing an n-gram with an evaluation item (``decontam_eval``, found by
+   the workers) or a 13-gram with a kept validation document (``decontam_val``) is removed.
 """
 
 from __future__ import annotations
@@ -267,6 +267,7 @@ class Cleaner:
         table = np.unique(np.concatenate([np.asarray(grams[starts[i]:ends[i]]) for i in val])) if len(val) else \
             np.zeros(0, np.uint64)
         hit = np.frombuffer(self.eval_hit, dtype=np.int8).astype(bool) if len(self) else np.zeros(0, bool)
+        codes[(codes == TRAIN) & hit] = CODE["decontam_eval"]  # the more specific reason first
         train = np.flatnonzero(codes == TRAIN)
         block = 1 << 22
         i = 0
@@ -283,7 +284,6 @@ class Cleaner:
                 if pos[ends[d] - lo] > pos[starts[d] - lo]:
                     codes[d] = CODE["decontam_val"]
             i = j
-        codes[(codes == TRAIN) & hit] = CODE["decontam_eval"]
 
     # ------------------------------------------------------------------------------------------ report
 

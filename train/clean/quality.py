@@ -118,9 +118,10 @@ def features(text: str, wh: np.ndarray, wl: np.ndarray, rules: Rules, lang: str,
     f["dup_paragraphs"], f["dup_paragraphs_chars"] = _dup_share(paras)
     csum = np.concatenate([[0], np.cumsum(wl)])
     for k in (2, 3, 4):
-        f[f"top_{k}gram"] = _top_ngram(ng.get(k), csum, k) / max(total, 1) if n >= k else 0.0
-    for k in (5, 6, 7, 8, 9, 10):  # a repeated k-gram holds repeated 5-grams: none of those, none at all
-        f[f"dup_{k}gram"] = _dup_ngram(ng.get(k), wl, k) / max(total, 1) if n >= k and (k == 5 or f["dup_5gram"]) else 0.0
+        f[f"top_{k}gram"] = _top_ngram(ng.keys(k), csum, k) / max(total, 1) if n >= k else 0.0
+    dup5 = _repeated(ng.keys(5)) if n >= 5 else np.zeros(0, bool)
+    for k in (5, 6, 7, 8, 9, 10):
+        f[f"dup_{k}gram"] = _dup_ngram(ng.keys(k), wl, k, dup5) / max(total, 1) if n >= k else 0.0
     cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
     kinds = letter_kinds()[cps]
     letters = int(np.count_nonzero(kinds))
@@ -172,16 +173,31 @@ def _top_ngram(h: np.ndarray, csum: np.ndarray, k: int) -> int:
     return int(counts[j]) * int(csum[i + k] - csum[i])
 
 
-def _dup_ngram(h: np.ndarray, wl: np.ndarray, k: int) -> int:
+def _repeated(h: np.ndarray) -> np.ndarray:
+    """bool per value: it occurs more than once."""
     o = np.argsort(h, kind="stable")
     hs = h[o]
     eq = hs[1:] == hs[:-1]
-    if not eq.any():
-        return 0
     dup = np.zeros(len(h), dtype=bool)
     dup[o[1:][eq]] = True
     dup[o[:-1][eq]] = True
+    return dup
+
+
+def _dup_ngram(h: np.ndarray, wl: np.ndarray, k: int, dup5: np.ndarray) -> int:
+    """Characters of the words inside a repeated ``k``-gram (``h``: their keys; ``dup5``: which 5-grams repeat).
+    A repeated k-gram starts where a repeated 5-gram starts and a repeated 5-gram starts k − 5 words later, so
+    only those places are compared."""
+    if k == 5:
+        dup = dup5
+    else:
+        cand = np.flatnonzero(dup5[:len(h)] & dup5[k - 5:k - 5 + len(h)])
+        dup = np.zeros(len(h), dtype=bool)
+        if len(cand) > 1:
+            dup[cand[_repeated(h[cand])]] = True
     starts = np.flatnonzero(dup)
+    if len(starts) == 0:
+        return 0
     if len(starts) == 0:
         return 0
     cover = np.zeros(len(wl) + 1, dtype=np.int64)

@@ -88,14 +88,14 @@ def scan_documents(docs: list[Document], s: Settings) -> CleanPart:
     counts = np.zeros(n, dtype=np.int64)
     hit = np.zeros(n, dtype=bool)
     grams: list[np.ndarray] = []
+    shingles: list[np.ndarray] = []
     if s.enabled:
         for i, d in enumerate(docs):
             wh, wl, _ = word_spans(d.text)
             ng = NgramHashes(wh, DECONTAM_N)
             fails[i] = quality.failure_mask(quality.features(d.text, wh, wl, s.rules, d.lang, ng), s.rules, d.lang)
             th[i] = words_hash(wh)
-            sigs[i] = minhash.signature(ng.get(s.ngram), s.a)
-            bands[i] = minhash.band_keys(sigs[i], s.bands, s.rows)
+            shingles.append(ng.get(s.ngram))
             g = ng.get(DECONTAM_N) if len(wh) >= DECONTAM_N else np.zeros(0, np.uint64)
             grams.append(g)
             counts[i] = len(g)
@@ -108,6 +108,8 @@ def scan_documents(docs: list[Document], s: Settings) -> CleanPart:
                         if (table[at] == h).any():
                             hit[i] = True
                             break
+        sigs = minhash.signatures(shingles, s.a)
+        bands = minhash.band_keys(sigs, s.bands, s.rows)
     return CleanPart(works, heads, fails, th, bands, sigs,
                      np.concatenate(grams) if grams else np.zeros(0, np.uint64), counts, hit,
                      time.perf_counter() - t0)

@@ -57,6 +57,25 @@ def _scan(chunk: Chunk | Skip):
         scan_documents(docs, _W["settings"])
 
 
+def scan_and_decide(cfg: Config, files: list[str], settings: Settings | None = None,
+                    workers: int | None = None) -> tuple[np.ndarray, dict, Cleaner]:
+    """The cleaning stage on ``files`` without tokenizing: ``(codes, report, cleaner)`` (the cleaner keeps its
+    clusters; its scratch folder is gone)."""
+    settings = settings if settings is not None else stage.settings_from(cfg)
+    inputs = scan_inputs(files, resolve_path(cfg.data.cache_dir), 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cleaner = Cleaner(settings, list(cfg.data.languages), cfg.data.val_fraction, Path(tmp))
+        unreadable = {i.path: i.unreadable for i in inputs}
+        n = resolve_workers(cfg.data.num_workers if workers is None else workers)
+        for part in ordered_map(_scan, iter_chunks(files, unreadable), n, _init, (list(cfg.data.languages), settings)):
+            if isinstance(part, Skip):
+                continue
+            file_index, langs, sources, chars, clean = part
+            cleaner.add(clean, langs, sources, file_index, chars)
+        codes, report = cleaner.decide()
+    return codes, report, cleaner
+
+
 def document_codes(cfg: Config, files: list[str], log=print) -> np.ndarray:
     """int8 code per document of ``cfg.data.languages`` in reading order (cached; see the module doc)."""
     settings = stage.settings_from(cfg)
@@ -65,16 +84,7 @@ def document_codes(cfg: Config, files: list[str], log=print) -> np.ndarray:
     if path.is_file():
         return np.load(path)
     log("cleaning: deciding the split and the removals (the shards' scan, without tokenizing; cached after)")
-    with tempfile.TemporaryDirectory() as tmp:
-        cleaner = Cleaner(settings, list(cfg.data.languages), cfg.data.val_fraction, Path(tmp))
-        unreadable = {i.path: i.unreadable for i in inputs}
-        for part in ordered_map(_scan, iter_chunks(files, unreadable), resolve_workers(cfg.data.num_workers), _init,
-                                (list(cfg.data.languages), settings)):
-            if isinstance(part, Skip):
-                continue
-            file_index, langs, sources, chars, clean = part
-            cleaner.add(clean, langs, sources, file_index, chars)
-        codes, _ = cleaner.decide()
+    codes, _, _ = scan_and_decide(cfg, files, settings)
     save_codes(path, codes)
     return codes
 

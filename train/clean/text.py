@@ -145,6 +145,13 @@ class NgramHashes:
             self.done[n] = _splitmix(self.raw[n])
         return self.done[n]
 
+    def keys(self, n: int) -> np.ndarray:
+        """Values equal exactly where :meth:`get` ``(n)``'s are (the mixer is a bijection), without mixing:
+        for counting repeats."""
+        if self.m == 0:
+            return np.zeros(0, dtype=np.uint64)
+        return self.raw[min(n, self.m)]
+
 
 def ngram_hashes(wh: np.ndarray, n: int) -> np.ndarray:
     """uint64 hashes of every run of ``n`` consecutive words (``len(wh) - n + 1`` of them; a document shorter
