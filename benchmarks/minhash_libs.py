@@ -11,7 +11,8 @@ computed again in two fresh processes with different ``PYTHONHASHSEED`` and comp
 * rensa ``RMinHash(num_perm, seed=1).update`` over the n-grams as strings (Rust);
 * datatrove ``MinhashDedupSignature.get_shingles`` + ``get_signature`` (numpy over xxhash'd shingles, its own
   text normalisation; FineWeb's code), its word tokenizer replaced by the regular expression the others use
-  (its own needs spaCy per language, and has none for Bangla).
+  (its own needs spaCy per language, and has none for Bangla), and its shingle hash given UTF-8 bytes
+  (datatrove 0.10.1 passes a str to xxhash, which xxhash 4 refuses).
 
 The libraries get the words from one regular expression (word characters and the Bengali block, on casefolded text).
 
@@ -103,6 +104,9 @@ def sig_datatrove(texts, n, p):
 
     dt.load_word_tokenizer = lambda language: _Words()
     step = dt.MinhashDedupSignature(tempfile.mkdtemp(), dt.MinhashConfig(n_grams=n, num_buckets=1, hashes_per_bucket=p))
+    import xxhash  # noqa: PLC0415  (datatrove 0.10 hands xxhash 4 a str, which it refuses: encode it first)
+
+    step._hash_func = lambda text: xxhash.xxh64_intdigest(text.encode("utf-8"))
     return [np.asarray(step.get_signature(step.get_shingles(t)), dtype=np.uint64).ravel() for t in texts]
 
 

@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     ratios = {n: timing.ratios(times["limit"][n], times["prepare"][n]) for n in ns}  # side by side
     ratio = {n: timing.median(v) for n, v in ratios.items()}
     cpu_ratio = {n: timing.median_ratio(cpus["limit"][n], cpus["prepare"][n]) for n in ns}
-    clean_ratios = {n: timing.ratios(times["no clean"][n], times["prepare"][n]) for n in ns}  # prepare / no clean
+    clean_ratios = {n: timing.ratios(times["prepare"][n], times["no clean"][n]) for n in ns}  # prepare / no clean
     clean_cpu = {n: timing.median_ratio(cpus["no clean"][n], cpus["prepare"][n]) for n in ns}
     same_shards = {name: len(set().union(*d.values())) == 1 for name, d in digests.items()}
     # speed-up paired by round (the runs of one round are minutes apart; this VM's speed drifts by up to ±15 %

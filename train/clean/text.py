@@ -124,6 +124,7 @@ class NgramHashes:
     :func:`ngram_hashes` ``(wh, n)`` for n ≤ ``len(wh)``."""
 
     def __init__(self, wh: np.ndarray, max_n: int):
+        self.wh = wh
         self.m = len(wh)
         self.raw: dict[int, np.ndarray] = {}
         self.done: dict[int, np.ndarray] = {}
@@ -142,7 +143,7 @@ class NgramHashes:
             return np.zeros(0, dtype=np.uint64)
         n = min(n, self.m)
         if n not in self.done:
-            self.done[n] = _splitmix(self.raw[n])
+            self.done[n] = _splitmix(self.keys(n))
         return self.done[n]
 
     def keys(self, n: int) -> np.ndarray:
@@ -150,7 +151,19 @@ class NgramHashes:
         for counting repeats."""
         if self.m == 0:
             return np.zeros(0, dtype=np.uint64)
-        return self.raw[min(n, self.m)]
+        n = min(n, self.m)
+        if n not in self.raw:
+            self.raw[n] = _poly(self.wh, n)
+        return self.raw[n]
+
+
+def _poly(wh: np.ndarray, n: int) -> np.ndarray:
+    m = len(wh)
+    with np.errstate(over="ignore"):
+        h = wh[:m - n + 1].copy()
+        for k in range(1, n):
+            h = h * _NG + wh[k:m - n + 1 + k]
+    return h
 
 
 def ngram_hashes(wh: np.ndarray, n: int) -> np.ndarray:
@@ -159,9 +172,4 @@ def ngram_hashes(wh: np.ndarray, n: int) -> np.ndarray:
     m = len(wh)
     if m == 0:
         return np.zeros(0, dtype=np.uint64)
-    n = min(n, m)
-    with np.errstate(over="ignore"):
-        h = wh[:m - n + 1].copy()
-        for k in range(1, n):
-            h = h * _NG + wh[k:m - n + 1 + k]
-    return _splitmix(h)
+    return _splitmix(_poly(wh, min(n, m)))
