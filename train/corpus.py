@@ -1,7 +1,8 @@
 """Reading a text corpus into NFC documents with a language, a source and a licence.
 
 Inputs (docs/design.md, "Data"): folders (searched recursively, in sorted order), ``.jsonl`` files (one JSON object
-a line with a string field ``text``; optional ``lang``, ``source``, ``license``, ``title``), ``.txt`` files
+a line with a string field ``text``; optional ``lang``, ``source``, ``license``, ``title``, ``author``, and ``work``
+or ``group``: the unit of the validation split, ``train.clean.works``), ``.txt`` files
 (documents separated by blank lines), either gzipped (``.jsonl.gz``, ``.txt.gz``), and Hugging Face datasets
 sources ``hf:NAME[:CONFIG][:SPLIT]`` streamed through ``datasets.load_dataset(..., streaming=True)``
 (``NAME`` may be a hub id or a local dataset folder).

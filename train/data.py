@@ -6,8 +6,15 @@ writes shards (``train.shards``) into ``cache/shards/<fingerprint>/``:
 * ``train-00000.bin …`` — documents of the train split, each as ``<|endoftext|>`` + its tokens, resampled so
   the TOKEN mix of languages meets ``data.mix`` (a language short of its share is repeated, whole copies plus
   a hash-chosen fraction, up to ``MAX_REPEAT`` times; past that the others are subsampled), in a shuffled order;
-* ``val-bn.bin``, ``val-en.bin`` — the val split per language, not resampled;
-* ``index.json`` — docs/design.md's fields, plus what was skipped and the Bangla letter share.
+* ``val-bn.bin``, ``val-en.bin`` — the val split per language, not resampled: whole works (``train.clean``);
+* ``index.json`` — docs/design.md's fields, plus what was skipped, the Bangla letter share and the cleaning
+  stage's report (``cleaning``; also as ``cleaning.md`` beside the shards).
+
+The cleaning stage (``train.clean``, ``data.clean``) rides on the tokenizing pass: the workers compute each
+document's quality features, hashes and n-grams beside its tokens; once every document is read the main process
+decides the split of whole works, the removals (quality rules, exact and near duplicates, decontamination) and
+keeps the rest. Its settings are part of the shards' fingerprint. ``python -m train.data report`` prints the
+report.
 
 A fingerprint is the sha256 of the input files' content hashes (sorted: path-independent), the ``[data]`` and
 ``[tokenizer]`` keys that change the result, the tokenizer's sha256 (for shards) and ``FORMAT_VERSION``. A hit
@@ -640,6 +647,8 @@ def prepare(cfg: Config, log=print) -> Prepared:
     if (shard_dir / "index.json").is_file():
         index = json.loads((shard_dir / "index.json").read_text())
         log(f"shards: cache hit, reusing {shard_dir}")
+        for line in clean_stage.summary_lines(index.get("cleaning", {})):  # the report in every run's log
+            log(line)
     else:
         t0 = time.time()
         with atomic_dir(shard_dir, overwrite=True) as tmp:
