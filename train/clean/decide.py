@@ -269,6 +269,9 @@ class Cleaner:
         hit = np.frombuffer(self.eval_hit, dtype=np.int8).astype(bool) if len(self) else np.zeros(0, bool)
         codes[(codes == TRAIN) & hit] = CODE["decontam_eval"]  # the more specific reason first
         train = np.flatnonzero(codes == TRAIN)
+        mask = np.uint64((1 << 24) - 1)
+        bits = np.zeros(1 << 24, dtype=bool)
+        bits[(table & mask).astype(np.int64)] = True
         block = 1 << 22
         i = 0
         while i < len(train) and len(table):  # blocks of documents, ~block 13-grams at a time
@@ -278,7 +281,12 @@ class Cleaner:
             j = max(j, i + 1)
             docs = train[i:j]
             lo, hi = starts[docs[0]], ends[docs[-1]]
-            inside = np.isin(np.asarray(grams[lo:hi]), table)
+            block_grams = np.asarray(grams[lo:hi])
+            inside = bits[(block_grams & mask).astype(np.int64)]  # a bitmap of the table's low bits first
+            cand = np.flatnonzero(inside)
+            if len(cand):
+                at = np.minimum(np.searchsorted(table, block_grams[cand]), len(table) - 1)
+                inside[cand] = table[at] == block_grams[cand]
             pos = np.concatenate([[0], np.cumsum(inside)])
             for d in docs.tolist():
                 if pos[ends[d] - lo] > pos[starts[d] - lo]:
