@@ -336,7 +336,8 @@ class Cleaner:
             split[side] = {"works": int(len(np.unique(work[m]))), "docs": int(m.sum()),
                            "chars": int(chars[m].sum()),
                            "by_lang": {lang_: {"works": int(len(np.unique(work[m & (lang == li)]))),
-                                               "docs": int((m & (lang == li)).sum())}
+                                               "docs": int((m & (lang == li)).sum()),
+                                               "chars": int(chars[m & (lang == li)].sum())}
                                        for li, lang_ in enumerate(langs)}}
         train_works = set(np.unique(work[codes == TRAIN]).tolist())
         return {

@@ -149,6 +149,8 @@ def markdown(report: dict, mb: float | None = None) -> str:
             "| side | works | docs | chars |", "|---|---:|---:|---:|"]
     for side in ("train", "val"):
         out.append(f"| {side} | {sp[side]['works']:,} | {sp[side]['docs']:,} | {sp[side]['chars']:,} |")
+        for lang, x in sp[side]["by_lang"].items():
+            out.append(f"| {side}, {lang} | {x['works']:,} | {x['docs']:,} | {x.get('chars', 0):,} |")
     out.append("")
     out.append(f"Validation works with a part in training: {r['val_works_with_train_parts']}.")
     out += ["", "## Time", ""]
