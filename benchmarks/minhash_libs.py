@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from train.clean import minhash  # noqa: E402
 from train.clean.text import NgramHashes, prepare_tables, word_spans  # noqa: E402
 from train.textutil import nfc  # noqa: E402
@@ -135,8 +136,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in IMPLS}
     errors: dict[str, str] = {}
     for r in range(a.rounds):
-        names = list(IMPLS)[r % len(IMPLS):] + list(IMPLS)[:r % len(IMPLS)]
-        for name in names:
+        for name in timing.rotated(list(IMPLS), r):
             if name in errors:
                 continue
             t0 = time.perf_counter()

@@ -21,9 +21,9 @@ from train.clean.works import work_key
 from train.corpus import Document
 
 # Near deduplication: MinHash of word NEAR_NGRAM-grams, NUM_PERM hashes in BANDS bands of ROWS, and a candidate
-# pair kept when its estimated Jaccard similarity reaches NEAR_THRESHOLD. FineWeb uses 5-grams, 112 hashes, 14
-# bands of 8 (threshold ≈ 0.72); 10 % of words edited at random leaves only ~0.9⁵ of the 5-grams (Jaccard ≈ 0.42),
-# so benchmarks/clean_planted.py measured the choices below against FineWeb's (benchmarks/results/cleaning.md).
+# pair kept when its estimated Jaccard similarity reaches NEAR_THRESHOLD. FineWeb uses 5-grams in 14 bands of 8,
+# which misses copies with words edited here and there (a single edit changes five 5-grams); the choice below was
+# measured against FineWeb's by benchmarks/clean_planted.py (benchmarks/results/cleaning.md).
 NEAR_NGRAM = 3
 NUM_PERM = 112
 BANDS, ROWS = 37, 3
