@@ -33,8 +33,11 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   ``--approximate-pretokenizer`` writes the nearest, ``qwen35`` (digits one per token, words broken at
   ZWJ/ZWNJ), recorded as ``shalik.pretokenizer`` = ``approximate:qwen35``; users must then feed llama.cpp the
   token ids of the bundle's tokenizer.json. A split or normalizer llama.cpp has no name for is refused.
-* beside the GGUF, an Ollama ``Modelfile`` (``export.modelfile``: ``FROM`` it, a raw template, the ``<|endoftext|>``
-  stop, the bundle's default sampling from generation_config.json, the context length) when the tokenizer is exact; an existing
+* with a tokenizer that has the chat tokens (``train.chat_format``): ``tokenizer.chat_template`` (ChatML, which
+  llama.cpp's built-in template list detects without ``--jinja``) and ``tokenizer.ggml.eot_token_id`` =
+  ``<|im_end|>`` (an end-of-generation token, as ``<|endoftext|>`` is); without them neither.
+* beside the GGUF, an Ollama ``Modelfile`` (``export.modelfile``: ``FROM`` it, a raw template or the chat template,
+  the ``<|endoftext|>`` (and ``<|im_end|>``) stop, the bundle's default sampling from generation_config.json, the context length) when the tokenizer is exact; an existing
   Modelfile Shalik did not write is left alone.
 * :func:`write_vocab_gguf` writes the tokenizer alone (llama.cpp loads it with ``vocab_only``), to check llama.cpp's
   tokenization without a model.
@@ -72,6 +75,7 @@ from export.modelfile import MODELFILE, write_modelfile
 from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
 from serve.quant import role_of
 from train.atomic import atomic_path, clean_stale, tmp_prefix
+from train.chat_format import CHAT_TEMPLATE, IM_END, missing_chat_tokens
 from train.tokenizer import PRETOKENIZER
 from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, identify
 
@@ -401,7 +405,13 @@ def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, n_vocab: int, tok: tuple[li
     # Ollama and LM Studio prepend it themselves when add_bos_token is true
     special.add_special_token["bos"] = special.special_token_ids.get("bos") is not None
     special.add_special_token["eos"] = False
+    # the chat format follows the tokenizer: with <|im_start|>/<|im_end|> the template (llama.cpp detects ChatML
+    # from it without --jinja) and <|im_end|> as the end-of-turn (end-of-generation) token; without, neither
+    chat = not missing_chat_tokens(tokens)
+    special.chat_template = CHAT_TEMPLATE if chat else None
     special.add_to_gguf(w, quiet=True)
+    if chat:
+        w.add_eot_token_id(tokens.index(IM_END))
 
 
 def _write(bundle: Path, path: Path, cfg: GgufConfig, type: str, tok: tuple[list[str], list[int], str, str]) -> None:

@@ -1,8 +1,10 @@
 """The Ollama ``Modelfile`` written beside a GGUF, and the sampling defaults the model card states.
 
 ``ollama create NAME -f BUNDLE/Modelfile`` then runs the GGUF as ``python -m serve.generate BUNDLE`` runs the
-bundle: the prompt is the text as given (a raw template, no chat format: the model continues text),
-``<|endoftext|>`` ends a completion, and temperature, top-k, top-p, repetition penalty and length are the bundle's
+bundle: for a base model the prompt is the text as given (a raw template: the model continues text) and
+``<|endoftext|>`` ends a completion; for a chat model (its tokenizer has ``<|im_start|>`` / ``<|im_end|>``) the
+``TEMPLATE`` is the chat format (``train.chat_format.OLLAMA_TEMPLATE``, ChatML over ``.Messages``, as the server
+renders it) and ``<|im_end|>`` stops a reply too; and temperature, top-k, top-p, repetition penalty and length are the bundle's
 defaults (``generation_config.json``, read by ``serve.bundle.sampling_defaults``; their owner is
 ``train.hf_files.SAMPLING``) instead of Ollama's own (temperature 0.8, top-k 40, top-p 0.9, repeat penalty 1.1,
 unlimited length). Ollama runs a ``llama``-architecture GGUF with
@@ -23,6 +25,8 @@ from serve.bundle import sampling_defaults as bundle_sampling
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.sampling import SamplingParams
 from train.atomic import atomic_write_text
+from train.chat_format import IM_END, OLLAMA_TEMPLATE
+from train.hf_files import chat_end_id
 from train.tokenizer import EOT
 
 __all__ = ["MODELFILE", "HEADER", "sampling_defaults", "modelfile_text", "write_modelfile"]
@@ -44,15 +48,18 @@ def sampling_defaults(folder: str | Path) -> dict:
     return {**s, "max_new_tokens": int(cfg.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)}
 
 
-def modelfile_text(gguf_name: str, context_length: int, sampling: dict) -> str:
+def modelfile_text(gguf_name: str, context_length: int, sampling: dict, chat: bool = False) -> str:
     """The Modelfile for ``gguf_name`` (a file in the Modelfile's folder), a model of ``context_length`` tokens and
-    the default ``sampling`` (:func:`sampling_defaults`)."""
+    the default ``sampling`` (:func:`sampling_defaults`); ``chat``: the model's tokenizer has the chat tokens
+    (the chat template, and ``<|im_end|>`` as a stop beside ``<|endoftext|>``)."""
     s = sampling
+    template = [f'TEMPLATE """{OLLAMA_TEMPLATE}"""', f'PARAMETER stop "{IM_END}"'] if chat else \
+        ['TEMPLATE """{{ .Prompt }}"""']
     lines = [HEADER,
              f"# ollama create NAME -f {MODELFILE}   then   ollama run NAME \"আমি বাংলায়\"",
              "# Prompts should be Unicode NFC: Shalik's own runtimes normalise, llama.cpp and Ollama do not.",
              f"FROM ./{gguf_name}",
-             'TEMPLATE """{{ .Prompt }}"""',
+             *template,
              f'PARAMETER stop "{EOT}"',
              f"PARAMETER num_ctx {context_length}",
              f"PARAMETER num_predict {s['max_new_tokens']}",
@@ -79,5 +86,9 @@ def write_modelfile(gguf_path: Path, bundle: Path, context_length: int,
         if first != HEADER:
             log(f"gguf: {path} exists and was not written by Shalik; left as it is (no Modelfile written)")
             return None
-    atomic_write_text(path, modelfile_text(gguf_path.name, context_length, sampling))
+    try:
+        chat = chat_end_id(bundle) is not None
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{bundle}: cannot read tokenizer.json ({e})") from None
+    atomic_write_text(path, modelfile_text(gguf_path.name, context_length, sampling, chat))
     return path

@@ -32,9 +32,13 @@ class ChoiceGroup:
     request can be validated and queued before any work is spent on it. Thread-safe."""
 
     def __init__(self, lm: LM, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                 top_n: int | None, ignore_eos: bool, n: int, first_index: int = 0):
+                 top_n: int | None, ignore_eos: bool, n: int, first_index: int = 0,
+                 end_ids: frozenset[int] = frozenset()):
         self.lm, self.prompt_ids, self.max_new_tokens, self.params = lm, prompt_ids, max_new_tokens, params
         self.top_n, self.ignore_eos, self.n, self.first_index = top_n, ignore_eos, n, first_index
+        #: ids besides the engine's end-of-text that end a choice like it (a chat turn's <|im_end|>): the engine
+        #: takes one end id, so the choice is cancelled there before the engine's next step
+        self.end_ids = end_ids
         self._lock = threading.Lock()
         self._submission: Submission | None = None
         self._cancelled: set[int] = set()
@@ -108,7 +112,7 @@ class Generation:
         self._cancel = threading.Event()
         self.finish_reason: str | None = None
         self.prompt: TokenLogprobs | None = None
-        #: (log-prob, top-N dict or None) of the end-of-text the generation stopped at, else None
+        #: (log-prob, top-N dict or None) of the end-of-text (or other end id) the generation stopped at, else None
         self.end_of_text: tuple[float, dict[str, float] | None] | None = None
         self.tokens_generated = 0
         self.completion_tokens = 0
@@ -187,7 +191,10 @@ class Generation:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             top = self._top(ev.top)
-            if ev.finish == "stop":  # end-of-text (not part of the output)
+            ends_turn = ev.token in self.group.end_ids and not self.ignore_eos
+            if ends_turn:  # the engine would go on: end this choice there before its next step
+                self.group.cancel(self.index)
+            if ev.finish == "stop" or ends_turn:  # end-of-text (not part of the output)
                 self.finish_reason = "stop"
                 self.end_of_text = (ev.logprob, top)
                 break

@@ -1,4 +1,4 @@
-"""The Python API: ``LM`` (generate, stream, complete, score, tokenize, detokenize) over any backend.
+"""The Python API: ``LM`` (generate, stream, complete, chat, score, tokenize, detokenize) over any backend.
 
 A backend implements the small protocol of :mod:`serve.backends.base` (``new_sequence()``, then ``prefill``
 and ``decode`` on the sequence); every generation runs through the LM's engine (:mod:`serve.engine`), and the
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from serve.bundle import eot_id
+from serve.chat import start_chat
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
 from serve.engine import make_engine
@@ -163,8 +164,8 @@ class LM:
                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, presence_penalty: float = 0.0,
                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
                       stop: str | Sequence[str] | None = None, top_logprobs: int | None = None, echo: bool = False,
-                      ignore_eos: bool = False, default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-                      ) -> list[Generation]:
+                      ignore_eos: bool = False, default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                      end_ids: frozenset[int] = frozenset()) -> list[Generation]:
         """Validate a request for ``n`` choices of one prompt and return their :class:`Generation` s (lazy). The
         prompt is prefilled once for every ``max_batch`` of them; each choice draws from a random stream of its
         own derived from ``seed`` (choice 0 equals the ``n = 1`` generation).
@@ -173,7 +174,8 @@ class LM:
         int >= 0, or None for ``default_max_new_tokens`` capped by the context; sampling parameters: see
         :class:`serve.sampling.SamplingParams`; stop: a string or list of non-empty strings; top_logprobs:
         N alternatives per token, an int in [0, :data:`MAX_TOP_LOGPROBS`] (None = none); echo: also score the prompt (``Generation.prompt``); ignore_eos:
-        keep going past ``<|endoftext|>`` (its text then appears; for benchmarks that need fixed lengths).
+        keep going past ``<|endoftext|>`` (its text then appears; for benchmarks that need fixed lengths); end_ids:
+        ids that also end a choice (finish_reason "stop", not part of the output): a chat turn's ``<|im_end|>``.
 
         Raises RequestError (ContextLengthError when prompt + max_new_tokens exceed the context).
         """
@@ -192,7 +194,7 @@ class LM:
         gens = []
         for first in range(0, n, self.max_batch):  # a group's choices must fit in one batch
             size = min(self.max_batch, n - first)
-            group = ChoiceGroup(self, ids, budget, params, top_logprobs, bool(ignore_eos), size, first)
+            group = ChoiceGroup(self, ids, budget, params, top_logprobs, bool(ignore_eos), size, first, end_ids)
             gens += [Generation(group, i, stops, bool(echo)) for i in range(size)]
         return gens
 
@@ -238,6 +240,38 @@ class LM:
             for g in gens:
                 g.cancel()
             raise
+
+    # ---- chat
+
+    def start_chat(self, messages: Sequence[dict], n: int = 1, max_new_tokens: int | None = None,
+                   **options: Any) -> list[Generation]:
+        """``n`` lazy generations of the assistant's reply to ``messages`` (OpenAI / Hugging Face form: dicts with
+        ``role`` system / user / assistant and ``content`` a string or text parts), rendered with the chat
+        template (``train.chat_format``) and ending at ``<|im_end|>``; options as :meth:`start_choices`. Raises
+        RequestError (param ``messages``) for a bad conversation, one that leaves no room for a reply, or a model
+        whose tokenizer has no chat tokens (:mod:`serve.chat`)."""
+        return start_chat(self, messages, n, max_new_tokens, **options)
+
+    def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, **options: Any) -> Completion:
+        """The assistant's reply to ``messages`` as a :class:`Completion` (``text`` without ``<|im_end|>``;
+        finish_reason "stop" when the turn ended, "length" when the budget did). Options as
+        :meth:`start_choices` (``n`` only 1: several replies come from :meth:`start_chat`); errors as
+        :meth:`start_chat`."""
+        n = options.pop("n", 1)
+        if n != 1 or isinstance(n, bool):
+            raise RequestError(f"n is {n!r}, but chat() makes one reply; for n replies use start_chat(messages, n)",
+                               param="n")
+        return self.collect(self.start_chat(messages, 1, max_new_tokens, **options)[0])
+
+    def chat_stream(self, messages: Sequence[dict], max_new_tokens: int | None = None,
+                    **options: Any) -> Iterator[str]:
+        """Yield the reply to ``messages`` in text pieces as they are produced (same options as :meth:`chat`);
+        they concatenate to ``chat(...).text`` for the same options and seed."""
+        n = options.pop("n", 1)
+        if n != 1 or isinstance(n, bool):
+            raise RequestError(f"n is {n!r}, but chat_stream() streams one reply", param="n")
+        for chunk in self.start_chat(messages, 1, max_new_tokens, **options)[0]:
+            yield chunk.text
 
     @staticmethod
     def collect(gen: Generation, chunks: Sequence[Chunk] | None = None) -> Completion:

@@ -30,9 +30,10 @@ from serve.lm import LM
 PEAK = 40.0  # logit of the scripted token; every other logit is 0
 
 
-def scripted_tokenizer(pieces: Sequence[str] = ()):
+def scripted_tokenizer(pieces: Sequence[str] = (), chat: bool = False):
     """A byte-level BPE ``tokenizers.Tokenizer``: ``<|endoftext|>`` (0), ``<|pad|>`` (1), the 256 bytes, then
-    the prefixes of each piece (so each piece is one token). Returns the tokenizer."""
+    the prefixes of each piece (so each piece is one token), then with ``chat`` ``<|im_start|>`` and
+    ``<|im_end|>`` (``train.tokenizer.add_chat_tokens``). Returns the tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = bytes_to_unicode()
@@ -53,6 +54,10 @@ def scripted_tokenizer(pieces: Sequence[str] = ()):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(EOT, special=True), AddedToken(PAD, special=True)])
+    if chat:
+        from train.tokenizer import add_chat_tokens
+
+        add_chat_tokens(tok)
     return tok
 
 
@@ -110,12 +115,13 @@ class ScriptedBackend:
 
     def __init__(self, vocab_size: int, context: int = 128, script: Sequence[int] | None = None,
                  delay_s: float = 0.0, eos_after: int | None = None, seed: int = 0, busy: bool = False,
-                 gate=None, gate_after: int = 0, gate_timeout_s: float = 300.0, prefill_gate=None):
+                 gate=None, gate_after: int = 0, gate_timeout_s: float = 300.0, prefill_gate=None, eos_id: int = 0):
         self.vocab_size = int(vocab_size)
         self.max_position_embeddings = int(context)
         self.script = None if script is None else list(script)
         self.delay_s = float(delay_s)
         self.eos_after = eos_after
+        self.eos_id = eos_id
         self.seed = seed
         self.busy = busy
         self.decoded = 0
@@ -185,7 +191,7 @@ class ScriptedBackend:
         """float32 logits ``[V]`` predicting generated token number ``step`` (0-based) after the token at
         ``position``."""
         if self.eos_after is not None and step >= self.eos_after:
-            return self._peak(0)
+            return self._peak(self.eos_id)
         if self.script is None:
             return self.context_logits(position)
         return self._peak(self.script[step % len(self.script)])
@@ -198,15 +204,17 @@ class ScriptedBackend:
 
 def scripted_lm(pieces: Sequence[str] | None = None, *, context: int = 128, delay_s: float = 0.0,
                 eos_after: int | None = None, name: str = "scripted", extra_pieces: Sequence[str] = (),
-                busy: bool = False, gate=None, gate_after: int = 0, prefill_gate=None) -> LM:
+                busy: bool = False, gate=None, gate_after: int = 0, prefill_gate=None, chat: bool = False) -> LM:
     """An :class:`LM` whose backend emits ``pieces`` in turn (one token each), or random logits when
     ``pieces`` is None. ``extra_pieces`` are added to the vocabulary without being scripted; ``gate``,
     ``gate_after``: hold every sequence after that many tokens until the gate opens; ``prefill_gate``: hold every
-    prefill until it opens (module docstring)."""
-    tok = scripted_tokenizer([*(pieces or ()), *extra_pieces])
+    prefill until it opens (module docstring); ``chat``: a chat model — the tokenizer has the chat tokens and
+    ``eos_after`` ends the turn with ``<|im_end|>`` instead of ``<|endoftext|>``."""
+    tok = scripted_tokenizer([*(pieces or ()), *extra_pieces], chat=chat)
     script = None if pieces is None else [tok.token_to_id(_spelled(p)) for p in pieces]
     backend = ScriptedBackend(tok.get_vocab_size(with_added_tokens=True), context, script, delay_s, eos_after,
-                              busy=busy, gate=gate, gate_after=gate_after, prefill_gate=prefill_gate)
+                              busy=busy, gate=gate, gate_after=gate_after, prefill_gate=prefill_gate,
+                              eos_id=tok.token_to_id("<|im_end|>") if chat else 0)
     return LM(backend, tok, name=name)
 
 

@@ -138,13 +138,16 @@ def test_keys_x6(gguf_files, cfg, theta_bundle):
     assert kv["general.file_type"] == LlamaFileType.ALL_F32
 
     tok = json.loads((theta_bundle / "tokenizer.json").read_text())
-    by_id = {i: s for s, i in tok["model"]["vocab"].items()}
+    by_id = {i: s for s, i in tok["model"]["vocab"].items()} | {a["id"]: a["content"] for a in tok["added_tokens"]}
     assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "deepseek-v3"
     assert kv[G.PRETOKENIZER_KEY] == "exact:deepseek-v3"
     assert kv["tokenizer.ggml.tokens"] == [by_id[i] for i in range(cfg["vocab_size"])]
     types = kv["tokenizer.ggml.token_type"]
-    assert types[:2] == [TokenType.CONTROL, TokenType.CONTROL] and set(types[2:]) == {TokenType.NORMAL}
+    control = [TokenType.CONTROL, TokenType.CONTROL]
+    assert types[:2] == control and types[-2:] == control and set(types[2:-2]) == {TokenType.NORMAL}
     assert kv["tokenizer.ggml.tokens"][:2] == ["<|endoftext|>", "<|pad|>"]
+    assert kv["tokenizer.ggml.tokens"][-2:] == ["<|im_start|>", "<|im_end|>"]  # the chat tokens, the last ids
+    assert kv["tokenizer.ggml.eot_token_id"] == cfg["vocab_size"] - 1 and "<|im_start|>" in kv["tokenizer.chat_template"]
     merges = tok["model"]["merges"]
     assert len(kv["tokenizer.ggml.merges"]) == len(merges)
     assert kv["tokenizer.ggml.merges"][0] == " ".join(merges[0])

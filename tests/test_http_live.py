@@ -58,11 +58,13 @@ def first_chunk(client: httpx.Client, url: str, body: dict) -> tuple[float, str]
     raise AssertionError("no data line")
 
 
-def test_h5_disconnect_cancels_generation():
-    with live_server(["ab"], lm={"context": 20_000, "delay_s": 0.01}, max_concurrency=1) as srv:
-        body = {"prompt": "x", "max_tokens": 10_000}
+@pytest.mark.parametrize("path, body, chat", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, True)])
+def test_h5_disconnect_cancels_generation(path, body, chat):
+    with live_server(["ab"], lm={"context": 20_000, "delay_s": 0.01, "chat": chat}, max_concurrency=1) as srv:
         client = httpx.Client(timeout=10)
-        with client.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}) as r:
+        with client.stream("POST", f"{srv.url}{path}", json={**body, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break

@@ -3,9 +3,9 @@ every operation of the app (a scripted model with seeded random logits, context 
 no 5xx, status codes, content types, headers and bodies as the schema declares them, invalid data rejected
 (400), valid data accepted, and — with SHALIK_API_KEY set — requests without the key refused.
 
-One declared exception: a schema-valid prompt whose tokens, with ``max_tokens``, overflow the context is a
-400 ``context_length_exceeded`` (a JSON schema cannot count tokens). Only that answer, and only when the
-prompt really overflows, is excused from schemathesis' "valid data is accepted" check; every other check still
+One declared exception: a schema-valid prompt (or chat conversation, rendered with the chat template) whose
+tokens, with ``max_tokens``, overflow the context is a 400 ``context_length_exceeded`` (a JSON schema cannot count
+tokens). Only that answer, and only when the prompt really overflows, is excused from schemathesis' "valid data is accepted" check; every other check still
 runs on it. ``max_tokens`` itself is bounded by the schema (``maximum`` = context − 1). Likewise a request whose
 prompts × ``n`` exceed ``serve.http.app.MAX_CHOICES`` (400 ``too_many_completions``): each bound is in the schema, their
 product cannot be.
@@ -27,6 +27,7 @@ from schemathesis.checks import CHECKS  # noqa: E402
 from serve.http.app import create_app  # noqa: E402
 from serve.http.settings import Settings  # noqa: E402
 from tests.scripted import scripted_lm  # noqa: E402
+from train.chat_format import render  # noqa: E402
 
 CONTEXT = 32  # small: schema-valid requests (up to 64 choices of many prompts) stay cheap
 TIMEOUT_S = 60  # per request: generous for a loaded 2-core machine (schemathesis' default is 10 s)
@@ -38,17 +39,30 @@ SETTINGS = dict(max_concurrency=8, max_queue=1000)
 EXAMPLES = settings(max_examples=int(os.environ.get("SHALIK_SCHEMATHESIS_EXAMPLES", "25")), deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
-open_app = create_app(Settings(**SETTINGS), scripted_lm(None, context=CONTEXT))
-keyed_app = create_app(Settings(api_key=KEY, **SETTINGS), scripted_lm(None, context=CONTEXT))
+open_app = create_app(Settings(**SETTINGS), scripted_lm(None, context=CONTEXT, chat=True))
+keyed_app = create_app(Settings(api_key=KEY, **SETTINGS), scripted_lm(None, context=CONTEXT, chat=True))
 open_schema = schemathesis.openapi.from_asgi("/openapi.json", open_app)
 keyed_schema = schemathesis.openapi.from_asgi("/openapi.json", keyed_app, headers=AUTH)
 POSITIVE_DATA_ACCEPTANCE, = CHECKS.get_by_names(["positive_data_acceptance"])
 
 
+def overflows_chat(lm, body) -> bool:
+    """Whether a chat body's conversation, rendered with the chat template (train.chat_format, encoded by the
+    tokenizer itself), + the leading <|endoftext|> leaves no room for a reply, or with max_completion_tokens
+    (else max_tokens) exceeds the context."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in body["messages"]]
+    prompt = len(lm.tokenizer.encode(render(messages, True)).ids) + 1
+    max_new = body.get("max_completion_tokens")
+    max_new = body.get("max_tokens") if max_new is None else max_new
+    return prompt >= lm.context_length or (max_new is not None and prompt + int(max_new) > lm.context_length)
+
+
 def overflows_context(lm, body) -> bool:
     """Whether a completions body asks for more tokens than the context holds, counted independently of the
     server: the longest prompt's tokens + the leading <|endoftext|> + max_tokens (none when null/absent,
-    since the default is capped by the context)."""
+    since the default is capped by the context). Chat bodies: :func:`overflows_chat`."""
+    if isinstance(body, dict) and "messages" in body:
+        return overflows_chat(lm, body)
     if not isinstance(body, dict) or "prompt" not in body:
         return False
     prompt = body["prompt"]
@@ -66,7 +80,7 @@ def check(case, app, headers=None) -> None:
     if response.status_code == 400:
         error = json.loads(response.text)["error"]
         if error["code"] == "context_length_exceeded":  # the one declared exception (module doc)
-            assert case.operation.label == "POST /v1/completions", response.text
+            assert case.operation.label in ("POST /v1/completions", "POST /v1/chat/completions"), response.text
             assert overflows_context(app.state.shalik.lm, case.body), (case.body, response.text)
             assert f"context length {CONTEXT}" in error["message"]
             excluded = [POSITIVE_DATA_ACCEPTANCE]

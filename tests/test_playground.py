@@ -52,9 +52,11 @@ def uvicorn_server(args: list[str], port: int, env: dict | None = None, health: 
     assert "Traceback" not in srv.log, srv.log
 
 
-def scripted_server(context: int, **settings) -> Iterator[str]:
+def scripted_server(context: int, lm: dict | None = None, **settings) -> Iterator[str]:
+    """A scripted model served by uvicorn; ``lm`` adds ``scripted_lm`` options (e.g. ``chat``, ``eos_after``)."""
     port = free_port()
-    cfg = {"pieces": PIECES, "lm": {"context": context, "delay_s": DELAY_S}, "settings": settings, "port": port}
+    cfg = {"pieces": PIECES, "lm": {"context": context, "delay_s": DELAY_S, **(lm or {})}, "settings": settings,
+           "port": port}
     return uvicorn_server(["-c", SCRIPTED, json.dumps(cfg)], port)
 
 
@@ -308,3 +310,64 @@ def test_missing_model_is_reported(browser, tmp_path):
         assert "is not a directory" in detail
         assert text(page, "#error").strip() == f"HTTP 503: {detail}" and text(page, "#model") == "unavailable"
         assert all("503" in p for p in problems), problems  # Chromium logs the refused /v1/models itself
+
+
+def chat(url: str, messages: list[dict], **body) -> dict:
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chat_view_takes_turns_and_equals_the_api(browser):
+    """The chat view: a system message and two turns, each streamed into its own bubble and equal to
+    /v1/chat/completions with the same conversation (the second turn carries the first); a new chat forgets it."""
+    with scripted_server(4096, lm={"chat": True, "eos_after": 3}) as url, new_page(browser, url) as (page, problems):
+        page.wait_for_function("document.getElementById('model').textContent === 'scripted'")
+        assert page.locator("#chat-log").is_hidden() and page.locator("#chat-setup").is_hidden()
+        page.check("#mode-chat")
+        assert page.locator("#output").is_hidden() and page.is_visible("#chat-setup") and page.is_visible("#new-chat")
+        assert text(page, "#generate") == "Send"
+        page.fill("#system", "তুমি একজন সহায়ক।")
+        fill(page, "বাংলা ভাষা সম্পর্কে কিছু বলো।", "0", "16")
+        page.click("#generate")
+        wait_status(page, "done")
+        system = {"role": "system", "content": "তুমি একজন সহায়ক।"}
+        first = [system, {"role": "user", "content": "বাংলা ভাষা সম্পর্কে কিছু বলো।"}]
+        reply = chat(url, first, max_tokens=16, temperature=0)["choices"][0]
+        assert reply["finish_reason"] == "stop" and reply["message"]["content"] == "".join(PIECES[:3])
+        bubbles = page.locator("#chat-log li")
+        assert bubbles.count() == 2 and bubbles.nth(1).text_content() == reply["message"]["content"]
+        assert page.input_value("#prompt") == "" and text(page, "#finish") == "stop" and text(page, "#tokens") == "3"
+
+        page.fill("#prompt", "আরও বলো")
+        page.click("#generate")
+        wait_status(page, "done")
+        second = [*first, {"role": "assistant", "content": reply["message"]["content"]},
+                  {"role": "user", "content": "আরও বলো"}]
+        again = chat(url, second, max_tokens=16, temperature=0)
+        assert again["usage"]["prompt_tokens"] > chat(url, first, max_tokens=16)["usage"]["prompt_tokens"]
+        assert [b.get_attribute("class") for b in bubbles.all()] == ["user", "assistant", "user", "assistant"]
+        assert bubbles.nth(3).text_content() == again["choices"][0]["message"]["content"]
+
+        page.click("#new-chat")
+        assert bubbles.count() == 0
+        page.check("#mode-completion")
+        assert page.is_visible("#output") and page.locator("#chat-log").is_hidden()
+        assert text(page, "#generate") == "Generate"
+        assert not problems, problems
+
+
+def test_chat_view_says_when_the_model_has_no_chat_template(browser, open_server):
+    """A base model (no chat tokens): the server's 400 with what is missing and how to get it, in the error area;
+    nothing joins the conversation and the message stays in the box."""
+    with new_page(browser, open_server) as (page, problems):
+        page.wait_for_function("document.getElementById('model').textContent === 'scripted'")
+        page.check("#mode-chat")
+        fill(page, "hello", "0", "4")
+        with page.expect_response("**/v1/chat/completions") as response:
+            page.click("#generate")
+        assert response.value.status == 400
+        wait_status(page, "error")
+        assert "has no chat template" in text(page, "#error") and "train.sft" in text(page, "#error")
+        assert page.locator("#chat-log li").count() == 0 and page.input_value("#prompt") == "hello"
+        assert all("400" in p for p in problems), problems

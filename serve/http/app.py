@@ -7,7 +7,8 @@ Configured by ``SHALIK_*`` environment variables (:mod:`serve.http.settings`); t
 until it is loaded — or says why it cannot be.
 
 Endpoints: ``GET /`` (the playground page from ``serve/static/index.html`` when present), ``/static/*``,
-``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/score``, ``GET /metrics``, and
+``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (a model whose tokenizer
+has the chat tokens), ``POST /v1/score``, ``GET /metrics``, and
 vLLM's ``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize``.
 
 Generation runs in a thread per request (at most ``SHALIK_MAX_CONCURRENCY`` at once, at most

@@ -107,6 +107,11 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
         param = next((str(x) for x in unicode.get("loc", ()) if x != "body"), param)
         return error_response(400, f"{param} holds a lone surrogate (such as \\ud800): not valid Unicode text",
                               param=param, code="invalid_unicode")
+    if param == "messages" and len(loc) > 2 and loc[2] == "content":  # a union too: say what content may be
+        i, got = loc[1], first.get("input")
+        return error_response(400, f"messages[{i}].content must be a string or a non-empty list of text parts "
+                              f'{{"type": "text", "text": string}}; got {json_repr(got)}', param=param,
+                              code="invalid_type")
     if param in UNION_FIELDS and len(loc) > 1:  # a union: pydantic reports every branch
         got = first.get("input")
         return error_response(400, f"{UNION_FIELDS[param]}; got {json_repr(got)}", param=param, code="invalid_type")

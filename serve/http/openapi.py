@@ -57,9 +57,11 @@ def install_openapi(app: FastAPI, api_key: str | None, is_open: Callable[[str], 
         models = components.get("schemas", {})
         for model, field in (("CompletionRequest", "prompt"), ("ScoreRequest", "text"), ("DetokenizeRequest", "tokens")):
             limit_ids(models.get(model, {}).get("properties", {}).get(field), vocab_size)
-        for option in models.get("CompletionRequest", {}).get("properties", {}).get("max_tokens", {}).get("anyOf", []):
-            if option.get("type") == "integer":
-                option["maximum"] = context_length - 1
+        # chat's max_tokens is not bounded: max_completion_tokens, when given, wins over it
+        for model, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_completion_tokens")):
+            for option in models.get(model, {}).get("properties", {}).get(field, {}).get("anyOf", []):
+                if option.get("type") == "integer":
+                    option["maximum"] = context_length - 1
         app.openapi_schema = schema
         return schema
 

@@ -15,10 +15,13 @@ from starlette.concurrency import run_in_threadpool
 
 from serve.bundle import EOT, PAD
 from serve.http import admission, runs
+from serve.http.chat import ChatFormat, start_chat_generations
 from serve.http.lifecycle import ServerState
 from serve.http.metrics import CONTENT_TYPE
 from serve.http.openapi import SSE_EVENT_SCHEMA
 from serve.http.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -33,7 +36,7 @@ from serve.http.schemas import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from serve.http.translate import prompt_usage, score_body, start_generations
+from serve.http.translate import CompletionFormat, prompt_usage, score_body, start_generations
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -41,7 +44,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 NO_CACHE = {"Cache-Control": "no-cache"}
 PLACEHOLDER_PAGE = """<!doctype html><html lang="bn"><meta charset="utf-8"><title>Shalik</title>
 <h1>শালিক · Shalik</h1><p>A small Bangla-first language model. API: <a href="/docs">/docs</a>,
-<code>POST /v1/completions</code>, <code>POST /v1/score</code>, <a href="/health">/health</a>.</p></html>"""
+<code>POST /v1/completions</code>, <code>POST /v1/chat/completions</code>, <code>POST /v1/score</code>, <a href="/health">/health</a>.</p></html>"""
 
 
 class OptionalStaticFiles(StaticFiles):
@@ -128,18 +131,14 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.prompt_tokens.inc(len(s.token_ids))
         return score_body(lm, state.name, s)
 
-    @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
-                               "description": "JSON, or with `stream: true` server-sent events of "
-                                              "CompletionResponse chunks ending with `data: [DONE]`."},
-                         **err(400, 404, 413, 429, 503, 504)})
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        """OpenAI's completions. All validation happens before a stream starts."""
+    async def generate(req, request: Request, start, make_format, meta: dict) -> Response:
+        """The shared path of completions and chat: all validation (``start(lm)`` builds the generations)
+        happens before a slot is taken or a stream starts."""
         arrived = time.perf_counter()
         lm = state.require_lm()
         state.check_model(req.model)
         admission.refuse_early(state)
-        gens = await run_in_threadpool(start_generations, lm, req, settings.default_max_tokens)
+        gens = await run_in_threadpool(start, lm)
         deadline = arrived + settings.request_timeout_s
         await admission.admit(state, deadline)
         state.metrics.prompt_tokens.inc(prompt_usage(gens, req.n))
@@ -149,9 +148,33 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         except BaseException:
             state.admission.release()
             raise
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": state.name}
+        fmt = make_format(lm, gens, {**meta, "created": int(time.time()), "model": state.name})
         if req.stream:
-            return StreamingResponse(runs.stream(lm, req, gens, run, meta, deadline, settings.request_timeout_s),
+            return StreamingResponse(runs.stream(fmt, run, deadline, settings.request_timeout_s),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await runs.complete(lm, req, gens, run, meta, request, deadline))
+        return JSONResponse(await runs.complete(fmt, run, request, deadline))
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                               "description": "JSON, or with `stream: true` server-sent events of "
+                                              "CompletionResponse chunks ending with `data: [DONE]`."},
+                         **err(400, 404, 413, 429, 503, 504)})
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        """OpenAI's completions. All validation happens before a stream starts."""
+        return await generate(req, request, lambda lm: start_generations(lm, req, settings.default_max_tokens),
+                              lambda lm, gens, meta: CompletionFormat(lm, req, gens, meta),
+                              {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"})
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                               "description": "JSON, or with `stream: true` server-sent events of "
+                                              "`chat.completion.chunk` objects ending with `data: [DONE]`."},
+                         **err(400, 404, 413, 429, 503, 504)})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI's chat completions: the conversation is rendered with the model's chat template (ChatML) and
+        the reply ends at `<|im_end|>`. A model without a chat template (a base model) answers 400
+        `chat_template_missing`. All validation happens before a stream starts."""
+        return await generate(req, request,
+                              lambda lm: start_chat_generations(lm, req, settings.default_max_tokens),
+                              lambda lm, gens, meta: ChatFormat(lm, req, gens, meta),
+                              {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"})

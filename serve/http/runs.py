@@ -7,7 +7,8 @@ client stays (a disconnect cancels the generations before their next step: 499, 
   chunks come back to the event loop through an ``asyncio.Queue``. ``cancel()`` (client gone, timeout) takes
   them out of the engine before its next step; the slot (:mod:`serve.http.admission`) is released when the
   thread ends.
-* :func:`wait`, :func:`complete`, :func:`stream`: awaiting a run against the deadline and the client.
+* :func:`wait`, :func:`complete`, :func:`stream`: awaiting a run against the deadline and the client; what the
+  bodies and events say is the endpoint's :class:`serve.http.translate.ResponseFormat` (completions or chat).
 """
 
 from __future__ import annotations
@@ -26,18 +27,7 @@ from fastapi import Request
 from serve.generation import Generation
 from serve.http.errors import HTTPError, error_body, stream_error, timeout_error
 from serve.http.metrics import Metrics
-from serve.http.schemas import CompletionRequest
-from serve.http.translate import (
-    choice_dict,
-    completion_body,
-    echo_part,
-    end_of_text_lists,
-    logprob_lists,
-    prompt_usage,
-    sse,
-    usage_dict,
-)
-from serve.lm import LM
+from serve.http.translate import ResponseFormat, sse
 from serve.results import Chunk
 
 log = logging.getLogger("shalik.serve")
@@ -147,9 +137,8 @@ async def wait(task: asyncio.Future, request: Request, deadline: float, on_aband
             task.cancel()
 
 
-async def complete(lm: LM, req: CompletionRequest, gens: list[Generation], run: ThreadedRun, meta: dict,
-                   request: Request, deadline: float) -> dict:
-    """Collect a whole run into OpenAI's response body."""
+async def complete(fmt: ResponseFormat, run: ThreadedRun, request: Request, deadline: float) -> dict:
+    """Collect a whole run into the response body ``fmt`` builds."""
     chunks: dict[int, list[Chunk]] = defaultdict(list)
 
     async def consume() -> None:
@@ -161,23 +150,15 @@ async def complete(lm: LM, req: CompletionRequest, gens: list[Generation], run: 
         await wait(asyncio.ensure_future(consume()), request, deadline, on_abandon=run.cancel)
     finally:
         run.cancel()
-    return completion_body(lm, req, gens, chunks, meta)
+    return fmt.body(chunks)
 
 
-async def stream(lm: LM, req: CompletionRequest, gens: list[Generation], run: ThreadedRun, meta: dict,
-                 deadline: float, request_timeout_s: float) -> AsyncIterator[bytes]:
-    """Server-sent events of a run: ``data: <chunk json>`` per piece, a final chunk per choice with its
-    finish_reason, the usage chunk when asked, then ``data: [DONE]``. Cancels the run when the client
+async def stream(fmt: ResponseFormat, run: ThreadedRun, deadline: float, request_timeout_s: float
+                 ) -> AsyncIterator[bytes]:
+    """Server-sent events of a run: per choice ``fmt``'s opening events, one per piece and its final one with the
+    finish_reason, then the usage chunk when asked, then ``data: [DONE]``. Cancels the run when the client
     goes away (this generator is then cancelled) or the deadline passes."""
-    with_lp = req.logprobs is not None
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    usage_field = {"usage": None} if include_usage else {}
-    offsets: dict[int, int] = {}  # choice → length of its echoed prompt text
-    released: dict[int, int] = defaultdict(int)  # choice → characters of completion text sent
-
-    def event(index: int, text: str, lists: dict | None, finish: str | None = None) -> bytes:
-        return sse({**meta, "choices": [choice_dict(index, text, lists, finish)], **usage_field})
-
+    started: set[int] = set()
     events = run.events()
     try:
         while True:
@@ -186,22 +167,15 @@ async def stream(lm: LM, req: CompletionRequest, gens: list[Generation], run: Th
                 ev = await asyncio.wait_for(anext(events), timeout=max(remaining, 0.0))
             except StopAsyncIteration:
                 break
-            i, gen = ev.index, gens[ev.index]
-            if i not in offsets:
-                offsets[i] = 0
-                if req.echo:
-                    text, lists = echo_part(lm, gen, with_lp)
-                    offsets[i] = len(text)
-                    yield event(i, text, lists)
-            if ev.kind == "chunk":  # chunk offsets count from the start of the completion text
-                released[i] += len(ev.chunk.text)
-                yield event(i, ev.chunk.text, logprob_lists(lm, ev.chunk, offsets[i]) if with_lp else None)
-            else:
-                end = end_of_text_lists(gen, offsets[i] + released[i]) if with_lp else None
-                yield event(i, "", end, gen.finish_reason)
-        if include_usage:
-            completion = sum(g.completion_tokens for g in gens)
-            yield sse({**meta, "choices": [], "usage": usage_dict(prompt_usage(gens, req.n), completion)})
+            i = ev.index
+            if i not in started:
+                started.add(i)
+                for data in fmt.opening(i):
+                    yield sse(data)
+            yield sse(fmt.piece(i, ev.chunk) if ev.kind == "chunk" else fmt.closing(i))
+        usage = fmt.usage_chunk()
+        if usage is not None:
+            yield sse(usage)
         yield sse("[DONE]")
     except asyncio.TimeoutError:  # (an alias of TimeoutError from Python 3.11)
         yield sse(error_body(504, timeout_error(request_timeout_s).message, code="timeout"))

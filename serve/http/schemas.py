@@ -115,6 +115,93 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TextPart(_Request):
+    """A text part of a message's content (the only kind a text model takes)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] = Field(
+        ..., description="A string, or text parts (joined without a separator).")
+    name: str | None = Field(None, description="Ignored.")
+
+
+class ChatCompletionRequest(_Request):
+    """OpenAI's /v1/chat/completions request (text only), plus vLLM's `top_k` and `repetition_penalty`. The
+    conversation is rendered with the model's chat template (ChatML) on the server."""
+
+    model: str | None = Field(None, description="Must equal the served model's id when given.")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
+        ..., description="The conversation: system / user / assistant messages.")
+    max_completion_tokens: integer(ge=0) | None = Field(
+        None, description="Tokens of the reply at most; null/absent: SHALIK_DEFAULT_MAX_TOKENS capped by the context.")
+    max_tokens: integer(ge=0) | None = Field(None, description="The older name of max_completion_tokens (which wins).")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
+    top_p: float | None = Field(None, ge=0, le=1, description="Nucleus sampling; 1 = off. Default 1.")
+    top_k: integer(ge=-1) | None = Field(None, description="0 or -1 = off. Default off.")
+    n: integer(ge=1, le=MAX_N) = Field(1, description="Choices (replies) to generate.")
+    stop: StopString | list[StopString] | None = Field(None, description="The reply ends before the first occurrence of any of these.")
+    seed: integer() | None = Field(None, description="Same seed, same backend → same reply, whatever runs beside it.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = Field(False, description="Return the log-prob of each reply token.")
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="With logprobs: the N most likely alternatives at each position (ignored without).")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
+    user: str | None = Field(None, description="Ignored.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.",
+                                                json_schema_extra={"maxProperties": 0})
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(..., description="The token's UTF-8 bytes (a token may hold part of a character).")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
 class ScoreRequest(_Request):
     """Our /v1/score: per-token negative log-likelihood of a text."""
 

@@ -3,12 +3,15 @@
 * request → generation: :func:`split_prompts`, :func:`generation_options`, :func:`start_generations`;
 * results → response: :func:`echo_part`, :func:`logprob_lists`, :func:`end_of_text_lists`, :func:`merge_lists`,
   :func:`choice_dict`, :func:`usage_dict`, :func:`completion_body`, :func:`score_body`;
+* :class:`ResponseFormat`: what a run's body and stream events say; :class:`CompletionFormat` is OpenAI's
+  completions form (``serve.http.chat`` has the chat form);
 * :func:`sse`: one server-sent event.
 """
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -143,6 +146,70 @@ def completion_body(lm: LM, req: CompletionRequest, gens: Sequence[Generation],
         end = end_of_text_lists(gen, len(text) + len(comp.text)) if with_lp else None
         choices.append(choice_dict(i, text + comp.text, merge_lists([lists, own, end]), comp.finish_reason))
     return {**meta, "choices": choices, "usage": usage_dict(prompt_usage(gens, req.n), completion_tokens)}
+
+
+class ResponseFormat:
+    """An endpoint's response to one run of ``gens`` (one per choice, in choice order): the whole body, or the
+    stream's events (JSON objects) — the opening ones of a choice, one per chunk, the closing one with the
+    finish_reason, and the usage chunk (None when not asked). :func:`serve.http.runs.stream` calls them in
+    order from one task."""
+
+    def body(self, chunks: Mapping[int, Sequence[Chunk]]) -> dict:
+        raise NotImplementedError
+
+    def opening(self, index: int) -> list[dict]:
+        return []
+
+    def piece(self, index: int, chunk: Chunk) -> dict:
+        raise NotImplementedError
+
+    def closing(self, index: int) -> dict:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> dict | None:
+        return None
+
+
+class CompletionFormat(ResponseFormat):
+    """OpenAI's completions: ``text_completion`` bodies and chunks (``meta``: id, object, created, model)."""
+
+    def __init__(self, lm: LM, req: CompletionRequest, gens: Sequence[Generation], meta: dict):
+        self.lm, self.req, self.gens, self.meta = lm, req, gens, meta
+        self.with_lp = req.logprobs is not None
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.offsets: dict[int, int] = {}  # choice → length of its echoed prompt text
+        self.released: dict[int, int] = defaultdict(int)  # choice → characters of completion text sent
+
+    def _event(self, index: int, text: str, lists: dict | None, finish: str | None = None) -> dict:
+        usage = {"usage": None} if self.include_usage else {}
+        return {**self.meta, "choices": [choice_dict(index, text, lists, finish)], **usage}
+
+    def body(self, chunks: Mapping[int, Sequence[Chunk]]) -> dict:
+        return completion_body(self.lm, self.req, self.gens, chunks, self.meta)
+
+    def opening(self, index: int) -> list[dict]:
+        self.offsets[index] = 0
+        if not self.req.echo:
+            return []
+        text, lists = echo_part(self.lm, self.gens[index], self.with_lp)
+        self.offsets[index] = len(text)
+        return [self._event(index, text, lists)]
+
+    def piece(self, index: int, chunk: Chunk) -> dict:  # chunk offsets count from the start of the completion
+        self.released[index] += len(chunk.text)
+        lists = logprob_lists(self.lm, chunk, self.offsets[index]) if self.with_lp else None
+        return self._event(index, chunk.text, lists)
+
+    def closing(self, index: int) -> dict:
+        gen = self.gens[index]
+        end = end_of_text_lists(gen, self.offsets[index] + self.released[index]) if self.with_lp else None
+        return self._event(index, "", end, gen.finish_reason)
+
+    def usage_chunk(self) -> dict | None:
+        if not self.include_usage:
+            return None
+        completion = sum(g.completion_tokens for g in self.gens)
+        return {**self.meta, "choices": [], "usage": usage_dict(prompt_usage(self.gens, self.req.n), completion)}
 
 
 def score_body(lm: LM, name: str, s: Score) -> ScoreResponse:

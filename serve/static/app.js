@@ -1,5 +1,5 @@
-// Shalik playground: streams POST /v1/completions (server-sent events) into the page. No build step, no
-// dependencies. Every failure (HTTP status with OpenAI's error JSON, an error event mid-stream, a network
+// Shalik playground: streams POST /v1/completions, or in the chat view POST /v1/chat/completions with the
+// conversation so far (server-sent events), into the page. No build step, no dependencies. Every failure (HTTP status with OpenAI's error JSON, an error event mid-stream, a network
 // failure, a stream cut short) is shown in the #error area.
 "use strict";
 
@@ -10,8 +10,11 @@
     topP: $("top-p"), seed: $("seed"), apiKey: $("api-key"), auth: $("auth"), generate: $("generate"),
     stop: $("stop"), error: $("error"), output: $("output"), echo: $("echo"), completion: $("completion"),
     status: $("status"), ttft: $("ttft"), tps: $("tps"), tokens: $("tokens"), finish: $("finish"),
-    model: $("model"), context: $("context"),
+    model: $("model"), context: $("context"), modeChat: $("mode-chat"), modeCompletion: $("mode-completion"),
+    chatSetup: $("chat-setup"), system: $("system"), chatLog: $("chat-log"), newChat: $("new-chat"),
+    promptLabel: $("prompt-label"),
   };
+  const history = []; // the chat so far: {role, content} of finished turns (the system message is separate)
   const KEY_STORAGE = "shalik.apiKey";
   let controller = null; // the running generation's AbortController
   let modelRetry = null;
@@ -84,15 +87,29 @@
     return value; // ranges are the server's to check: its message names the limit (e.g. the context length)
   }
 
+  function chatMode() { return el.modeChat.checked; }
+
+  // The messages of a chat request: the system message (when given), the finished turns, the new user message.
+  function chatMessages(userText) {
+    const system = el.system.value.trim();
+    return [...(system ? [{ role: "system", content: system }] : []), ...history, { role: "user", content: userText }];
+  }
+
   function requestBody() {
     const body = {
-      prompt: el.prompt.value,
       max_tokens: numberField(el.maxTokens, "Max tokens", { integer: true }),
       temperature: numberField(el.temperature, "Temperature"),
       stream: true,
       stream_options: { include_usage: true },
-      logprobs: 0, // one logprobs entry per token: exact live token counts (and no alternatives)
     };
+    if (chatMode()) {
+      if (!el.prompt.value.trim()) throw new InputError("Write a message first");
+      body.messages = chatMessages(el.prompt.value);
+      body.logprobs = true; // one logprobs entry per token: exact live token counts (and no alternatives)
+    } else {
+      body.prompt = el.prompt.value;
+      body.logprobs = 0; // the same in the completions form
+    }
     const topP = numberField(el.topP, "top_p", { optional: true });
     const seed = numberField(el.seed, "Seed", { integer: true, optional: true });
     if (topP !== undefined) body.top_p = topP;
@@ -185,8 +202,17 @@
     const { signal } = controller;
     running(true);
     setStatus("connecting…");
-    el.echo.textContent = body.prompt;
-    el.completion.textContent = "";
+    const chat = Boolean(body.messages);
+    let target = el.completion; // where the text grows: the completion, or the assistant's new chat bubble
+    let bubbles = [];
+    if (chat) {
+      const userText = body.messages[body.messages.length - 1].content;
+      bubbles = [addBubble("user", userText), addBubble("assistant", "")];
+      target = bubbles[1];
+    } else {
+      el.echo.textContent = body.prompt;
+      el.completion.textContent = "";
+    }
     for (const k of ["ttft", "tps", "tokens", "finish"]) el[k].textContent = "–";
 
     const t0 = performance.now();
@@ -220,8 +246,9 @@
       const now = performance.now();
       for (const choice of msg.choices || []) {
         if (choice.index !== 0) continue;
-        const n = choice.logprobs && Array.isArray(choice.logprobs.tokens)
-          ? choice.logprobs.tokens.length : (choice.text ? 1 : 0);
+        const piece = chat ? (choice.delta && choice.delta.content) || "" : choice.text;
+        const listed = choice.logprobs && (chat ? choice.logprobs.content : choice.logprobs.tokens);
+        const n = Array.isArray(listed) ? listed.length : (piece ? 1 : 0);
         if (n > 0 && tFirst === null) {
           tFirst = now;
           firstTokens = n;
@@ -229,9 +256,9 @@
           setStatus("generating…");
         }
         tokens += n;
-        if (choice.text) {
-          text += choice.text;
-          el.completion.textContent = text;
+        if (piece) {
+          text += piece;
+          target.textContent = text;
         }
         if (choice.finish_reason) finish = choice.finish_reason;
       }
@@ -240,7 +267,7 @@
     };
 
     try {
-      const response = await fetch("/v1/completions", {
+      const response = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
         method: "POST",
         headers: { "Content-Type": "application/json", Accept: "text/event-stream", ...authHeaders() },
         body: JSON.stringify(body),
@@ -286,10 +313,44 @@
       if (tokens) el.tokens.textContent = String(tokens);
       el.finish.textContent = finish || "–";
       if (failed && !text) el.echo.textContent = ""; // nothing came: no half-empty output
+      if (chat) {
+        if (sawDone && !failed) { // a finished turn joins the conversation; the box is ready for the next one
+          history.push(body.messages[body.messages.length - 1], { role: "assistant", content: text });
+          el.prompt.value = "";
+        } else {
+          for (const b of bubbles) b.remove(); // not part of the conversation: the message stays in the box
+        }
+      }
       if (failed) setStatus("error");
       else if (sawDone) setStatus(`done in ${((performance.now() - t0) / 1000).toFixed(2)} s`);
       else if (signal.aborted) setStatus("stopped");
     }
+  }
+
+  function addBubble(role, content) {
+    const li = document.createElement("li");
+    li.className = role;
+    li.textContent = content;
+    el.chatLog.append(li);
+    return li;
+  }
+
+  function newChat() {
+    history.length = 0;
+    el.chatLog.textContent = "";
+    clearError();
+  }
+
+  // Completion or chat: which output shows, what the box is for, what the button says.
+  function showMode() {
+    const chat = chatMode();
+    el.chatSetup.hidden = !chat;
+    el.newChat.hidden = !chat;
+    el.chatLog.hidden = !chat;
+    el.output.hidden = chat;
+    el.generate.textContent = chat ? "Send" : "Generate";
+    el.promptLabel.firstChild.textContent = chat ? "Message " : "Prompt ";
+    clearError();
   }
 
   function stop() {
@@ -300,6 +361,8 @@
 
   el.form.addEventListener("submit", (e) => { e.preventDefault(); generate(); });
   el.stop.addEventListener("click", stop);
+  el.newChat.addEventListener("click", newChat);
+  for (const radio of [el.modeChat, el.modeCompletion]) radio.addEventListener("change", showMode);
   document.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); generate(); }
     else if (e.key === "Escape" && controller) { e.preventDefault(); stop(); }
@@ -321,5 +384,6 @@
 
   const saved = storage() && storage().getItem(KEY_STORAGE);
   if (saved) el.apiKey.value = saved;
+  showMode();
   loadModel();
 })();

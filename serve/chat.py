@@ -1,0 +1,71 @@
+"""Chat on top of completions: a conversation rendered with the one chat format (``train.chat_format``, ChatML) and
+encoded into the prompt ids that ``LM.start_choices`` generates from, ending at ``<|im_end|>``.
+
+Nothing below the prompt changes: the engine (Python or Rust) takes ids as for any prompt; a choice that samples
+``<|im_end|>`` ends there with finish_reason ``"stop"`` (``serve.generation.ChoiceGroup.end_ids``), as one that
+samples ``<|endoftext|>`` does. The ids are ``<|endoftext|>`` + ``encode(render(messages, True))`` — what
+``transformers``' ``apply_chat_template`` and llama.cpp (which adds ``<|endoftext|>`` as its BOS) give.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from serve.errors import ContextLengthError, RequestError
+from train.chat_format import CHAT_TOKENS, IM_END, ChatFormatError, render
+
+if TYPE_CHECKING:
+    from serve.generation import Generation
+    from serve.lm import LM
+
+NO_CHAT_TOKENS = "chat_template_missing"  # the error code of a model whose tokenizer cannot encode the format
+
+
+def missing_tokens(tokenizer: Any) -> list[str]:
+    """The chat tokens a ``tokenizers.Tokenizer`` lacks (empty when it can encode the format)."""
+    return [t for t in CHAT_TOKENS if tokenizer.token_to_id(t) is None]
+
+
+def chat_end_ids(tokenizer: Any) -> frozenset[int]:
+    """``{id of <|im_end|>}`` for a ``tokenizers.Tokenizer`` with the chat tokens, else the empty set."""
+    return frozenset() if missing_tokens(tokenizer) else frozenset({int(tokenizer.token_to_id(IM_END))})
+
+
+def check_chat_capable(lm: LM) -> None:
+    """RequestError (400, code :data:`NO_CHAT_TOKENS`) naming what is missing and how to get it, when ``lm``'s
+    tokenizer lacks ``<|im_start|>`` / ``<|im_end|>`` (a base model: no chat template in its bundle)."""
+    missing = missing_tokens(lm.tokenizer)
+    if missing:
+        raise RequestError(
+            f"model {lm.name!r} has no chat template: its tokenizer lacks {' and '.join(missing)} (a base model). "
+            f"Fine-tune it into a chat model with python -m train.sft (which adds {' and '.join(CHAT_TOKENS)}), "
+            "then export it again; /v1/completions serves it as it is", param="messages", code=NO_CHAT_TOKENS)
+
+
+def chat_prompt_ids(lm: LM, messages: Any) -> list[int]:
+    """The prompt ids of a conversation (without the leading ``<|endoftext|>``, which generation prepends):
+    ``encode(render(messages, add_generation_prompt=True))``. RequestError (param ``messages``) for a model
+    without the chat tokens, a conversation :func:`train.chat_format.normalize_messages` refuses (its message
+    names ``messages[i].field``) or text that is not valid Unicode."""
+    check_chat_capable(lm)
+    try:
+        text = render(messages, add_generation_prompt=True)
+    except ChatFormatError as e:
+        raise RequestError(str(e), param="messages") from None
+    return lm.tokenize(text, "messages")
+
+
+def start_chat(lm: LM, messages: Any, n: int = 1, max_new_tokens: int | None = None,
+               **options: Any) -> list[Generation]:
+    """``n`` lazy :class:`serve.generation.Generation` s of the assistant's reply to ``messages`` (options as
+    :meth:`serve.lm.LM.start_choices`), each ending at ``<|im_end|>``. A conversation that leaves no room for a
+    reply in the context raises ContextLengthError (param ``messages``); other RequestErrors as
+    :func:`chat_prompt_ids` and ``start_choices``."""
+    ids = chat_prompt_ids(lm, messages)
+    if len(ids) + 1 >= lm.context_length:
+        raise ContextLengthError(
+            f"the conversation is {len(ids) + 1} tokens with the chat template (including the leading "
+            f"<|endoftext|>), leaving no room for a reply in the context length {lm.context_length}",
+            param="messages")
+    return lm.start_choices(ids, n, max_new_tokens, end_ids=chat_end_ids(lm.tokenizer), **options)
+

@@ -1,0 +1,283 @@
+"""Chat through other people's code, against the tiny trained bundle (its tokenizer has the chat tokens):
+
+* ``transformers``' ``apply_chat_template`` (the bundle's tokenizer_config.json) gives the same ids as Shalik's
+  server for 20 conversations (system / no system, multi-turn, Bangla, English, mixed, script-edge text);
+* the OpenAI Python SDK, unchanged, against a real ``uvicorn serve.app:app``: ``chat.completions.create`` plain,
+  streamed (concatenates to the plain reply), ``n=2`` with a seed, with logprobs, and a bad request as the SDK's
+  own error — each compared with ``serve.load(bundle)``'s ``LM.chat``;
+* llama.cpp (``slow``: llama-cpp-python, the ``bench`` extra): ``create_chat_completion`` on the bundle's GGUF with
+  the GGUF's own template gives the same greedy reply as the server for 10 conversations per language; the GGUF
+  and the Modelfile carry the template and the end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import unicodedata
+
+import pytest
+
+from tests.client_helpers import uvicorn_server
+from tests.test_http import _rust_available
+from tests.test_llamacpp_tokenizer import _llama_cpp
+from train.chat_format import CHAT_TEMPLATE, IM_END, render
+from train.tokenizer.pretokenizers import SCRIPT_EDGES
+
+NAME = "shalik-tiny-chat"
+KEY = "sk-shalik-chat-test"
+SYSTEM_BN = "তুমি একজন সহায়ক। বাংলায় উত্তর দাও।"
+SYSTEM_EN = "You are a helpful assistant. Answer briefly."
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _turns(*texts: str) -> list[dict]:
+    """user, assistant, user, ... from ``texts``."""
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+
+
+BN_QUESTIONS = ["বাংলা ভাষা সম্পর্কে কিছু বলো।", "বাংলাদেশের রাজধানী কোথায়?", "রবীন্দ্রনাথ ঠাকুর কে ছিলেন?",
+                "একটি ছোট গল্প লেখো।", "বর্ষাকাল কেমন লাগে?", "১৯৭১ সালে কী হয়েছিল?", "নদীর নাম বলো।",
+                "তোমার প্রিয় খাবার কী?", "গ্রামের জীবন কেমন?", "পড়াশোনা কেন দরকার?"]
+EN_QUESTIONS = ["Tell me about the Bangla language.", "What is the capital of Bangladesh?", "Who was Tagore?",
+                "Write a short story.", "What is the rainy season like?", "What happened in 1971?",
+                "Name a river.", "What is your favourite food?", "Describe village life.", "Why study?"]
+
+# 20 conversations for the template-ids check
+TEMPLATE_CONVERSATIONS: list[list[dict]] = [
+    [_user(BN_QUESTIONS[0])],
+    [{"role": "system", "content": SYSTEM_BN}, _user(BN_QUESTIONS[1])],
+    _turns(BN_QUESTIONS[2], "তিনি একজন কবি ছিলেন।", "আর কী জানো?"),
+    [{"role": "system", "content": SYSTEM_BN}, *_turns(BN_QUESTIONS[3], "একদা এক রাজা ছিলেন।", "তারপর?")],
+    [_user(EN_QUESTIONS[0])],
+    [{"role": "system", "content": SYSTEM_EN}, _user(EN_QUESTIONS[1])],
+    _turns(EN_QUESTIONS[2], "A poet from Bengal.", "Tell me more.", "He wrote songs.", "Which ones?"),
+    [{"role": "system", "content": SYSTEM_EN}, *_turns(EN_QUESTIONS[3], "Once upon a time.", "Go on.")],
+    [_user("ঢাকা is the capital of Bangladesh, তাই না?")],
+    [{"role": "system", "content": "Answer in Bangla."}, _user("What is নদী in English?")],
+    _turns("Translate: আমি বাংলায় গান গাই।", "I sing in Bangla.", "এবার উল্টোটা: I read books."),
+    *[[_user(text)] for text in list(SCRIPT_EDGES.values())[:5]],
+    [_user("  leading spaces, a tab\tand\nnew lines\n\n")],
+    [_user("digits 12345 ৬৭৮৯০ and emoji 🙂, quotes “like this”")],
+    [{"role": "system", "content": ""}, _user("")],
+    [_user(unicodedata.normalize("NFD", "প্রশ্ন: কোথায়?"))],  # decomposed input: NFC on every path
+]
+
+
+CONV = [{"role": "system", "content": SYSTEM_BN}, _user(BN_QUESTIONS[0])]
+
+
+@pytest.fixture(scope="module")
+def lm(bundle):
+    from serve import load
+
+    return load(bundle, threads=1)
+
+
+def test_bundle_files_carry_the_chat_format(bundle):
+    cfg = json.loads((bundle / "tokenizer_config.json").read_text(encoding="utf-8"))
+    gen = json.loads((bundle / "generation_config.json").read_text(encoding="utf-8"))
+    tok = json.loads((bundle / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = {a["content"]: a["id"] for a in tok["added_tokens"]}
+    assert cfg["chat_template"] == CHAT_TEMPLATE and cfg["bos_token"] == "<|endoftext|>"
+    assert gen["eos_token_id"] == [ids["<|endoftext|>"], ids[IM_END]]
+
+
+def test_transformers_apply_chat_template_ids_equal_the_servers(bundle, lm):
+    transformers = pytest.importorskip("transformers")
+    from serve.chat import chat_prompt_ids
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(bundle))
+    assert len(TEMPLATE_CONVERSATIONS) == 20
+    for conv in TEMPLATE_CONVERSATIONS:
+        ours = [lm.eot_id, *chat_prompt_ids(lm, conv)]
+        theirs = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        theirs = theirs["input_ids"] if isinstance(theirs, dict) or hasattr(theirs, "keys") else theirs
+        assert list(theirs) == ours, conv
+        text = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        assert unicodedata.normalize("NFC", text) == "<|endoftext|>" + render(conv, True)
+    # a whole conversation (the form fine-tuning encodes) too
+    conv = TEMPLATE_CONVERSATIONS[2] + [{"role": "assistant", "content": "শেষ।"}]
+    assert list(hf.apply_chat_template(conv, tokenize=True, return_dict=False)) == \
+        [lm.eot_id, *lm.tokenize(render(conv, False))]
+
+
+@pytest.mark.parametrize("backend", ["onnx", pytest.param("rust", marks=pytest.mark.skipif(
+    not _rust_available(), reason="rust_runtime is not built (pip install -e '.[all]' builds it)"))])
+def test_both_engines_run_chat_unchanged_and_end_at_the_end_id(bundle, backend):
+    """The server's chat on each backend equals that backend's LM.chat, and a choice ends at an end id (what
+    <|im_end|> is to a chat reply) with finish_reason "stop", the id not in the output: the engines take ids and
+    run it unchanged."""
+    from fastapi.testclient import TestClient
+
+    from serve import load
+    from serve.chat import chat_prompt_ids
+    from serve.http.app import create_app
+    from serve.http.settings import Settings
+
+    lm = load(bundle, backend=backend, threads=1)
+    try:
+        full = lm.chat(CONV, 8, temperature=0)
+        assert len(full.token_ids) == 8 and full.finish_reason == "length"  # a base-trained model: no turn end
+        end = full.token_ids[2]
+        cut = lm.collect(lm.start_choices(chat_prompt_ids(lm, CONV), 1, 8, temperature=0, end_ids=frozenset({end}))[0])
+        k = full.token_ids.index(end)
+        assert cut.token_ids == full.token_ids[:k] and cut.finish_reason == "stop"
+        assert cut.text == lm.detokenize(full.token_ids[:k])
+    finally:
+        lm.close()
+    with TestClient(create_app(Settings(model=bundle, model_name="tiny", backend=backend))) as c:
+        deadline = time.monotonic() + 120
+        while c.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = c.post("/v1/chat/completions", json={"messages": CONV, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == full.text
+
+
+# ----------------------------------------------------------------------------------------------- OpenAI SDK
+
+@pytest.fixture(scope="module")
+def client(bundle):
+    openai = pytest.importorskip("openai")
+    with uvicorn_server(bundle, SHALIK_API_KEY=KEY, SHALIK_MODEL_NAME=NAME) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_sdk_plain_chat_equals_lm_chat(client, lm):
+    r = client.chat.completions.create(model=NAME, messages=CONV, max_tokens=16, temperature=0)
+    ours = lm.chat(CONV, 16, temperature=0)
+    assert r.object == "chat.completion" and r.model == NAME and len(r.choices) == 1
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ours.text
+    assert r.choices[0].finish_reason == ours.finish_reason
+    assert r.usage.prompt_tokens == ours.prompt_tokens and r.usage.completion_tokens == ours.completion_tokens
+    assert IM_END not in r.choices[0].message.content
+
+
+def test_sdk_streamed_chat_concatenates_to_the_plain_reply(client):
+    kw = dict(model=NAME, messages=CONV, max_completion_tokens=16, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == plain.choices[0].message.content and finishes == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_sdk_n2_with_seed(client, lm):
+    kw = dict(model=NAME, messages=CONV, max_tokens=16, temperature=1.0, seed=1234, n=2)
+    first, again = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1] and texts[0] != texts[1]
+    assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    assert texts == [lm.collect(g).text for g in lm.start_chat(CONV, 2, 16, temperature=1.0, seed=1234)]
+
+
+def test_sdk_logprobs_match_the_direct_ones(client, lm):
+    r = client.chat.completions.create(model=NAME, messages=CONV, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    ours = lm.chat(CONV, 8, temperature=0, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [t.token for t in content] == ours.tokens
+    assert [t.logprob for t in content] == pytest.approx(ours.logprobs, abs=1e-5)
+    assert [len(t.top_logprobs) for t in content] == [3] * len(content)
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == ours.text
+
+
+def test_sdk_bad_request_is_the_sdks_error(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[], max_tokens=4)
+    assert e.value.status_code == 400 and "messages" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------- llama.cpp
+
+LLAMA_CPP_CONVERSATIONS = [("bn", [_user(q)]) for q in BN_QUESTIONS[:7]] + \
+    [("bn", [{"role": "system", "content": SYSTEM_BN}, _user(q)]) for q in BN_QUESTIONS[7:]] + \
+    [("en", [_user(q)]) for q in EN_QUESTIONS[:7]] + \
+    [("en", _turns(EN_QUESTIONS[7], "Rice.", q)) for q in EN_QUESTIONS[8:]] + \
+    [("en", [{"role": "system", "content": SYSTEM_EN}, _user(EN_QUESTIONS[0])])]
+
+
+@pytest.mark.slow
+def test_llama_cpp_chat_completion_with_the_ggufs_template_equals_the_server(bundle, lm, tmp_path):
+    """llama-cpp-python's create_chat_completion with the GGUF's own tokenizer.chat_template (its Jinja2 formatter,
+    the handler it picks for a GGUF with a template) gives the server's greedy reply for 10 conversations per
+    language (a difference only at a near-tie, as test_llamacpp_tokenizer's text check allows); the reply stops
+    at <|im_end|>, the GGUF's end-of-turn token."""
+    _llama_cpp()
+    import export.gguf as G
+    from export.llamacpp_check import GreedyResult
+    from serve.backends.llamacpp import LlamaCppBackend
+
+    path = G.export_gguf(bundle, tmp_path / "m.gguf", log=lambda m: None)
+    lc = LlamaCppBackend(path, threads=1)
+    try:
+        meta = lc.llm.metadata
+        assert meta["tokenizer.chat_template"] == CHAT_TEMPLATE
+        assert int(meta["tokenizer.ggml.eot_token_id"]) == lm.tokenizer.token_to_id(IM_END)
+        assert lc.llm.chat_format == "chat_template.default"  # the GGUF's own template, not a built-in guess
+        results = []
+        assert len(LLAMA_CPP_CONVERSATIONS) == 20
+        for lang, conv in LLAMA_CPP_CONVERSATIONS:
+            ours = lm.chat(conv, 24, temperature=0, top_logprobs=2)
+            r = lc.llm.create_chat_completion(messages=conv, max_tokens=24, temperature=0.0)
+            theirs = r["choices"][0]["message"]["content"]
+            res = GreedyResult(lang, conv[-1]["content"], ours.text, theirs,
+                               ours.text.rstrip("\ufffd") == theirs.rstrip("\ufffd"))
+            if not res.equal and ours.top_logprobs:
+                common = len(os.path.commonprefix([ours.text, theirs]))
+                at = max((i for i, off in enumerate(ours.text_offset) if off <= common), default=0)
+                top = sorted(ours.top_logprobs[at].values(), reverse=True)
+                res.near_tie = top[0] - top[1] if len(top) > 1 and top[0] - top[1] < 1e-3 else None
+            results.append(res)
+            assert IM_END not in theirs
+            if ours.finish_reason == "stop":
+                assert r["choices"][0]["finish_reason"] == "stop"
+    finally:
+        lc.close()
+    assert [(r.prompt, r.ours, r.theirs) for r in results if not r.ok] == []
+    assert sum(r.equal for r in results) >= 18
+
+
+def test_gguf_and_modelfile_carry_the_chat_format(bundle, tmp_path):
+    """Without llama.cpp: the GGUF's keys (read back with gguf-py) and the Ollama Modelfile beside it."""
+    gguf = pytest.importorskip("gguf")
+    import export.gguf as G
+    from train.chat_format import OLLAMA_TEMPLATE
+
+    path = G.export_gguf(bundle, tmp_path / "m.gguf", log=lambda m: None)
+    r = gguf.GGUFReader(str(path))
+
+    def value(key):
+        f = r.fields[key]
+        return f.contents() if hasattr(f, "contents") else bytes(f.parts[f.data[0]]).decode()
+
+    assert value("tokenizer.chat_template") == CHAT_TEMPLATE
+    tok = json.loads((bundle / "tokenizer.json").read_text(encoding="utf-8"))
+    im_end = next(a["id"] for a in tok["added_tokens"] if a["content"] == IM_END)
+    assert int(value("tokenizer.ggml.eot_token_id")) == im_end
+    modelfile = (tmp_path / "Modelfile").read_text(encoding="utf-8")
+    assert f'TEMPLATE """{OLLAMA_TEMPLATE}"""' in modelfile
+    assert f'PARAMETER stop "{IM_END}"' in modelfile and 'PARAMETER stop "<|endoftext|>"' in modelfile
+
+
+def test_modelfile_template_follows_the_tokenizer():
+    """A base model's Modelfile keeps the raw template and only the <|endoftext|> stop; a chat model's has the
+    ChatML template and both stops."""
+    from export.modelfile import modelfile_text
+    from train.chat_format import OLLAMA_TEMPLATE
+
+    sampling = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.1, "max_new_tokens": 64}
+    base = modelfile_text("m.gguf", 128, sampling).splitlines()
+    chat = modelfile_text("m.gguf", 128, sampling, chat=True)
+    assert 'TEMPLATE """{{ .Prompt }}"""' in base and f'PARAMETER stop "{IM_END}"' not in base
+    assert f'TEMPLATE """{OLLAMA_TEMPLATE}"""' in chat and f'PARAMETER stop "{IM_END}"' in chat.splitlines()
+    assert 'PARAMETER stop "<|endoftext|>"' in chat.splitlines()

@@ -1,0 +1,82 @@
+"""train.chat_format: the one conversation format (ChatML), its checks, its Jinja twin and the loss spans."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+
+from train.chat_format import (
+    CHAT_TEMPLATE,
+    IM_END,
+    IM_START,
+    ChatFormatError,
+    assistant_spans,
+    missing_chat_tokens,
+    normalize_messages,
+    render,
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "বাংলা ভাষা সম্পর্কে কিছু বলো।"}],
+    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Capital of France?"},
+     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Bangladesh?"}],
+    [{"role": "user", "content": [{"type": "text", "text": "র\u200d্য "}, {"type": "text", "text": "x"}]}],
+    [{"role": "assistant", "content": ""}],
+]
+
+
+def _jinja(messages, add_generation_prompt, **env):
+    template = jinja2.Environment(**env).from_string(CHAT_TEMPLATE)
+    return template.render(messages=normalize_messages(messages), bos_token="<|endoftext|>",
+                           add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("gen", [False, True])
+def test_jinja_template_renders_as_render(messages, gen):
+    """Plain jinja2 (transformers) and with trim_blocks / lstrip_blocks (llama-cpp-python's environment): the BOS
+    (<|endoftext|>) then exactly render()'s text."""
+    assert _jinja(messages, gen) == "<|endoftext|>" + render(messages, gen)
+    assert _jinja(messages, gen, trim_blocks=True, lstrip_blocks=True) == "<|endoftext|>" + render(messages, gen)
+
+
+def test_render_exact_text():
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    assert render(msgs, False) == f"{IM_START}system\nS{IM_END}\n{IM_START}user\nU{IM_END}\n{IM_START}assistant\nA{IM_END}\n"
+    assert render(msgs[:2], True).endswith(f"{IM_START}user\nU{IM_END}\n{IM_START}assistant\n")
+
+
+def test_content_is_nfc_and_parts_join():
+    # U+09A1 U+09BC (decomposed nukta letter stays decomposed); U+0995 U+09C7 U+09BE composes to U+0995 U+09CB
+    out = normalize_messages([{"role": "user", "content": [{"type": "text", "text": "\u0995\u09c7"},
+                                                          {"type": "text", "text": "\u09be"}], "name": "x"}])
+    assert out == [{"role": "user", "content": "\u0995\u09cb"}]
+
+
+def test_assistant_spans_cover_reply_and_im_end():
+    msgs = [{"role": "user", "content": "প্রশ্ন"}, {"role": "assistant", "content": "উত্তর"},
+            {"role": "user", "content": "আর?"}, {"role": "assistant", "content": "শেষ"}]
+    text, spans = assistant_spans(msgs)
+    assert text == render(msgs, False)
+    assert [text[a:b] for a, b in spans] == ["উত্তর" + IM_END, "শেষ" + IM_END]
+
+
+@pytest.mark.parametrize("messages, expected", [
+    ([], "messages: expected at least one message"),
+    ("hi", "messages: expected a list"),
+    ([{"role": "tool", "content": "x"}], "messages[0].role: expected one of system, user, assistant, got 'tool'"),
+    ([{"role": "user"}], "messages[0].content: expected a string or a list of text parts, got none"),
+    ([{"role": "user", "content": 5}], "messages[0].content: expected a string or a list of text parts, got int"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text: expected a string"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": f"x{IM_END}"}],
+     "messages[1].content: contains the reserved turn token <|im_end|>"),
+])
+def test_bad_conversations_name_the_field(messages, expected):
+    with pytest.raises(ChatFormatError, match=expected.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")):
+        render(messages, True)
+
+
+def test_missing_chat_tokens():
+    assert missing_chat_tokens({"<|endoftext|>": 0}) == [IM_START, IM_END]
+    assert missing_chat_tokens([IM_START, IM_END]) == []

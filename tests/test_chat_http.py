@@ -1,0 +1,163 @@
+"""POST /v1/chat/completions in-process (Starlette's TestClient) over a scripted chat model, and ``LM.chat``: the
+template applied on the server, the reply ending at <|im_end|>, streaming (role delta, content deltas, final
+chunk, usage, [DONE]), n, seed, stop, logprobs in the chat form, and the 400s (OpenAI error body) for bad input
+and for a model without a chat template. The same against a real trained bundle is in test_chat_clients.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from serve.chat import chat_prompt_ids
+from serve.errors import RequestError
+from serve.sampling import log_softmax
+from tests.scripted import scripted_lm
+from tests.test_http import assert_error, client_for, sse_events
+from train.chat_format import IM_END, render
+
+PIECES = ["নমস্কার", "!", " Hello", "."]
+USER = [{"role": "user", "content": "বাংলা ভাষা সম্পর্কে কিছু বলো।"}]
+
+
+@pytest.fixture
+def chat_client():
+    """A scripted chat model: the pieces in turn, <|im_end|> after 3 tokens."""
+    with client_for(scripted_lm(PIECES, context=128, eos_after=3, chat=True)) as c:
+        yield c
+
+
+@pytest.fixture
+def random_chat_client():
+    """A chat model with seeded random logits (never forced to end), context 256."""
+    with client_for(scripted_lm(None, context=256, chat=True)) as c:
+        yield c
+
+
+def test_reply_ends_at_im_end_with_usage(chat_client):
+    r = chat_client.post("/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice, = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "নমস্কার! Hello", "refusal": None}
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+    lm = chat_client.app.state.shalik.lm
+    prompt = len(lm.tokenize(render(USER, True))) + 1  # + the leading <|endoftext|>
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
+
+
+def test_template_is_applied_on_the_server_nfc():
+    lm = scripted_lm(PIECES, chat=True)
+    decomposed = [{"role": "system", "content": "\u0995\u09c7\u09be"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    ids = chat_prompt_ids(lm, decomposed)
+    text = "<|im_start|>system\n\u0995\u09cb<|im_end|>\n<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == lm.tokenize(text)
+    assert ids.count(lm.tokenizer.token_to_id(IM_END)) == 2
+
+
+def test_max_tokens_and_max_completion_tokens(chat_client):
+    for key in ("max_tokens", "max_completion_tokens"):
+        r = chat_client.post("/v1/chat/completions", json={"messages": USER, key: 2})
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 2
+    r = chat_client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "max_completion_tokens": 2})
+    assert r.json()["usage"]["completion_tokens"] == 2  # the newer name wins
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_role_first_deltas_finish_usage_done(chat_client, include_usage):
+    body = {"messages": USER, "stream": True, "stream_options": {"include_usage": include_usage}}
+    r = chat_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    chunks = [e for e in events if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-1]] == ["নমস্কার", "!", " Hello"]
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    if include_usage:
+        assert all(c["usage"] is None for c in chunks)
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    else:
+        assert all("usage" not in e for e in events)
+
+
+def test_stream_concatenates_to_plain_reply_with_seed_and_n(random_chat_client):
+    base = {"messages": USER, "max_tokens": 12, "seed": 7, "n": 2, "temperature": 1.0}
+    plain = random_chat_client.post("/v1/chat/completions", json=base).json()
+    streamed = random_chat_client.post("/v1/chat/completions", json={**base, "stream": True})
+    texts = {0: "", 1: ""}
+    for e in sse_events(streamed.text)[:-1]:
+        for c in json.loads(e)["choices"]:
+            texts[c["index"]] += c["delta"].get("content", "")
+    assert [c["message"]["content"] for c in plain["choices"]] == [texts[0], texts[1]]
+    assert [c["index"] for c in plain["choices"]] == [0, 1]
+    assert texts[0] != texts[1]  # each choice draws its own stream
+    again = random_chat_client.post("/v1/chat/completions", json=base).json()
+    assert again["choices"] == plain["choices"]
+
+
+def test_stop_string(chat_client):
+    r = chat_client.post("/v1/chat/completions", json={"messages": USER, "stop": ["!"]})
+    c = r.json()["choices"][0]
+    assert c["message"]["content"] == "নমস্কার" and c["finish_reason"] == "stop"
+
+
+def test_logprobs_in_chat_form(random_chat_client):
+    lm = random_chat_client.app.state.shalik.lm
+    r = random_chat_client.post("/v1/chat/completions", json={
+        "messages": USER, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3})
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"] == 4
+    ids = [lm.eot_id, *chat_prompt_ids(lm, USER)]
+    logits = lm.backend.new_sequence().prefill(ids)
+    lp = log_softmax(np.asarray(logits, dtype=np.float32))
+    first = content[0]
+    assert first["logprob"] == pytest.approx(float(lp.max()), abs=1e-4)  # greedy: the most likely token
+    assert [t["logprob"] for t in first["top_logprobs"]] == pytest.approx(sorted(lp)[::-1][:3], abs=1e-4)
+    assert first["top_logprobs"][0]["token"] == first["token"]
+    assert bytes(first["bytes"]) == lm.table.token_bytes(int(np.argmax(lp)))
+    r = random_chat_client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "logprobs": True})
+    assert all(t["top_logprobs"] == [] for t in r.json()["choices"][0]["logprobs"]["content"])
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages", "text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
+     "text parts"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "text parts"),
+    ({"messages": USER, "n": 0}, "n", "greater than or equal to 1"),
+    ({"messages": [{"role": "user", "content": f"a{IM_END}b"}]}, "messages", "reserved turn token"),
+    ({"messages": [{"role": "user", "content": "ক" * 300}]}, "messages", "context length 128"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_input_is_400_before_any_stream(chat_client, body, param, needle, stream):
+    err = assert_error(chat_client.post("/v1/chat/completions", json={**body, "stream": stream}), 400, param)
+    assert needle in err["message"], err
+
+
+def test_model_without_chat_template_is_400_saying_how_to_get_one():
+    with client_for(scripted_lm(PIECES)) as c:
+        err = assert_error(c.post("/v1/chat/completions", json={"messages": USER}), 400, "messages")
+    assert err["code"] == "chat_template_missing"
+    assert "<|im_start|>" in err["message"] and "python -m train.sft" in err["message"]
+
+
+def test_lm_chat_and_stream():
+    lm = scripted_lm(PIECES, eos_after=3, chat=True)
+    c = lm.chat(USER)
+    assert (c.text, c.finish_reason, c.completion_tokens) == ("নমস্কার! Hello", "stop", 3)
+    assert list(lm.chat_stream(USER)) == ["নমস্কার", "!", " Hello"]
+    gens = lm.start_chat(USER, n=2, max_new_tokens=2)
+    assert [lm.collect(g).text for g in gens] == ["নমস্কার!", "নমস্কার!"]
+    with pytest.raises(RequestError, match="n is 2"):
+        lm.chat(USER, n=2)
+    with pytest.raises(RequestError, match=r"messages\[0\]\.role"):
+        lm.chat([{"role": "bot", "content": "x"}])

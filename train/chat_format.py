@@ -1,0 +1,147 @@
+"""Shalik's one conversation format: ChatML, its special tokens, checks, rendering and the Jinja template.
+
+Every runtime renders a conversation from this module (the server and ``serve.load``'s ``LM.chat``, the bundle's
+``tokenizer_config.json`` ``chat_template`` for ``transformers``, the GGUF's ``tokenizer.chat_template`` for
+llama.cpp, the Ollama ``Modelfile``'s ``TEMPLATE``) and fine-tuning computes its loss mask from it.
+
+Why ChatML (``<|im_start|>role\\n…<|im_end|>\\n``): llama.cpp picks a built-in template by looking at the
+template string (``llm_chat_detect_template`` in ``src/llama-chat.cpp``: a template containing ``<|im_start|>`` is
+``LLM_CHAT_TEMPLATE_CHATML``), so ``llama-cli``/``llama-server`` render it without ``--jinja``; Ollama, LM Studio
+and ``transformers`` take the same template as Jinja. It needs no extra BOS/EOS conventions per turn.
+
+Token ids of a conversation are ``[id of <|endoftext|>]`` + ``encode(render(messages, ...))``: the same leading
+``<|endoftext|>`` that began every training document and that the server puts before every prompt
+(``serve.lm``: "every prompt is encoded as ``<|endoftext|>`` + prompt"). :data:`CHAT_TEMPLATE` starts with
+``{{ bos_token }}`` (``<|endoftext|>`` in tokenizer_config.json), so ``transformers``' ``apply_chat_template``
+gives these ids exactly, as llama-cpp-python's Jinja2 formatter does; llama.cpp's built-in ChatML renders
+:func:`render`'s text and adds ``<|endoftext|>`` as BOS itself (the GGUF's ``add_bos_token`` is true), and its
+Jinja path (``common/chat.cpp``, llama-server's default) cuts a rendered leading BOS before adding its own. The tokenizer keeps ``<|im_start|>`` and
+``<|im_end|>`` whole (special added tokens), so encoding the rendered text as one string gives the same ids as
+the other runtimes; never encode pieces separately.
+
+Generation ends at ``<|im_end|>`` (a chat reply) or ``<|endoftext|>``: :data:`END_OF_GENERATION`.
+
+A leaf module (standard library only, nothing of the project) so that ``serve/`` may import it. NFC is
+``unicodedata.normalize("NFC", ...)``, the same normalisation as ``train.textutil.nfc`` and the tokenizer's own.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Sequence
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+CHAT_TOKENS = (IM_START, IM_END)  # in id order; a tokenizer keeps them as its last two ids (train.tokenizer)
+END_OF_GENERATION = ("<|endoftext|>", IM_END)  # train.byte_level.EOT and the end of a turn
+ROLES = ("system", "user", "assistant")
+
+# transformers' apply_chat_template form (messages, bos_token, add_generation_prompt); rendered by jinja2 it is
+# bos_token + render(): the tokenizer's bos_token is <|endoftext|>, so transformers' apply_chat_template(tokenize=True)
+# and llama-cpp-python's Jinja2 formatter (which then adds no BOS of its own) give exactly the server's ids.
+# llama.cpp's built-in ChatML (no --jinja) renders render() and prepends the BOS itself: the same ids again.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Ollama's Go template: the same text from .Messages (https://github.com/ollama/ollama/blob/main/docs/template.md).
+OLLAMA_TEMPLATE = (
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end -}}"
+    "<|im_start|>assistant\n"
+)
+
+
+class ChatFormatError(ValueError):
+    """A conversation that cannot be rendered; the message names the message index and field and what was
+    expected (e.g. ``messages[2].role: expected one of system, user, assistant, got 'tool'``)."""
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content as one string: a string, or the concatenation of OpenAI text parts
+    (``[{"type": "text", "text": "..."}]``)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for j, part in enumerate(content):
+            at = f"{where}[{j}]"
+            if not isinstance(part, dict):
+                raise ChatFormatError(f"{at}: expected a text part {{\"type\": \"text\", \"text\": ...}}, "
+                                      f"got {type(part).__name__}")
+            if part.get("type") != "text":
+                raise ChatFormatError(f"{at}.type: expected 'text' (only text content is supported), "
+                                      f"got {part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise ChatFormatError(f"{at}.text: expected a string, got {type(part.get('text')).__name__}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ChatFormatError(f"{where}: expected a string or a list of text parts, got {type(content).__name__}")
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Check an OpenAI / Hugging Face ``messages`` list and return ``[{"role": str, "content": str}, ...]`` with
+    NFC content (other keys dropped).
+
+    ``messages``: a non-empty list of dicts with ``role`` in :data:`ROLES` and ``content`` a string or a list of
+    ``{"type": "text", "text": str}`` parts (joined without a separator, as OpenAI does for text parts). A
+    content that contains ``<|im_start|>`` or ``<|im_end|>`` is refused: it would forge a turn. Raises
+    :class:`ChatFormatError` naming ``messages[i].field`` and what was expected.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ChatFormatError(f"messages: expected a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise ChatFormatError("messages: expected at least one message, got an empty list")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ChatFormatError(f"{where}: expected an object with role and content, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ChatFormatError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
+        if "content" not in m or m["content"] is None:
+            raise ChatFormatError(f"{where}.content: expected a string or a list of text parts, got none")
+        text = unicodedata.normalize("NFC", _content_text(m["content"], f"{where}.content"))
+        for tok in CHAT_TOKENS:
+            if tok in text:
+                raise ChatFormatError(f"{where}.content: contains the reserved turn token {tok}")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def _turn(role: str, content: str) -> str:
+    return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def render(messages, add_generation_prompt: bool) -> str:
+    """The ChatML text of ``messages`` (checked and NFC-normalised by :func:`normalize_messages`):
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n`` when
+    ``add_generation_prompt`` (the prompt a reply is generated after). Raises :class:`ChatFormatError`."""
+    text = "".join(_turn(m["role"], m["content"]) for m in normalize_messages(messages))
+    return text + f"{IM_START}assistant\n" if add_generation_prompt else text
+
+
+def assistant_spans(messages) -> tuple[str, list[tuple[int, int]]]:
+    """``(render(messages, False), spans)``: ``spans`` are the ``[start, end)`` character offsets in that text of
+    every assistant message's content together with the ``<|im_end|>`` that closes it (the part that carries the
+    fine-tuning loss; the ``\\n`` after ``<|im_end|>`` and the ``<|im_start|>assistant\\n`` header do not).
+    Offsets count Python characters (code points) of the NFC text. Raises :class:`ChatFormatError`."""
+    parts, spans, at = [], [], 0
+    for m in normalize_messages(messages):
+        turn = _turn(m["role"], m["content"])
+        if m["role"] == "assistant":
+            start = at + len(IM_START) + len(m["role"]) + 1
+            spans.append((start, start + len(m["content"]) + len(IM_END)))
+        parts.append(turn)
+        at += len(turn)
+    return "".join(parts), spans
+
+
+def missing_chat_tokens(vocab: Sequence[str] | dict) -> list[str]:
+    """The :data:`CHAT_TOKENS` absent from ``vocab`` (token strings, or a token → id dict); empty when the
+    tokenizer can render this format."""
+    return [t for t in CHAT_TOKENS if t not in vocab]
