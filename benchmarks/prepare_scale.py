@@ -1,8 +1,10 @@
 """Data preparation at scale: MB/s of text per process count, against the raw tokenizer's limit, interleaved.
 
 A corpus of at least ``--mb`` MB of UTF-8 text is generated from ``data/sample`` (its documents repeated and
-shuffled, with a copy number prefixed so no two documents are equal) into a temporary folder, as 8 ``.jsonl``
-files. A tokenizer is trained once (``small``'s settings, a 5 M-character sample). Then, in each round, for each
+shuffled, with a copy number prefixed so no two documents are equal; every copy after the first has the words of
+each line shuffled, seeded: the same words, characters and tokens, so tokenizing costs the same, but no word
+n-grams in common, so the cleaning stage sees distinct documents, not near-duplicates) into a temporary folder,
+as 8 ``.jsonl`` files, each copy titled as a work of its own. A tokenizer is trained once (``small``'s settings, a 5 M-character sample). Then, in each round, for each
 process count N (1 and 2 by default), the runs below one after the other, the order rotated from one N and
 round to the next (limit, prepare, …, then prepare, limit, …) so that the machine's load hits them alike:
 
@@ -13,8 +15,12 @@ round to the next (limit, prepare, …, then prepare, limit, …) so that the ma
   (their thread pools off) that take ~1 MB batches as they come free (the pipeline's chunk size): the physical
   limit of tokenizing on N cores, with no reading, parsing, language, hashing, IPC or writing;
 * **prepare** — ``train.data.build_shards(..., workers=N)``: read, parse, NFC, language, split and shuffle
-  hashes, tokenize, merge, resample and write the shards, pool start included (the input scan, done once and
-  cached, is reported apart);
+  hashes, tokenize, the cleaning stage (``train.clean``: features, hashes and n-grams in the workers; split,
+  deduplication and decontamination after), merge, resample and write the shards, pool start included (the input
+  scan, done once and cached, is reported apart);
+* **no clean** — the same with ``data.clean = false`` (the split of whole works only): prepare / no clean is
+  the cleaning stage's cost (wall time and CPU seconds, median of the rounds' ratios of runs side by side); the
+  shards of N = 1 and N = 2 are compared byte for byte;
 * **shipped** (N = 1, first round only) — ``encode_batch_fast`` of the tokenizer as saved (its NFC normalizer on) on the same
   raw texts: what a plain tokenizer call costs, NFC included, for reference.
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import multiprocessing
 import os
@@ -73,13 +80,24 @@ def make_corpus(out: Path, mb: float, seed: int = 0) -> int:
     out.mkdir(parents=True, exist_ok=True)
     handles = [open(out / f"part-{i}.jsonl", "w", encoding="utf-8") for i in range(8)]
     total, copy = 0, 0
+    round_ = 0
     while total < mb * 1e6:
         rng.shuffle(rows)
         for r in rows:
-            text = f"{copy} {r['text']}"
+            body = r["text"]
+            if round_:
+                lines = []
+                for line in body.split("\n"):
+                    w = line.split(" ")
+                    rng.shuffle(w)
+                    lines.append(" ".join(w))
+                body = "\n".join(lines)
+            text = f"{copy} {body}"
+            r = {**r, "title": f"{r.get('title')} / copy {round_}"}
             total += len(text.encode("utf-8"))
             handles[copy % 8].write(json.dumps({**r, "text": text}, ensure_ascii=False) + "\n")
             copy += 1
+        round_ += 1
     for h in handles:
         h.close()
     return total
@@ -124,13 +142,18 @@ def limit_run(n: int, kind: str = "limit") -> tuple[float, float]:
     return wall, _cpu_seconds() - cpu
 
 
-def prepare_run(cfg, files, inputs, tok_dir: Path, n: int) -> tuple[float, float, dict]:
-    """(wall seconds, CPU seconds of this process and its workers, index) of ``build_shards`` on ``n``."""
+def prepare_run(cfg, files, inputs, tok_dir: Path, n: int) -> tuple[float, float, dict, str]:
+    """(wall seconds, CPU seconds of this process and its workers, index, sha256 of the shard files) of
+    ``build_shards`` on ``n``."""
     out = Path(tempfile.mkdtemp(prefix="prep-", dir=tok_dir.parent))
     try:
         cpu, t0 = _cpu_seconds(), time.perf_counter()
         index = build_shards(cfg, files, inputs, tok_dir, out, log=lambda m: None, workers=n)
-        return time.perf_counter() - t0, _cpu_seconds() - cpu, index
+        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu
+        h = hashlib.sha256()
+        for f in sorted(out.glob("*.bin")):
+            h.update(f.name.encode() + f.read_bytes())
+        return wall, cpu, index, h.hexdigest()
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -148,6 +171,7 @@ def main(argv=None) -> int:
         text_bytes = make_corpus(work / "corpus", args.mb)
         files = list_input_files([str(work / "corpus")])
         cfg = load_config("small", ["data.paths=" + json.dumps([str(work / "corpus")])])
+        cfg_off = load_config("small", ["data.paths=" + json.dumps([str(work / "corpus")]), "data.clean=false"])
         t0 = time.perf_counter()
         inputs = scan_inputs(files, work / "cache", workers=max(args.workers))
         scan_s = time.perf_counter() - t0
@@ -168,14 +192,17 @@ def main(argv=None) -> int:
         nfc_bytes = sum(len(t.encode("utf-8")) for t in nfc_texts)
         del nfc_texts
         print(f"corpus: {text_bytes / 1e6:.1f} MB of text, {len(_TEXTS):,} documents; scan {scan_s:.1f} s", flush=True)
-        times: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "shipped": {}}
-        cpus: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "shipped": {}}
+        times: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "no clean": {}, "shipped": {}}
+        cpus: dict[str, dict[int, list[float]]] = {"limit": {}, "prepare": {}, "no clean": {}, "shipped": {}}
+        digests: dict[str, dict[int, set]] = {"prepare": {}, "no clean": {}}
+        cleaning = None
         tokens = None
         loads: list[dict] = []  # the 1-minute load average as each run starts
         for r in range(args.rounds):
             for k, n in enumerate(args.workers):
                 runs = [("limit", lambda n=n: limit_run(n)),
-                        ("prepare", lambda n=n: prepare_run(cfg, files, inputs, tok_dir, n))]
+                        ("prepare", lambda n=n: prepare_run(cfg, files, inputs, tok_dir, n)),
+                        ("no clean", lambda n=n: prepare_run(cfg_off, files, inputs, tok_dir, n))]
                 if n == min(args.workers) and r == 0:  # a reference figure: once is enough
                     runs.append(("shipped", lambda n=n: limit_run(n, "shipped")))
                 for name, fn in timing.rotated(runs, r + k):
@@ -184,6 +211,9 @@ def main(argv=None) -> int:
                     sec, cpu = res[0], res[1]
                     if name == "prepare":
                         tokens = res[2]["languages"]["bn"]["tokens"] + res[2]["languages"]["en"]["tokens"]
+                        cleaning = res[2]["cleaning"]
+                    if name in digests:
+                        digests[name].setdefault(n, set()).add(res[3])
                     times[name].setdefault(n, []).append(sec)
                     cpus[name].setdefault(n, []).append(cpu)
                     print(f"round {r} {name:<8} N={n}: {sec:6.1f} s = {nfc_bytes / 1e6 / sec:.2f} MB/s "
@@ -197,6 +227,9 @@ def main(argv=None) -> int:
     ratios = {n: timing.ratios(times["limit"][n], times["prepare"][n]) for n in ns}  # side by side
     ratio = {n: timing.median(v) for n, v in ratios.items()}
     cpu_ratio = {n: timing.median_ratio(cpus["limit"][n], cpus["prepare"][n]) for n in ns}
+    clean_ratios = {n: timing.ratios(times["prepare"][n], times["no clean"][n]) for n in ns}  # prepare / no clean
+    clean_cpu = {n: timing.median_ratio(cpus["no clean"][n], cpus["prepare"][n]) for n in ns}
+    same_shards = {name: len(set().union(*d.values())) == 1 for name, d in digests.items()}
     # speed-up paired by round (the runs of one round are minutes apart; this VM's speed drifts by up to ±15 %
     # over tens of minutes, which a ratio of medians over all rounds would mix in)
     speedups = {name: timing.ratios(times[name][min(ns)], times[name][n_max]) for name in ("limit", "prepare")}
@@ -212,7 +245,10 @@ def main(argv=None) -> int:
               "cpu_seconds": cpus, "limit_cpu_over_prepare_cpu": cpu_ratio,
               "speedup": {f"{min(ns)}->{n_max}": speedup}, "speedup_by_round": speedups,
               "limit_speedup": {f"{min(ns)}->{n_max}": limit_speedup}, "tokens_per_mb": tokens_per_mb,
-              "extrapolated_hours_2b_tokens_16_cores": hours_2b}
+              "extrapolated_hours_2b_tokens_16_cores": hours_2b,
+              "clean_over_no_clean_by_round": clean_ratios, "clean_cpu_over_no_clean_cpu": clean_cpu,
+              "same_shards_for_every_process_count": same_shards,
+              "cleaning": {k: cleaning[k] for k in ("in", "kept", "removed", "clusters", "seconds")}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prepare_scale.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -231,6 +267,18 @@ def main(argv=None) -> int:
         lines.append(f"| {n} | {mbs['limit'][n]:.2f} | {mbs['prepare'][n]:.2f} | {ratio[n]:.0%} | "
                      + ", ".join(f"{x:.0%}" for x in ratios[n]) + f" | {cpu_ratio[n]:.0%} |")
     n_min = min(ns)
+    lines += ["", "**The cleaning stage's cost**: prepare (cleaning on, the default) over prepare with `data.clean = "
+              "false`, runs side by side:", "",
+              "| processes | no clean MB/s | prepare MB/s | prepare / no clean, wall (median of rounds) | by round | "
+              "CPU s: prepare / no clean |", "|---:|---:|---:|---:|---|---:|"]
+    for n in ns:
+        lines.append(f"| {n} | {mbs['no clean'][n]:.2f} | {mbs['prepare'][n]:.2f} | "
+                     f"{timing.median(clean_ratios[n]):.2f}× | " + ", ".join(f"{x:.2f}×" for x in clean_ratios[n])
+                     + f" | {1 / clean_cpu[n]:.2f}× |")
+    rm = ", ".join(f"{k} {v['docs']:,}" for k, v in cleaning["removed"].items()) or "nothing"
+    lines += ["", f"Same shard files (sha256 of every .bin) for {', '.join(map(str, ns))} processes: cleaning on "
+              f"{'yes' if same_shards['prepare'] else 'NO'}, off {'yes' if same_shards['no clean'] else 'NO'}. "
+              f"The cleaning removed (of {cleaning['in']['docs']:,} documents): {rm}."]
     lines += ["", "The limit does the pipeline's normalising and tokenizing and nothing else: Python's NFC, then "
               "encode_batch_fast with the tokenizer's own NFC normalizer off, as prepare's workers run it (the text "
               "is NFC already; the ids are the same). The tokenizer as saved (its normalizer on) on the raw texts, "

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import fast_config
+from train.clean.decide import TRAIN, VAL
+from train.clean.split import iter_split
 from train.config import ConfigError, load_config, parse_value
 from train.corpus import DataError, ReadReport, iter_documents, list_input_files, parse_hf_spec
 from train.data import main, mix_report, prepare, repeat_factors
@@ -185,8 +187,9 @@ def prepared(tmp_path_factory):
 def test_shards_decode_back_to_the_documents(prepared):
     cfg, prep = prepared
     tok = load_tokenizer(prep.tokenizer_dir)
-    docs = list(iter_documents(list_input_files(cfg.data.paths)))
-    val_bn = sorted((split_value(d.text), d.text) for d in docs if d.lang == "bn" and is_val(d.text, 0.05))
+    val_bn = sorted((split_value(d.text), d.text) for d, code in iter_split(cfg, list_input_files(cfg.data.paths))
+                    if d.lang == "bn" and code == VAL)
+    assert val_bn
     ids = open_shard(prep.shard_dir / "val-bn.bin").tolist()
     pieces = []
     cur: list[int] = []
@@ -207,7 +210,7 @@ def test_train_shards_hold_every_train_document(prepared):
     tok = load_tokenizer(prep.tokenizer_dir)
     ids = np.concatenate([open_shard(prep.shard_dir / s) for s in prep.index["splits"]["train"]["shards"]])
     texts = set(tok.decode(list(map(int, part))) for part in np.split(ids, np.where(ids == 0)[0])[1:] if True)
-    docs = [d for d in iter_documents(list_input_files(cfg.data.paths)) if not is_val(d.text, 0.05)]
+    docs = [d for d, code in iter_split(cfg, list_input_files(cfg.data.paths)) if code == TRAIN]
     for d in docs[:: max(len(docs) // 15, 1)]:
         assert tok.decode(tok.encode(d.text, add_special_tokens=False).ids) in texts or d.text in texts
 
@@ -389,6 +392,8 @@ def test_shards_identical_whatever_the_number_of_workers(tmp_path, fixture_tok, 
             out.mkdir()
             index = build_shards(cfg, files, inputs, fixture_tok, out, log=lambda m: None, shard_tokens=50_000,
                                  workers=workers)
+            assert index["cleaning"]["seconds"]["scan_in_workers"] > 0
+            index["cleaning"].pop("seconds")  # the cleaning report's timings: the one part that may differ
             (out / "index.json").write_text(json.dumps(index, sort_keys=True))
             outs[workers] = _shard_bytes(out)
     assert len([n for n in outs[1] if n.startswith("train-")]) > 1
@@ -396,6 +401,7 @@ def test_shards_identical_whatever_the_number_of_workers(tmp_path, fixture_tok, 
     big = tmp_path / "w-default"
     big.mkdir()
     index = build_shards(cfg, files, inputs, fixture_tok, big, log=lambda m: None, shard_tokens=50_000, workers=1)
+    index["cleaning"].pop("seconds")
     (big / "index.json").write_text(json.dumps(index, sort_keys=True))
     assert _shard_bytes(big) == outs[1]  # 1 MB chunks (whole files here) or 4 KB chunks: the same
 
@@ -526,6 +532,7 @@ def test_vectorised_resampling_is_the_serial_order(tmp_path, fixture_tok, mini_c
         monkeypatch.setattr("train.data.repeat_factors", lambda natural, mix: dict(factors))
     build = ShardBuild(cfg, files, scan_inputs(files), fixture_tok, tmp_path, log=lambda m: None, workers=1)
     build.tokenize()
+    build.clean()
     build.ensure_val()
     build.resample()
     langs, index = build.order

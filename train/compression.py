@@ -8,9 +8,10 @@ equivalent of a model trained on the training split — divided by the validatio
 
     bits(train + "\\n\\n" + held) − bits(train)      per character of ``held``
 
-(``held``: the source's validation documents joined by blank lines, in reading order.) The split is the project's
-(``train.textutil.is_val``, ``data.val_fraction``), so the characters are those the trainer's per-source evaluation
-scores (:func:`train.evaluate.evaluate_sources`). A language's floor is the sum of its sources' bits over the sum of
+(``held``: the source's validation documents joined by blank lines, in reading order.) The split is the shards'
+(the cleaning stage's validation split of whole works, ``train.clean.split``; documents it removes are on
+neither side), so the characters are those the trainer's per-source evaluation scores
+(:func:`train.evaluate.evaluate_sources`). A language's floor is the sum of its sources' bits over the sum of
 their characters (the way the model's bits per character are aggregated).
 
 Both compressors are primed once per language and then forked once per source file (PPMd's and xz's streaming state
@@ -40,12 +41,15 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from train.atomic import atomic_write_json
+from train.clean import stage as clean_stage
+from train.clean.decide import TRAIN, VAL
+from train.clean.split import iter_split
 from train.config import DEFAULT_PRESET, Config, ConfigError, load_config, resolve_path
-from train.corpus import DataError, ReadReport, is_hf_spec, iter_documents, list_input_files
+from train.corpus import DataError, is_hf_spec, list_input_files
 from train.inputs import scan_inputs
-from train.textutil import is_val, split_value
+from train.textutil import split_value
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the shards' split (whole works, cleaned)
 PPMD_ORDER = 16
 PPMD_MEMORY = 1 << 30
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
@@ -78,20 +82,19 @@ def source_name(origin: str) -> str:
     return name
 
 
-def split_by_source(files: list[str], languages: list[str], val_fraction: float,
-                    strict: bool = False) -> tuple[dict[str, list[str]], dict[str, Source]]:
+def split_by_source(cfg: Config, files: list[str]) -> tuple[dict[str, list[str]], dict[str, Source]]:
     """Read the inputs once: ``(train texts per language, validation Source per source file)``, sources in input
-    order (a file holding two languages gives ``NAME-LANG`` for each). Documents of other languages are left out.
-    Raises DataError for unreadable inputs in strict mode."""
+    order (a file holding two languages gives ``NAME-LANG`` for each), on the shards' split
+    (:func:`train.clean.split.iter_split`). Documents of other languages, and those the cleaning removed, are left
+    out. Raises DataError for unreadable inputs in strict mode."""
+    languages = list(cfg.data.languages)
     train: dict[str, list[str]] = {lang: [] for lang in languages}
     train_origin: dict[str, list[str]] = {lang: [] for lang in languages}
     held: dict[tuple[str, str], list[str]] = {}
-    for d in iter_documents(files, strict=strict, report=ReadReport()):
-        if d.lang not in train:
-            continue
-        if is_val(d.text, val_fraction):
+    for d, code in iter_split(cfg, files):
+        if code == VAL:
             held.setdefault((source_name(d.origin), d.lang), []).append(d.text)
-        else:
+        elif code == TRAIN:
             train[d.lang].append(d.text)
             train_origin[d.lang].append(d.origin)
     for lang in languages:  # the data preparation's rule (train.data, ensure_val): a language without val text
@@ -164,7 +167,8 @@ def fingerprint(cfg: Config, files: list[str]) -> str:
     """The cache key: the inputs' content hashes, the languages, the split and the compressor settings."""
     inputs = scan_inputs(files, resolve_path(cfg.data.cache_dir), 1)
     key = {"format": FORMAT_VERSION, "inputs": sorted(i.sha256 for i in inputs), "languages": sorted(cfg.data.languages),
-           "val_fraction": cfg.data.val_fraction, "ppmd": [PPMD_ORDER, PPMD_MEMORY], "xz": XZ_PRESET}
+           "val_fraction": cfg.data.val_fraction, "ppmd": [PPMD_ORDER, PPMD_MEMORY], "xz": XZ_PRESET,
+           "clean": clean_stage.fingerprint(clean_stage.settings_from(cfg))}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -185,7 +189,7 @@ def measure(cfg: Config, log=print, workers: int | None = None) -> dict:
         return json.loads(floor_path.read_text())
     t0 = time.time()
     log("compression floor: reading the inputs (PPMd-16 and xz primed with the training split; cached after)")
-    train, sources = split_by_source(files, list(cfg.data.languages), cfg.data.val_fraction, cfg.data.strict)
+    train, sources = split_by_source(cfg, files)
     if not sources:
         raise DataError(f"compression floor: no validation documents in {cfg.data.paths} at data.val_fraction = "
                         f"{cfg.data.val_fraction}")

@@ -48,6 +48,9 @@ class DataSection:
     strict: bool = False
     cache_dir: str = "cache"
     num_workers: int = 0  # processes that prepare the data; 0 = os.cpu_count() (not part of any fingerprint)
+    clean: bool = True  # the cleaning stage of prepare (train/clean): dedup, quality rules, decontamination
+    clean_off: list[str] = field(default_factory=list)  # rules switched off by name (train/clean/rules.toml, …)
+    clean_set: dict[str, float] = field(default_factory=dict)  # thresholds, "bn.min_words.min" = 3
 
 
 @dataclass

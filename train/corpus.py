@@ -1,7 +1,8 @@
 """Reading a text corpus into NFC documents with a language, a source and a licence.
 
 Inputs (docs/design.md, "Data"): folders (searched recursively, in sorted order), ``.jsonl`` files (one JSON object
-a line with a string field ``text``; optional ``lang``, ``source``, ``license``, ``title``), ``.txt`` files
+a line with a string field ``text``; optional ``lang``, ``source``, ``license``, ``title``, ``author``, and ``work``
+or ``group``: the unit of the validation split, ``train.clean.works``), ``.txt`` files
 (documents separated by blank lines), either gzipped (``.jsonl.gz``, ``.txt.gz``), and Hugging Face datasets
 sources ``hf:NAME[:CONFIG][:SPLIT]`` streamed through ``datasets.load_dataset(..., streaming=True)``
 (``NAME`` may be a hub id or a local dataset folder).
@@ -53,6 +54,8 @@ class Document:
     license: str | None = None
     title: str | None = None
     origin: str = ""
+    author: str | None = None
+    work: str | None = None  # a "work" or "group" field: the unit of the validation split (train.clean.works)
     bengali_share: float = 0.0  # share of the letters that are Bengali-block letters
 
 
@@ -126,6 +129,8 @@ def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Docume
         return None
     lic = meta.get("license")
     title = meta.get("title")
+    author = meta.get("author")
+    work = meta.get("work", meta.get("group"))
     share = bengali_letter_share(t)
     return Document(
         text=t,
@@ -135,6 +140,8 @@ def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Docume
         license=str(lic) if lic is not None else None,
         title=str(title) if title is not None else None,
         origin=origin,
+        author=str(author) if author is not None else None,
+        work=str(work) if work is not None else None,
     )
 
 
@@ -282,7 +289,7 @@ def iter_chunks(files: list[str], unreadable: dict[str, str | None] | None = Non
             yield from _file_chunks(i, f, chunk_bytes)
 
 
-_META = ("source", "license", "title")
+_META = ("source", "license", "title", "author", "work", "group")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

@@ -6,8 +6,15 @@ writes shards (``train.shards``) into ``cache/shards/<fingerprint>/``:
 * ``train-00000.bin …`` — documents of the train split, each as ``<|endoftext|>`` + its tokens, resampled so
   the TOKEN mix of languages meets ``data.mix`` (a language short of its share is repeated, whole copies plus
   a hash-chosen fraction, up to ``MAX_REPEAT`` times; past that the others are subsampled), in a shuffled order;
-* ``val-bn.bin``, ``val-en.bin`` — the val split per language, not resampled;
-* ``index.json`` — docs/design.md's fields, plus what was skipped and the Bangla letter share.
+* ``val-bn.bin``, ``val-en.bin`` — the val split per language, not resampled: whole works (``train.clean``);
+* ``index.json`` — docs/design.md's fields, plus what was skipped, the Bangla letter share and the cleaning
+  stage's report (``cleaning``; also as ``cleaning.md`` beside the shards).
+
+The cleaning stage (``train.clean``, ``data.clean``) rides on the tokenizing pass: the workers compute each
+document's quality features, hashes and n-grams beside its tokens; once every document is read the main process
+decides the split of whole works, the removals (quality rules, exact and near duplicates, decontamination) and
+keeps the rest. Its settings are part of the shards' fingerprint. ``python -m train.data report`` prints the
+report.
 
 A fingerprint is the sha256 of the input files' content hashes (sorted: path-independent), the ``[data]`` and
 ``[tokenizer]`` keys that change the result, the tokenizer's sha256 (for shards) and ``FORMAT_VERSION``. A hit
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import sys
 import time
 from array import array
@@ -41,7 +49,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from train.atomic import atomic_dir, atomic_write_json
+from train.atomic import atomic_dir, atomic_write_json, atomic_write_text
+from train.clean import stage as clean_stage
+from train.clean.decide import TRAIN, VAL, Cleaner
+from train.clean.scan import CleanPart, Settings, scan_documents
+from train.clean.split import codes_path, save_codes
 from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
 from train.corpus import (
     Chunk,
@@ -72,7 +84,8 @@ from train.tokenizer_sample import choose_sample
 # and the context length out of the tokenizer's key
 # 3: the split is llama.cpp's deepseek-v3 (train.tokenizer.PRETOKENIZER): GGUF exports tokenize as trained
 # 4: tokenizers reserve the chat turn tokens <|im_start|> / <|im_end|> as their last two ids (train.chat_format)
-FORMAT_VERSION = 4
+# 5: the cleaning stage (train.clean) and the validation split of whole works
+FORMAT_VERSION = 5
 MAX_REPEAT = 4.0  # "Scaling Data-Constrained Language Models" (Muennighoff et al. 2023): ~4 epochs ≈ fresh data
 COPY_HASHES = int(MAX_REPEAT) + 1  # a factor ≤ MAX_REPEAT takes at most int(MAX_REPEAT) + 1 copies of a document
 SHARD_TOKENS = 1 << 28
@@ -103,12 +116,15 @@ def tokenizer_fingerprint(cfg: Config, inputs: list[InputFile]) -> str:
     })
 
 
-def shards_fingerprint(cfg: Config, inputs: list[InputFile], tok_sha: str) -> str:
-    """Fingerprint of the shards for these inputs, [data] keys and tokenizer."""
+def shards_fingerprint(cfg: Config, inputs: list[InputFile], tok_sha: str, clean: Settings | None = None) -> str:
+    """Fingerprint of the shards for these inputs, [data] keys (the cleaning stage's settings included) and
+    tokenizer."""
     d = cfg.data
+    clean = clean if clean is not None else clean_stage.settings_from(cfg)
     return _fingerprint({
         "format": FORMAT_VERSION, "kind": "shards", "inputs": sorted(i.sha256 for i in inputs),
         "languages": sorted(d.languages), "mix": d.mix, "val_fraction": d.val_fraction, "tokenizer": tok_sha,
+        "clean": clean_stage.fingerprint(clean),
     })
 
 
@@ -182,7 +198,8 @@ class EncodedChunk:
     :func:`_copy_hash` of its first copies, computed here so that resampling needs no hashing),
     ``tokens`` (with the leading ``<|endoftext|>``), ``chars``, ``bengali_chars`` (Bengali letter share × chars);
     ``ids`` all their token ids back to back (the shards' dtype); ``sources`` ``[((source, license), docs,
-    chars)]`` in order of first appearance.
+    chars)]`` in order of first appearance; ``doc_sources`` and ``clean`` (the cleaning stage's per-document
+    features, :class:`train.clean.scan.CleanPart`).
     """
 
     file_index: int
@@ -198,16 +215,18 @@ class EncodedChunk:
     bengali_chars: np.ndarray
     ids: np.ndarray
     sources: list
+    doc_sources: list
+    clean: CleanPart
 
 
 _WORKER: dict = {}
 
 
-def _init_encoder(tok_dir: str, languages: list[str]) -> None:
+def _init_encoder(tok_dir: str, languages: list[str], clean: Settings) -> None:
     tok = load_tokenizer(tok_dir)
     for_nfc_text(tok)  # the documents are NFC already (train.corpus): the tokenizer's own NFC pass is redundant
     _WORKER.update(tok=tok, eot=tok.token_to_id(EOT), lang_index={lang: i for i, lang in enumerate(languages)},
-                   dtype=dtype_for_vocab(tok.get_vocab_size()))
+                   dtype=dtype_for_vocab(tok.get_vocab_size()), clean=clean)
 
 
 def _encode_chunk(chunk: Chunk | Skip) -> EncodedChunk | Skip:
@@ -239,7 +258,8 @@ def _encode_chunk(chunk: Chunk | Skip) -> EncodedChunk | Skip:
         copies=copies,
         tokens=lengths, chars=np.fromiter((len(d.text) for d in keep), dtype=np.int64, count=len(keep)),
         bengali_chars=np.array([d.bengali_share * len(d.text) for d in keep], dtype=np.float64),
-        ids=ids, sources=[(k, v[0], v[1]) for k, v in sources.items()])
+        ids=ids, sources=[(k, v[0], v[1]) for k, v in sources.items()], doc_sources=[d.source for d in keep],
+        clean=scan_documents(keep, _WORKER["clean"]))
 
 
 # ------------------------------------------------------------------------------------- building the shards
@@ -257,6 +277,16 @@ class _Docs:
     tokens: array = field(default_factory=lambda: array("q"))
     chars: array = field(default_factory=lambda: array("q"))
 
+    def subset(self, idx: np.ndarray) -> _Docs:
+        """The documents ``idx`` (in that order) as a new table."""
+        out = _Docs()
+        for name in ("key", "u", "start", "tokens", "chars"):
+            a = np.asarray(getattr(self, name))
+            getattr(out, name).frombytes(a[idx].tobytes() if len(a) else b"")
+        c = np.asarray(self.copies, dtype=np.uint32).reshape(-1, COPY_HASHES)
+        out.copies.frombytes(c[idx].tobytes() if len(c) else b"")
+        return out
+
     def pop(self, j: int) -> tuple[float, float, int, int, int]:
         """Remove document ``j``; returns its ``(key, u, start, tokens, chars)``."""
         del self.copies[j * COPY_HASHES:(j + 1) * COPY_HASHES]
@@ -267,8 +297,10 @@ class _Docs:
 class ShardBuild:
     """``build_shards`` in named phases; each phase reads the state the earlier ones left.
 
-    :meth:`tokenize` streams every document through the workers into per-language raw files (train and val) and
-    keeps one small record per document; :meth:`ensure_val` gives every language a val document;
+    :meth:`tokenize` streams every document through the workers into per-language raw files and keeps one small
+    record per document (and the cleaning stage's, :class:`train.clean.decide.Cleaner`); :meth:`clean` decides
+    the split of whole works, deduplication, the quality rules and decontamination, and keeps the train and val
+    documents; :meth:`ensure_val` gives every language a val document;
     :meth:`write_val` writes ``val-<lang>.bin`` in split-hash order; :meth:`resample` computes the order of the
     train documents (with repeats) that meets ``data.mix``; :meth:`write_train` writes ``train-NNNNN.bin`` in
     that order; :meth:`index` returns ``index.json``'s dict. Nothing depends on the number of workers.
@@ -282,8 +314,11 @@ class ShardBuild:
     log: Callable[[str], None] = print
     shard_tokens: int = SHARD_TOKENS
     workers: int = 1
+    clean_settings: Settings | None = None
 
     def __post_init__(self) -> None:
+        if self.clean_settings is None:
+            self.clean_settings = clean_stage.settings_from(self.cfg)
         tok = load_tokenizer(self.tok_dir)
         self.vocab = tok.get_vocab_size()
         self.eot = tok.token_to_id(EOT)
@@ -291,6 +326,11 @@ class ShardBuild:
         self.report = ReadReport()
         self.stats = {lang: {"docs": 0, "chars": 0, "tokens": 0, "bengali_letters_share": 0.0} for lang in self.languages}
         self.sources: dict[tuple[str, str | None], dict] = {}
+        self.all = {lang: _Docs() for lang in self.languages}
+        self.bengali = {lang: array("d") for lang in self.languages}
+        self.doc_index = array("q")  # per document in reading order: its place in self.all[its language]
+        self.cleaner = Cleaner(self.clean_settings, self.languages, self.cfg.data.val_fraction, self.out / ".clean")
+        self.clean_report: dict = {}
         self.train = {lang: _Docs() for lang in self.languages}
         self.val = {lang: _Docs() for lang in self.languages}
         self.borrowed: dict[str, tuple] = {}  # lang → the train record moved to val (ensure_val)
@@ -303,66 +343,88 @@ class ShardBuild:
         self.shards: list[str] = []  # write_train
         self.resampled: dict[str, int] = {}
 
-    def _raw(self, split: str, lang: str) -> Path:
-        return self.out / f".{split}-{lang}.raw"
+    def _raw(self, lang: str) -> Path:
+        return self.out / f".all-{lang}.raw"
 
     def tokenize(self) -> None:
         """Read, parse and tokenize every input in ``workers`` processes, in reading order."""
-        writers = {(s, lang): ShardWriter(self._raw(s, lang), self.vocab) for s in ("train", "val")
-                   for lang in self.languages}
-        val_fraction = self.cfg.data.val_fraction
+        writers = {lang: ShardWriter(self._raw(lang), self.vocab) for lang in self.languages}
         unreadable = {f.path: f.unreadable for f in self.inputs}
         bar = tqdm(total=sum(max(f.bytes, 1) for f in self.inputs), unit="B", unit_scale=True, desc="tokenizing",
                    dynamic_ncols=True, mininterval=0.5)
         letter_kinds()  # built once here, before the workers fork: they inherit it
         with bar:
             results = ordered_map(_encode_chunk, iter_chunks(self.files, unreadable), self.workers, _init_encoder,
-                                  (str(self.tok_dir), self.languages))
+                                  (str(self.tok_dir), self.languages, self.clean_settings))
             for part in results:
                 if isinstance(part, Skip):
                     self.report.warn(part.message, self.cfg.data.strict)
                     continue
                 for w in part.warnings:
                     self.report.warn(w, self.cfg.data.strict)
-                self._take(part, writers, val_fraction)
+                self._take(part, writers)
                 bar.update(part.nbytes)
         for w in writers.values():
             w.close()
         for msg in self.report.skipped:
             self.log(f"warning: {msg}")
-        check_languages_present({lang: self.stats[lang]["docs"] for lang in self.languages}, self.files,
+        check_languages_present({lang: len(self.all[lang].key) for lang in self.languages}, self.files,
                                 self.report.skipped)
 
-    def _take(self, part: EncodedChunk, writers: dict, val_fraction: float) -> None:
+    def _take(self, part: EncodedChunk, writers: dict) -> None:
         self.skipped_lang += part.other_language_docs
         ends = np.cumsum(part.tokens)
         starts = ends - part.tokens
+        have = [len(self.all[lang].key) for lang in self.languages]
+        for li in part.lang.tolist():
+            self.doc_index.append(have[li])
+            have[li] += 1
+        self.cleaner.add(part.clean, [self.languages[li] for li in part.lang.tolist()], part.doc_sources,
+                         part.file_index, part.chars.tolist())
         for li, lang in enumerate(self.languages):
-            st = self.stats[lang]
-            mine = np.flatnonzero(part.lang == li)
-            for j in mine.tolist():
-                st["bengali_letters_share"] += float(part.bengali_chars[j])  # in reading order, as one reader adds
-            st["docs"] += len(mine)
-            st["chars"] += int(part.chars[mine].sum())
-            st["tokens"] += int(part.tokens[mine].sum())
-            is_val = part.key[mine] < val_fraction
-            for split, sel in (("val", mine[is_val]), ("train", mine[~is_val])):
-                if len(sel) == 0:
-                    continue
-                w = writers[(split, lang)]
-                docs = (self.val if split == "val" else self.train)[lang]
-                n = part.tokens[sel]
-                docs.start.frombytes((w.tokens + np.cumsum(n) - n).astype(np.int64).tobytes())
-                docs.tokens.frombytes(n.astype(np.int64).tobytes())
-                docs.key.frombytes(part.key[sel].tobytes())
-                docs.u.frombytes(part.u[sel].tobytes())
-                docs.copies.frombytes(part.copies[sel].astype(np.uint32).tobytes())
-                docs.chars.frombytes(part.chars[sel].astype(np.int64).tobytes())
-                w.write(np.concatenate([part.ids[a:b] for a, b in zip(starts[sel].tolist(), ends[sel].tolist())]))
+            sel = np.flatnonzero(part.lang == li)
+            if len(sel) == 0:
+                continue
+            w = writers[lang]
+            docs = self.all[lang]
+            n = part.tokens[sel]
+            docs.start.frombytes((w.tokens + np.cumsum(n) - n).astype(np.int64).tobytes())
+            docs.tokens.frombytes(n.astype(np.int64).tobytes())
+            docs.key.frombytes(part.key[sel].tobytes())
+            docs.u.frombytes(part.u[sel].tobytes())
+            docs.copies.frombytes(part.copies[sel].astype(np.uint32).tobytes())
+            docs.chars.frombytes(part.chars[sel].astype(np.int64).tobytes())
+            self.bengali[lang].frombytes(part.bengali_chars[sel].astype(np.float64).tobytes())
+            w.write(np.concatenate([part.ids[a:b] for a, b in zip(starts[sel].tolist(), ends[sel].tolist())]))
         for (source, lic), docs, chars in part.sources:
             src = self.sources.setdefault((source, lic), {"source": source, "license": lic, "docs": 0, "chars": 0})
             src["docs"] += docs
             src["chars"] += chars
+
+    def clean(self) -> None:
+        """The cleaning stage's decisions (:mod:`train.clean.decide`): keep the train and val documents, count
+        the kept ones in the per-language statistics. Raises DataError when a configured language loses every
+        document."""
+        codes, self.clean_report = self.cleaner.decide()
+        shutil.rmtree(self.out / ".clean", ignore_errors=True)
+        clean_stage.check_languages_left(self.clean_report, self.languages)
+        save_codes(codes_path(self.cfg, self.inputs, self.clean_settings), codes)  # the compressor floor's split
+        lang_of = np.frombuffer(self.cleaner.lang, dtype=np.int8) if len(codes) else np.zeros(0, np.int8)
+        index = np.asarray(self.doc_index, dtype=np.int64)
+        for li, lang in enumerate(self.languages):
+            mine = lang_of == li
+            for side, code in (("train", TRAIN), ("val", VAL)):
+                idx = index[mine & (codes == code)]
+                getattr(self, side)[lang] = self.all[lang].subset(idx)
+            kept = index[mine & (codes <= VAL)]
+            st = self.stats[lang]
+            st["docs"] = len(kept)
+            st["chars"] = int(np.asarray(self.all[lang].chars, dtype=np.int64)[kept].sum())
+            st["tokens"] = int(np.asarray(self.all[lang].tokens, dtype=np.int64)[kept].sum())
+            b = np.asarray(self.bengali[lang], dtype=np.float64)[kept]
+            st["bengali_letters_share"] = float(sum(b.tolist()))  # in reading order, as one reader adds
+        for line in clean_stage.summary_lines(self.clean_report):
+            self.log(line)
 
     def ensure_val(self) -> None:
         """Every language needs val text: borrow the train document with the lowest split hash when val is empty."""
@@ -378,11 +440,11 @@ class ShardBuild:
         """``val-<lang>.bin``: the val documents in split-hash order (ties in reading order)."""
         for lang in self.languages:
             docs = self.val[lang]
-            raw = open_shard(self._raw("val", lang)) if len(docs.key) else None
+            raw = open_shard(self._raw(lang))
             items = [(docs.key[j], raw, docs.start[j], docs.tokens[j], docs.chars[j]) for j in range(len(docs.key))]
             if lang in self.borrowed:
                 key, _u, start, n, chars = self.borrowed[lang]
-                items.append((key, open_shard(self._raw("train", lang)), start, n, chars))
+                items.append((key, raw, start, n, chars))
             items.sort(key=lambda x: x[0])
             with ShardWriter(self.out / f"val-{lang}.bin", self.vocab) as w:
                 for _key, src, start, n, _chars in items:
@@ -390,7 +452,6 @@ class ShardBuild:
             self.val_stats[lang] = {"docs": len(items), "chars": sum(x[4] for x in items),
                                     "tokens": sum(x[3] for x in items)}
             del raw, items
-            self._raw("val", lang).unlink()
 
     def resample(self) -> None:
         """The train documents, each ``whole`` times plus a hash-chosen share once more, shuffled by hash.
@@ -434,7 +495,7 @@ class ShardBuild:
     def write_train(self) -> None:
         """``train-NNNNN.bin`` in the resampled order; a shard closes once it holds ``shard_tokens`` tokens."""
         # plain array views (slicing a memmap costs a subclass object each) and each copy's place, looked up at once
-        raws = [np.asarray(open_shard(self._raw("train", lang))) for lang in self.languages]
+        raws = [np.asarray(open_shard(self._raw(lang))) for lang in self.languages]
         langs, index = self.order
         starts = np.zeros(len(langs), dtype=np.int64)
         counts = np.zeros(len(langs), dtype=np.int64)
@@ -472,7 +533,7 @@ class ShardBuild:
         writer.close()
         del raws, pending
         for lang in self.languages:
-            self._raw("train", lang).unlink()
+            self._raw(lang).unlink()
 
     def index(self) -> dict:
         """``index.json``'s dict (docs/design.md, "Data")."""
@@ -504,7 +565,9 @@ class ShardBuild:
                         "chars_by_lang": {lang: self.val_stats[lang]["chars"] for lang in langs},
                         "docs_by_lang": {lang: self.val_stats[lang]["docs"] for lang in langs},
                         "files": val_files},
+                "works": self.clean_report["split"],
             },
+            "cleaning": self.clean_report,
             "languages": languages_out,
             "target_mix": {lang: self.mix[lang] / max(sum(self.mix.values()), 1e-12) for lang in langs},
             "token_mix": {lang: self.resampled[lang] / max(total_train, 1) for lang in langs},
@@ -517,6 +580,7 @@ class ShardBuild:
     def run(self) -> dict:
         """All phases in order; returns the index dict."""
         self.tokenize()
+        self.clean()
         self.ensure_val()
         self.write_val()
         self.resample()
@@ -534,6 +598,12 @@ def build_shards(cfg: Config, files: list[str], inputs: list[InputFile], tok_dir
     """
     workers = resolve_workers(cfg.data.num_workers if workers is None else workers)
     return ShardBuild(cfg, files, inputs, tok_dir, out, log, shard_tokens, workers).run()
+
+
+def write_cleaning_report(index: dict, folder: Path) -> None:
+    """``cleaning.md`` beside the shards, from ``index.json``'s ``cleaning`` record."""
+    mb = sum(i.get("bytes", 0) for i in index.get("inputs", [])) / 1e6
+    atomic_write_text(folder / "cleaning.md", clean_stage.markdown(index["cleaning"], mb))
 
 
 def mix_report(index: dict) -> list[str]:
@@ -568,19 +638,24 @@ def prepare(cfg: Config, log=print) -> Prepared:
 
     Raises DataError / ConfigError with a message naming the bad input.
     """
+    clean = clean_stage.settings_from(cfg)  # a bad rule name or threshold fails here, before anything is built
     files = list_input_files(cfg.data.paths)
     cache = resolve_path(cfg.data.cache_dir)
     inputs = scan_inputs(files, cache, resolve_workers(cfg.data.num_workers))
     tok_dir = ensure_tokenizer(cfg, files, inputs, log)
-    fp = shards_fingerprint(cfg, inputs, tokenizer_sha256(tok_dir))
+    fp = shards_fingerprint(cfg, inputs, tokenizer_sha256(tok_dir), clean)
     shard_dir = cache / "shards" / fp
     if (shard_dir / "index.json").is_file():
         index = json.loads((shard_dir / "index.json").read_text())
         log(f"shards: cache hit, reusing {shard_dir}")
+        for line in clean_stage.summary_lines(index.get("cleaning", {})):  # the report in every run's log
+            log(line)
     else:
         t0 = time.time()
         with atomic_dir(shard_dir, overwrite=True) as tmp:
-            index = build_shards(cfg, files, inputs, tok_dir, tmp, log)
+            workers = resolve_workers(cfg.data.num_workers)
+            index = ShardBuild(cfg, files, inputs, tok_dir, tmp, log, SHARD_TOKENS, workers, clean).run()
+            write_cleaning_report(index, tmp)
             atomic_write_json(tmp / "index.json", index)
         dt = time.time() - t0
         mb = sum(i.bytes for i in inputs) / 1e6
@@ -600,10 +675,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="tokenize --data into cached shards; prints the shard folder",
                         formatter_class=HelpFormatter)
-    add_config_args(pp)
-    pp.add_argument("--strict", action="store_true", help="a bad input file is an error instead of a warning")
-    pp.add_argument("--workers", type=int, default=None, metavar="N",
-                    help="processes that read and tokenize (default: data.num_workers; 0 = every core)")
+    pr = sub.add_parser("report", help="prepare (or reuse) the shards and print their cleaning report "
+                        "(cleaning.md) without training", formatter_class=HelpFormatter)
+    for q in (pp, pr):
+        add_config_args(q)
+        q.add_argument("--strict", action="store_true", help="a bad input file is an error instead of a warning")
+        q.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="processes that read and tokenize (default: data.num_workers; 0 = every core)")
     args = p.parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -617,6 +695,11 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.cmd == "report":
+        md = prep.shard_dir / "cleaning.md"
+        print(md.read_text(encoding="utf-8") if md.is_file() else "no cleaning report (shards of an older format)")
+        print(f"shards: {prep.shard_dir}")
+        return 0
     print(prep.shard_dir)
     return 0
 

@@ -1,0 +1,1 @@
+"""The cleaning stage of data preparation: see train/clean/stage.py."""

@@ -1,0 +1,240 @@
+"""Quality rules: per-document features and the per-language thresholds of ``rules.toml``.
+
+The features follow Gopher (Rae et al. 2021, appendix A: word count and length, symbol ratio, ellipsis lines,
+repeated lines / paragraphs / n-grams) and C4 / FineWeb (lines ending in a terminator, boilerplate markers), made
+right for Bangla: sentences end in ``।`` (danda) and ``॥`` as well as ``.``; words are the normalised words of
+:mod:`train.clean.text` (vowel signs, virama and nukta stay inside the word; lengths in code points); the
+script mix counts letters of the Bengali block, of Latin and of every other script. The thresholds are data
+(``rules.toml``) and every one was measured on the curated corpus before it was enabled.
+
+:func:`load_rules` reads the file, applies ``data.clean_off`` / ``data.clean_set`` and checks them (a
+:class:`~train.config.ConfigError` naming the key). :func:`failures` returns the bit mask of failed rules.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from train.clean.text import NgramHashes
+from train.config import ConfigError
+from train.textutil import letter_kinds, nfc
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+RULES_FILE = Path(__file__).with_name("rules.toml")
+LANGUAGES = ("bn", "en")
+_MOJIBAKE = re.compile("[\u00c2\u00c3\u00e0\u00e2][\u0080-\u00bf\u0152\u0153\u0160\u0161\u0178\u017d\u017e\u0192"
+                       "\u02c6\u02dc\u2013\u2014\u2018\u2019\u201a\u201c\u201d\u201e\u2020\u2021\u2022\u2026"
+                       "\u2030\u2039\u203a\u20ac\u2122]|\ufffd")
+_BLANK = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+@dataclass
+class Rules:
+    """The enabled rules in order (``names``, bit ``i`` of a failure mask is ``names[i]``... of ``ALL``),
+    ``params[lang][rule][param]``, ``terminators`` (a tuple for ``str.endswith``) and ``markers[lang]``
+    (NFC casefolded)."""
+
+    enabled: tuple[str, ...]
+    params: dict
+    terminators: tuple[str, ...]
+    markers: dict
+
+    def __post_init__(self) -> None:
+        self.marker_re = {lang: re.compile("|".join(map(re.escape, m))) if m else None
+                          for lang, m in self.markers.items()}
+
+    def as_dict(self) -> dict:
+        """A JSON-able record (part of the fingerprint and of the report)."""
+        return {"enabled": list(self.enabled), "params": self.params, "terminators": list(self.terminators),
+                "markers": self.markers}
+
+
+def _raw_rules() -> dict:
+    return tomllib.loads(RULES_FILE.read_text(encoding="utf-8"))
+
+
+def rule_names() -> tuple[str, ...]:
+    """Every quality rule, in the order they are checked (and of the failure mask's bits)."""
+    return tuple(k for k in _raw_rules() if k != "markers")
+
+
+ALL = rule_names()
+
+
+def load_rules(off: list[str] = (), overrides: dict[str, float] | None = None) -> Rules:
+    """The rules of ``rules.toml`` without those in ``off``, with ``overrides`` (``"lang.rule.param" → value``).
+
+    Raises ConfigError naming ``data.clean_off`` / ``data.clean_set`` and the bad name or value.
+    """
+    raw = _raw_rules()
+    names = [k for k in raw if k != "markers"]
+    for name in off:
+        if name not in names:
+            raise ConfigError(f"data.clean_off: unknown rule {name!r}; the rules are: {', '.join(names)}")
+    params = {lang: {r: dict(raw[r][lang]) for r in names} for lang in LANGUAGES}
+    for key, value in (overrides or {}).items():
+        parts = key.split(".")
+        if len(parts) != 3 or parts[0] not in LANGUAGES or parts[1] not in names or parts[2] not in raw[parts[1]]["range"]:
+            raise ConfigError(f"data.clean_set: unknown threshold {key!r}; expected LANG.RULE.PARAM with LANG in "
+                              f"{list(LANGUAGES)}, RULE one of {', '.join(names)} and PARAM one of that rule's "
+                              f"(e.g. bn.min_words.min)")
+        lo, hi = raw[parts[1]]["range"][parts[2]]
+        if not lo <= value <= hi:
+            raise ConfigError(f"data.clean_set: {key} = {value} is outside its range [{lo}, {hi}]")
+        params[parts[0]][parts[1]][parts[2]] = value
+    m = raw["markers"]
+    return Rules(tuple(n for n in names if n not in off), params, tuple(nfc(t) for t in m["terminators"]),
+                 {lang: [nfc(x).casefold() for x in m[lang]] for lang in LANGUAGES})
+
+
+def features(text: str, wh: np.ndarray, wl: np.ndarray, rules: Rules, lang: str,
+             ng: NgramHashes | None = None) -> dict[str, float]:
+    """The measured features of one NFC document: ``text``, its normalised words' hashes ``wh`` and lengths
+    ``wl`` (:func:`train.clean.text.word_spans`); ``ng`` its n-gram hashes when the caller has them."""
+    ng = ng if ng is not None else NgramHashes(wh, 10)
+    f: dict[str, float] = {}
+    n = len(wh)
+    f["words"] = n
+    total = int(wl.sum())
+    f["mean_word_length"] = total / n if n else 0.0
+    f["symbol_ratio"] = (text.count("#") + text.count("…") + text.count("...")) / max(n, 1)
+    lines = [ln.strip() for ln in text.split("\n")]
+    lines = [ln for ln in lines if ln]
+    nl = max(len(lines), 1)
+    f["lines"] = len(lines)
+    f["terminal_lines"] = sum(ln.endswith(rules.terminators) for ln in lines) / nl
+    f["ellipsis_lines"] = sum(ln.endswith(("…", "...")) for ln in lines) / nl
+    f["dup_lines"], f["dup_lines_chars"] = _dup_share(lines)
+    paras = [p.strip() for p in _BLANK.split(text) if p.strip()]
+    f["dup_paragraphs"], f["dup_paragraphs_chars"] = _dup_share(paras)
+    csum = np.concatenate([[0], np.cumsum(wl)])
+    for k in (2, 3, 4):
+        f[f"top_{k}gram"] = _top_ngram(ng.keys(k), csum, k) / max(total, 1) if n >= k else 0.0
+    dup5 = _repeated(ng.keys(5)) if n >= 5 else np.zeros(0, bool)
+    for k in (5, 6, 7, 8, 9, 10):
+        f[f"dup_{k}gram"] = _dup_ngram(ng.keys(k), wl, k, dup5) / max(total, 1) if n >= k else 0.0
+    cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    kinds = letter_kinds()[cps]
+    letters = int(np.count_nonzero(kinds))
+    bengali = int(np.count_nonzero(kinds == 2))
+    latin = int(np.count_nonzero((kinds == 1) & ((cps < 0x250) | ((cps >= 0x1E00) & (cps < 0x1F00)))))
+    own = bengali if lang == "bn" else latin
+    f["own_script"] = own / letters if letters else 1.0
+    f["other_script"] = (letters - bengali - latin) / letters if letters else 0.0
+    f["boilerplate"] = _marked_lines(text, rules.marker_re.get(lang)) / nl
+    f["mojibake"] = len(_MOJIBAKE.findall(text)) / max(n, 1)
+    return f
+
+
+def _marked_lines(text: str, pattern: re.Pattern | None) -> int:
+    """Non-empty lines of ``text`` holding a marker (``pattern`` matches casefolded text)."""
+    if pattern is None:
+        return 0
+    low = text.casefold()
+    pos = [m.start() for m in pattern.finditer(low)]
+    if not pos:
+        return 0
+    if len(low) != len(text):  # casefolding changed lengths (ß → ss): count line by line
+        return sum(1 for ln in low.split("\n") if ln.strip() and pattern.search(ln))
+    nl = np.flatnonzero(np.frombuffer(low.encode("utf-32-le", "surrogatepass"), dtype="<u4") == 10)
+    return len(np.unique(np.searchsorted(nl, np.asarray(pos))))
+
+
+def _dup_share(items: list[str]) -> tuple[float, float]:
+    seen: set[str] = set()
+    dup = dup_chars = chars = 0
+    for x in items:
+        chars += len(x)
+        if x in seen:
+            dup += 1
+            dup_chars += len(x)
+        else:
+            seen.add(x)
+    return dup / max(len(items), 1), dup_chars / max(chars, 1)
+
+
+def _top_ngram(h: np.ndarray, csum: np.ndarray, k: int) -> int:
+    hs = np.sort(h)
+    cut = np.flatnonzero(np.concatenate([[True], hs[1:] != hs[:-1], [True]]))
+    counts = np.diff(cut)
+    j = int(np.argmax(counts))
+    if counts[j] < 2:
+        return 0
+    i = int(np.argmax(h == hs[cut[j]]))
+    return int(counts[j]) * int(csum[i + k] - csum[i])
+
+
+def _repeated(h: np.ndarray) -> np.ndarray:
+    """bool per value: it occurs more than once."""
+    o = np.argsort(h, kind="stable")
+    hs = h[o]
+    eq = hs[1:] == hs[:-1]
+    dup = np.zeros(len(h), dtype=bool)
+    dup[o[1:][eq]] = True
+    dup[o[:-1][eq]] = True
+    return dup
+
+
+def _dup_ngram(h: np.ndarray, wl: np.ndarray, k: int, dup5: np.ndarray) -> int:
+    """Characters of the words inside a repeated ``k``-gram (``h``: their keys; ``dup5``: which 5-grams repeat).
+    A repeated k-gram starts where a repeated 5-gram starts and a repeated 5-gram starts k − 5 words later, so
+    only those places are compared."""
+    if k == 5:
+        dup = dup5
+    else:
+        cand = np.flatnonzero(dup5[:len(h)] & dup5[k - 5:k - 5 + len(h)])
+        dup = np.zeros(len(h), dtype=bool)
+        if len(cand) > 1:
+            dup[cand[_repeated(h[cand])]] = True
+    starts = np.flatnonzero(dup)
+    if len(starts) == 0:
+        return 0
+    if len(starts) == 0:
+        return 0
+    cover = np.zeros(len(wl) + 1, dtype=np.int64)
+    np.add.at(cover, starts, 1)
+    np.add.at(cover, starts + k, -1)
+    return int(wl[np.cumsum(cover)[:-1] > 0].sum())
+
+
+def verdicts(f: dict[str, float], p: dict) -> dict[str, bool]:
+    """``{rule: failed}`` for every rule (enabled or not) from the features ``f`` and the language's ``p``."""
+    dn = {k: p["dup_ngram"]["max5"] + (p["dup_ngram"]["max10"] - p["dup_ngram"]["max5"]) * (k - 5) / 5
+          for k in range(5, 11)}
+    return {
+        "min_words": f["words"] < p["min_words"]["min"],
+        "mean_word_length": f["words"] > 0 and not (p["mean_word_length"]["lo"] <= f["mean_word_length"]
+                                                    <= p["mean_word_length"]["hi"]),
+        "symbol_ratio": f["symbol_ratio"] > p["symbol_ratio"]["max"],
+        "terminal_lines": f["lines"] >= p["terminal_lines"]["min_lines"] and f["terminal_lines"] < p["terminal_lines"]["min"],
+        "ellipsis_lines": f["ellipsis_lines"] > p["ellipsis_lines"]["max"],
+        "dup_lines": f["dup_lines"] > p["dup_lines"]["max_frac"] or f["dup_lines_chars"] > p["dup_lines"]["max_char_frac"],
+        "dup_paragraphs": (f["dup_paragraphs"] > p["dup_paragraphs"]["max_frac"]
+                           or f["dup_paragraphs_chars"] > p["dup_paragraphs"]["max_char_frac"]),
+        "top_ngram": any(f[f"top_{k}gram"] > p["top_ngram"][f"max{k}"] for k in (2, 3, 4)),
+        "dup_ngram": any(f[f"dup_{k}gram"] > dn[k] for k in range(5, 11)),
+        "script_mix": f["own_script"] < p["script_mix"]["own_min"] or f["other_script"] > p["script_mix"]["other_max"],
+        "boilerplate": f["lines"] > 0 and f["boilerplate"] >= p["boilerplate"]["max"],
+        "mojibake": f["mojibake"] > p["mojibake"]["max"],
+    }
+
+
+def failure_mask(f: dict[str, float], rules: Rules, lang: str) -> int:
+    """Bit ``i`` set when the document fails rule ``ALL[i]`` (every rule, enabled or not: the report measures
+    what each would drop)."""
+    v = verdicts(f, rules.params[lang])
+    return sum(1 << i for i, name in enumerate(ALL) if v[name])
+
+
+def enabled_mask(rules: Rules) -> int:
+    """The bits of the enabled rules."""
+    return sum(1 << i for i, name in enumerate(ALL) if name in rules.enabled)
