@@ -119,3 +119,26 @@ def test_a_resumed_auto_run_keeps_the_dtype_it_chose(tmp_path, session_cache, mo
     summary = Trainer(cfg, resume=True, log=log.append).train()
     assert summary["dtype"] == "bfloat16" and summary["steps"] == 5
     assert any(m == "dtype auto: bfloat16 autocast: as the resumed checkpoint" for m in log), log
+
+
+def test_the_whole_logits_head_computes_what_the_chunked_one_does_under_bf16():
+    """The CPU step module's head + loss (``chunk_tokens=None``: whole logits, no checkpoint) against the chunked,
+    checkpointed one under bfloat16 autocast: the same loss, and gradients within bfloat16 rounding (the tied
+    embedding's lm_head share is rounded differently)."""
+    from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    x = torch.randint(0, 300, (3, 33))
+    out = []
+    for chunk in (None, 40):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = CausalLMLoss(m, chunk_tokens=chunk)(x[:, :-1], x[:, 1:])
+        loss.backward()
+        out.append((float(loss.detach()), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (whole, g_whole), (chunked, g_chunked) = out
+    assert whole == pytest.approx(chunked, rel=1e-5) and whole == pytest.approx(96 * torch.log(torch.tensor(300.0)).item(), rel=0.05)
+    for n, g in g_whole.items():
+        assert torch.allclose(g, g_chunked[n], rtol=0, atol=1e-2 * float(g_chunked[n].abs().max())), n  # bf16: 2⁻⁸
