@@ -376,7 +376,7 @@ def test_report_json_shape(layer_cls, tmp_path):
     report = preflight(build(), checks=["gradient_flow", "init_loss"])
     d = json.loads(json.dumps(report.to_dict()))
     assert set(d) == {"ok", "device", "dtype", "torch_version", "checks"}
-    assert set(d["checks"][0]) == {"name", "ok", "seconds", "detail", "culprits"}
+    assert set(d["checks"][0]) == {"name", "ok", "seconds", "detail", "culprits", "values"}
 
 
 def test_preflight_cli_writes_report(tmp_path, session_cache):

@@ -303,7 +303,8 @@ def test_nonfinite_guard_stops_run_fed_nan(tmp_path, session_cache, monkeypatch)
 # ---------------------------------------------------------------------------------------------- preflight
 
 def test_run_with_preflight_is_bit_identical_to_one_without(tmp_path, session_cache):
-    base = {"train.max_steps": 5}
+    # float32 pinned: under "auto" a CPU with native bfloat16 lets preflight choose the dtype (test_cpu_bf16.py)
+    base = {"train.max_steps": 5, "train.dtype": "float32"}
     a = Trainer(fast_config(tmp_path, session_cache, **base, **{"run.name": "pf", "train.preflight": True}), **QUIET)
     a.train()
     assert json.loads((tmp_path / "runs/pf/preflight.json").read_text())["ok"] is True

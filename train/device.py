@@ -1,12 +1,15 @@
 """Device and precision choice, autocast, and peak FLOP/s for MFU.
 
 ``train.device = "auto"`` picks CUDA when available, else CPU; ``train.dtype = "auto"`` means bfloat16
-autocast on CUDA (weights and optimizer stay float32) and float32 on CPU.
+autocast on CUDA (weights and optimizer stay float32). On CPU it starts as float32 and becomes bfloat16 autocast
+only on a CPU that computes bfloat16 natively (:func:`native_cpu_bf16`) once preflight has shown that it agrees
+with float32 and is faster (:func:`auto_cpu_dtype`, decided by ``train.components.placement``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
 from pathlib import Path
@@ -39,10 +42,63 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The compute dtype: ``auto`` → bfloat16 on CUDA, float32 on CPU."""
+    """The compute dtype: ``auto`` → bfloat16 on CUDA, float32 on CPU (where preflight may then switch it to
+    bfloat16: :func:`auto_cpu_dtype`)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+# /proc/cpuinfo flags of the instructions that compute bfloat16 products natively (Linux's names): Intel's AMX
+# tiles (Sapphire Rapids on), and AVX512-BF16's ``vdpbf16ps`` (Cooper Lake, Sapphire Rapids, AMD Zen 4 on), which
+# oneDNN's bfloat16 matmul kernels use. Without them oneDNN converts to float32 and bfloat16 runs slower.
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+# ``SHALIK_CPU_BF16=0`` hides them (bfloat16 is then never chosen by ``auto``): the fallback, testable anywhere.
+BF16_ENV = "SHALIK_CPU_BF16"
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def native_cpu_bf16() -> str | None:
+    """The first of :data:`BF16_CPU_FLAGS` this CPU has (``"amx_bf16"`` or ``"avx512_bf16"``), else None.
+
+    Read from the ``flags`` line of ``/proc/cpuinfo`` (Linux); where that file is absent, from torch's own CPU
+    probe (``torch.cpu._is_amx_tile_supported`` / ``_is_avx512_bf16_supported``, when this torch has them).
+    The environment variable ``SHALIK_CPU_BF16=0`` masks both (returns None); any other value is ignored.
+    """
+    if os.environ.get(BF16_ENV, "").strip() == "0":
+        return None
+    try:
+        text = _CPUINFO.read_text(errors="replace")
+    except OSError:
+        checks = (("amx_bf16", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"))
+        return next((flag for flag, fn in checks if getattr(torch.cpu, fn, lambda: False)()), None)
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return next((f for f in BF16_CPU_FLAGS if f in flags), None)
+
+
+# bfloat16 must beat float32 by this much in preflight's interleaved timing to be chosen (a 2-core machine shared
+# with other jobs times the same step within a few percent; a native CPU gains 1.2-1.5x on the cpu preset).
+AUTO_BF16_MIN_GAIN = 1.10
+
+
+def auto_cpu_dtype(precision_ok: bool | None, gain: float | None, flag: str | None = None) -> tuple[torch.dtype, str]:
+    """``train.dtype = "auto"`` on CPU: (the dtype, the reason as the run's log says it).
+
+    bfloat16 when the CPU computes it natively (``flag``, :func:`native_cpu_bf16`), preflight's precision check
+    passed (``precision_ok``) and its throughput check timed bfloat16 at least :data:`AUTO_BF16_MIN_GAIN` × float32's
+    tokens/s (``gain``); float32 otherwise (``None``: not measured, e.g. preflight skipped).
+    """
+    if flag is None:
+        return torch.float32, f"float32: no native bfloat16 on this CPU ({' / '.join(BF16_CPU_FLAGS)} absent or {BF16_ENV}=0)"
+    if precision_ok is None or gain is None:
+        return torch.float32, f"float32: the CPU has {flag}, but preflight did not run to check bfloat16 (it decides)"
+    if not precision_ok:
+        return torch.float32, f"float32: the CPU has {flag}, but preflight's precision check failed under bfloat16"
+    if gain < AUTO_BF16_MIN_GAIN:
+        return torch.float32, (f"float32: the CPU has {flag}, but bfloat16 ran only {gain:.2f}× float32's tokens/s in "
+                               f"preflight (< {AUTO_BF16_MIN_GAIN})")
+    return torch.bfloat16, (f"bfloat16 autocast: the CPU has {flag}, preflight's precision check passed and bfloat16 "
+                            f"ran {gain:.2f}× float32's tokens/s")
 
 
 def autocast_ctx(device: torch.device, dtype: torch.dtype):

@@ -371,7 +371,10 @@ class CausalLMLoss(nn.Module):
       ``causal_lm_loss(lm(x)[0], y)``;
     * reduced precision (autocast): lm_head + cross-entropy in chunks of ``chunk_tokens`` rows, each under
       activation checkpointing, so at most one chunk's float32 logits exist at a time (Liger-Kernel's fused linear
-      cross-entropy does the same in one kernel); the price is one more lm_head matmul per chunk in the backward;
+      cross-entropy does the same in one kernel); the price is one more lm_head matmul per chunk in the backward.
+      ``chunk_tokens=None`` (the trainer's choice on CPU, where memory is plentiful and compute is not): the whole
+      logits in the autocast dtype, upcast to float32 for one ``F.cross_entropy`` (on the ``cpu`` preset in
+      bfloat16, 1.2× the step speed of one checkpointed chunk);
     * ``activation_checkpoint``: "none" (every layer saves its activations for the backward), "full" (every
       decoder layer under activation checkpointing: only its input is kept and its forward runs again in the
       backward) or "selective" (the layers ``i`` with ``i % checkpoint_every == 0`` only: torchtitan's per-layer
@@ -384,8 +387,8 @@ class CausalLMLoss(nn.Module):
       gradients (rows never interact), and dropping them instead would lose data.
     """
 
-    def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int = CHUNK_TOKENS, activation_checkpoint: str = "none",
-                 checkpoint_every: int = 2):
+    def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int | None = CHUNK_TOKENS,
+                 activation_checkpoint: str = "none", checkpoint_every: int = 2):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
@@ -411,7 +414,8 @@ class CausalLMLoss(nn.Module):
 
     def _head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.lm.model.norm(x)
-        if not torch.is_autocast_enabled(h.device.type) and h.dtype in (torch.float32, torch.float64):
+        if self.chunk_tokens is None or (not torch.is_autocast_enabled(h.device.type)
+                                         and h.dtype in (torch.float32, torch.float64)):
             return causal_lm_loss(self.lm.lm_head(h), labels, reduction="sum")
         return chunked_lm_loss(h.flatten(0, 1), self.lm.lm_head.weight, labels.flatten(), self.chunk_tokens)
 

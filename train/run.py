@@ -170,16 +170,22 @@ class Trainer:
         self.setup()
         self.run_log.create(self.cfg)
         self.state.t_start = time.time()
+        resumed_dtype = None
         if self.resume:
             ckpt = self.checkpointer.resume(self.model, self.optimizer, self.data, self.state, self.placement.device)
             self.run_log.truncate_metrics(self.state.step)
             self.log(f"resumed from {ckpt} at step {self.state.step} ({self.state.tokens:,} tokens)")
+            resumed_dtype = self.state.dtype or None
+        p = self.placement
+        if resumed_dtype is not None:
+            p.decide_auto(None, None, self.log, resumed_dtype=resumed_dtype)
         if self.use_preflight and t.max_steps > self.state.step:
             if not self.preflight():
                 raise PreflightFailed(f"preflight failed; the run did not start. See {self.run_dir / 'preflight.json'}")
         elif not self.use_preflight:
             self.log("preflight: skipped (--no-preflight or train.preflight=false)")
-        p = self.placement
+        p.decide_auto(None, None, self.log)  # auto not settled by preflight: float32 (said in the log)
+        self.state.dtype = p.dtype_name
         self.log(f"model: {self.model.num_params():,} parameters ({self.model.num_params(non_embedding=True):,} "
                  f"without the embedding), vocab {self.data.vocab_size:,}; device {p.device}, {p.dtype_name}; "
                  f"{p.micro}×{t.seq_len} tokens × {p.accum} accum × {p.dist.world_size} ranks per step")
@@ -205,8 +211,13 @@ class Trainer:
         report = run_preflight(
             self.model, batch, big_batch=big, device=p.device, dtype=p.dtype, vocab_size=self.data.vocab_size,
             optimizer_factory=lambda m: build_optimizer_for(m, t, p.device.type),
-            model_config=self.model.config, lr=t.lr, at_init=self.state.at_init, seed=self.cfg.run.seed, log=self.log)
+            model_config=self.model.config, lr=t.lr, at_init=self.state.at_init, seed=self.cfg.run.seed,
+            compare_dtype=p.auto_candidate, log=self.log)
         self.run_log.write_preflight(report)
+        if p.auto_candidate is not None and report.ok:
+            checks = {c.name: c for c in report.checks}
+            gain = checks["throughput"].values.get("bfloat16_gain") if "throughput" in checks else None
+            p.decide_auto(checks["precision"].ok if "precision" in checks else None, gain, self.log)
         return D.any_rank(not report.ok, p.dist, p.device) is False
 
     # --------------------------------------------------------------------------------------- the loop

@@ -108,6 +108,7 @@ class Checkpointer:
         state.tokens = int(saved["tokens"])
         state.nonfinite = int(saved.get("nonfinite", 0))
         state.wall_before = float(saved.get("wall_s", 0.0))
+        state.dtype = str(saved.get("dtype", ""))
         data.loader.set_position(saved["data_position"])
         set_rng_state(saved["rng"])
         if saved.get("config_sha256") != self.cfg.sha256():
@@ -119,7 +120,8 @@ class Checkpointer:
 
     def trainer_state(self, state: TrainState, model: LlamaForCausalLM, data: RunData) -> dict:
         """``trainer_state.json``: step, tokens, data position, the schedule, every RNG state, the config's and the
-        tokenizer's sha256, the model config, the non-finite streak, wall seconds, world size, torch version."""
+        tokenizer's sha256, the model config, the non-finite streak, wall seconds, world size, torch version, the compute
+        dtype."""
         t = self.cfg.train
         return {
             "step": state.step, "tokens": state.tokens, "data_position": data.loader.position,
@@ -129,7 +131,7 @@ class Checkpointer:
             "rng": rng_state(), "config_sha256": self.cfg.sha256(), "model_config": model.config.to_dict(),
             "tokenizer_sha256": data.tokenizer_sha256, "nonfinite": state.nonfinite,
             "wall_s": state.elapsed(), "world_size": self.dist.world_size,
-            "torch_version": torch.__version__,
+            "torch_version": torch.__version__, "dtype": state.dtype,
         }
 
     def save(self, state: TrainState, model: LlamaForCausalLM, optimizer, data: RunData,

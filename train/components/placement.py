@@ -1,5 +1,6 @@
-"""Where and how the training steps run: the device and ranks, the compute dtype, each rank's share of the global
-batch, the CUDA fast paths, the planner's memory check, the SDPA backend and the autocast context."""
+"""Where and how the training steps run: the device and ranks, the compute dtype (``auto`` on CPU decided after
+preflight), each rank's share of the global batch, the CUDA fast paths, the planner's memory check, the SDPA backend
+and the autocast context."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from train import distributed as D
 from train import plan as P
 from train.config import Config, TrainSection, resolve_path
 from train.device import (
+    DTYPES,
+    auto_cpu_dtype,
     autocast_ctx,
     choose_sdpa_backend,
+    native_cpu_bf16,
     peak_flops,
     resolve_device,
     resolve_dtype,
@@ -41,7 +45,11 @@ class Placement:
     """The run's device (``cuda:LOCAL_RANK`` under torchrun), process group (:class:`train.distributed.DistInfo`)
     and compute dtype, known from construction; after :meth:`setup`, the per-rank ``micro`` × ``accum``, the
     memory ``plan`` (CUDA), the SDPA choice ``sdpa`` = (name, backend or None, detail), the ``autocast`` context
-    and ``peak_flops`` (FLOP/s of a known GPU in this dtype, else None: no MFU)."""
+    and ``peak_flops`` (FLOP/s of a known GPU in this dtype, else None: no MFU).
+
+    ``train.dtype = "auto"`` on a CPU with native bfloat16 (:func:`train.device.native_cpu_bf16`) starts as float32
+    with ``auto_candidate`` = bfloat16: preflight measures it beside float32 and :meth:`decide_auto` settles the
+    dtype before the first step (float32 stays when preflight is skipped)."""
 
     def __init__(self, train: TrainSection):
         self.device = resolve_device(train.device)
@@ -49,6 +57,12 @@ class Placement:
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         self.dtype = resolve_dtype(train.dtype, self.device)
+        self.bf16_flag = native_cpu_bf16() if train.dtype == "auto" and self.device.type == "cpu" else None
+        self.auto_candidate: torch.dtype | None = torch.bfloat16 if self.bf16_flag else None
+        self.dtype_reason = ""
+        if train.dtype == "auto" and self.device.type == "cpu":
+            self.dtype_reason = auto_cpu_dtype(None, None, self.bf16_flag)[1]
+        self.settled = False  # decide_auto ran
         self.micro, self.accum = train.micro_batch_size, train.grad_accum
         self.sdpa: tuple[str, object, str] = ("default", None, "")
         self.plan: P.Plan | None = None
@@ -74,6 +88,30 @@ class Placement:
             setup_cpu_allocator()
         self.peak_flops = peak_flops(self.device, self.dtype)
         self.autocast = autocast_ctx(self.device, self.dtype)
+
+    def decide_auto(self, precision_ok: bool | None, gain: float | None, log: Callable[[str], None],
+                    resumed_dtype: str | None = None) -> None:
+        """Settle ``train.dtype = "auto"`` on CPU (:func:`train.device.auto_cpu_dtype`) from preflight's precision
+        verdict and bfloat16's measured tokens/s gain over float32 (None: not measured), or keep the dtype a resumed
+        checkpoint was trained in (``resumed_dtype``, so that ``--resume`` continues exactly). Every rank takes
+        float32 when any rank would; the choice and its reason are logged. Only the first call acts, and only for
+        ``auto`` on CPU."""
+        if self.settled or not self.dtype_reason:  # settled, or not "auto" on CPU
+            return
+        self.settled = True
+        if resumed_dtype in ("float32", "bfloat16"):
+            dtype = DTYPES[resumed_dtype]
+            reason = f"{resumed_dtype}{' autocast' if resumed_dtype == 'bfloat16' else ''}: as the resumed checkpoint"
+        elif self.auto_candidate is None:
+            log(f"dtype auto: {self.dtype_reason}")
+            return
+        else:
+            dtype, reason = auto_cpu_dtype(precision_ok, gain, self.bf16_flag)
+        if D.any_rank(dtype == torch.float32, self.dist, self.device) and dtype != torch.float32:
+            dtype, reason = torch.float32, "float32: another rank measured no gain from bfloat16"
+        self.dtype, self.dtype_reason, self.auto_candidate = dtype, reason, None
+        self.autocast = autocast_ctx(self.device, self.dtype)
+        log(f"dtype auto: {reason}")
 
     def _check_fits(self, cfg: Config, mcfg: ModelConfig, log: Callable[[str], None]) -> None:
         """Refuse, before allocating anything on the GPU, a micro-batch the planner says cannot fit its memory

@@ -16,7 +16,7 @@ import torch
 from train.components.placement import Placement
 from train.config import TrainSection
 from train.errors import TrainError
-from train.model import CausalLMLoss, LlamaForCausalLM
+from train.model import CHUNK_TOKENS, CausalLMLoss, LlamaForCausalLM
 
 DDP_BUCKET_MB = 100  # fewer, larger all-reduces than DDP's 25 MB default (base-400m: 16 buckets, not 64)
 
@@ -59,9 +59,11 @@ class StepModuleBuilder:
         self.info = CompileInfo(requested=train.compile)
         self._graphs_after_warmup = 0
 
-    def loss_module(self, model: LlamaForCausalLM) -> CausalLMLoss:
-        """The eager :class:`CausalLMLoss` with the configured activation checkpointing."""
-        return CausalLMLoss(model, activation_checkpoint=self.train.activation_checkpoint,
+    def loss_module(self, model: LlamaForCausalLM, device_type: str = "cuda") -> CausalLMLoss:
+        """The eager :class:`CausalLMLoss` with the configured activation checkpointing; on CPU without chunking the
+        head + loss (``chunk_tokens=None``: the logits' memory is cheap there, the chunks' recompute is not)."""
+        return CausalLMLoss(model, chunk_tokens=None if device_type == "cpu" else CHUNK_TOKENS,
+                            activation_checkpoint=self.train.activation_checkpoint,
                             checkpoint_every=self.train.activation_checkpoint_every)
 
     def build(self, model: LlamaForCausalLM, placement: Placement, warmup_windows: np.ndarray,
@@ -70,7 +72,7 @@ class StepModuleBuilder:
         module is warmed up on (forward + backward, gradients dropped). TrainError when compiling fails and
         ``train.compile`` is true."""
         mode, info = self.train.compile, self.info
-        step_model = self.loss_module(model)
+        step_model = self.loss_module(model, placement.device.type)
         if mode is False:
             info.path, info.reason = "eager", "train.compile = false"
         else:
@@ -90,7 +92,7 @@ class StepModuleBuilder:
                     raise TrainError(f"torch.compile failed ({why}). train.compile = true makes this an error; set "
                                      f"train.compile = \"auto\" to fall back to eager (about half the MFU) or false"
                                      ) from e
-                step_model = self.loss_module(model)
+                step_model = self.loss_module(model, placement.device.type)
                 info.path, info.reason = "eager", f"torch.compile failed, train.compile = \"auto\" fell back: {why}"
                 log("WARNING: " + "!" * 60)
                 log(f"WARNING: training EAGERLY: {info.reason}")

@@ -14,6 +14,8 @@ class CheckResult:
     seconds: float = 0.0
     detail: str = ""
     culprits: list[str] = field(default_factory=list)
+    # measured figures a caller acts on (the throughput check's tokens/s), by name
+    values: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

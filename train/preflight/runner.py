@@ -64,7 +64,8 @@ def run_preflight(model: nn.Module, batch: torch.Tensor, *, device: torch.device
                   vocab_size: int, big_batch: torch.Tensor | None = None,
                   optimizer_factory: OptimizerFactory | None = None, model_factory: ModelFactory | None = None,
                   model_config: ModelConfig | None = None, lr: float = 1e-3, at_init: bool = True, seed: int = 0,
-                  checks: list[str] | None = None, log=print) -> PreflightReport:
+                  checks: list[str] | None = None, compare_dtype: torch.dtype | None = None,
+                  log=print) -> PreflightReport:
     """Run the checks on copies of ``model`` and return the report (``report.ok`` False if any failed).
 
     ``batch`` is a small fixed batch of token windows, int64 ``[b, seq+1]`` on ``device``; ``big_batch`` (default
@@ -72,6 +73,8 @@ def run_preflight(model: nn.Module, batch: torch.Tensor, *, device: torch.device
     optimizer the run uses (default: the ``[train]`` defaults' optimizer at ``lr``); ``model_factory(ModelConfig)`` builds the tiny
     float64 copy for finite differences (default: the model's class). The caller's RNG states and data are left
     untouched, and every tensor preflight allocated is freed (the CUDA cache emptied) before it returns.
+    ``compare_dtype``: the throughput check also times the step under that dtype's autocast, interleaved (its
+    ``values`` then hold the gain; the precision check always compares bfloat16 with float32).
     """
     cfg = model_config or getattr(model, "config", None)
     optimizer_factory = optimizer_factory or default_optimizer_factory(lr, device.type)
@@ -88,7 +91,8 @@ def run_preflight(model: nn.Module, batch: torch.Tensor, *, device: torch.device
         "precision": lambda: check_precision(model, batch, device, dtype),
         "determinism": lambda: check_determinism(model, batch, ctx, device),
         "learning": lambda: check_learning(model, batch, ctx, optimizer_factory),
-        "throughput": lambda: check_throughput(model, big, ctx, device, dtype, optimizer_factory),
+        "throughput": lambda: check_throughput(model, big, ctx, device, dtype, optimizer_factory,
+                                                  compare_dtype=compare_dtype),
         "init_loss": lambda: check_init_loss(model, batch, ctx, vocab_size, at_init),
     }
     results = []
