@@ -25,16 +25,19 @@ CONVERSATIONS = [
 ]
 
 
-def _jinja(messages, add_generation_prompt):
-    env = jinja2.Environment()
-    return env.from_string(CHAT_TEMPLATE).render(messages=normalize_messages(messages),
-                                                 add_generation_prompt=add_generation_prompt)
+def _jinja(messages, add_generation_prompt, **env):
+    template = jinja2.Environment(**env).from_string(CHAT_TEMPLATE)
+    return template.render(messages=normalize_messages(messages), bos_token="<|endoftext|>",
+                           add_generation_prompt=add_generation_prompt)
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("gen", [False, True])
 def test_jinja_template_renders_as_render(messages, gen):
-    assert _jinja(messages, gen) == render(messages, gen)
+    """Plain jinja2 (transformers) and with trim_blocks / lstrip_blocks (llama-cpp-python's environment): the BOS
+    (<|endoftext|>) then exactly render()'s text."""
+    assert _jinja(messages, gen) == "<|endoftext|>" + render(messages, gen)
+    assert _jinja(messages, gen, trim_blocks=True, lstrip_blocks=True) == "<|endoftext|>" + render(messages, gen)
 
 
 def test_render_exact_text():

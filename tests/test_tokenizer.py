@@ -245,8 +245,36 @@ def test_sample_quotas_keep_ratio():
 def test_split_is_the_stored_one(fixture_tok):
     tj = json.loads((fixture_tok / "tokenizer.json").read_text())
     assert tj["pre_tokenizer"] == pre_tokenizer_json(PRETOKENIZER)
-    assert [t["content"] for t in tj["added_tokens"]] == ["<|endoftext|>", "<|pad|>"]
-    assert [t["id"] for t in tj["added_tokens"]] == [0, 1]
+    assert [t["content"] for t in tj["added_tokens"]] == ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+    assert [t["id"] for t in tj["added_tokens"]] == [0, 1, 998, 999]  # vocab 1000: the chat tokens are the last ids
+    assert all(t["special"] and not t["normalized"] for t in tj["added_tokens"])
+
+
+def test_chat_tokens_keep_every_other_id_and_merge():
+    """A tokenizer reserves <|im_start|> / <|im_end|> as its last two ids: the BPE (ids, merges) is the one
+    trained without them at two fewer entries, and add_chat_tokens gives such an older tokenizer the same two."""
+    from tokenizers import Tokenizer, trainers
+
+    from train.chat_format import CHAT_TOKENS, render
+    from train.tokenizer import add_chat_tokens, has_chat_tokens, train_tokenizer
+
+    texts = ["আমি বাংলায় গান গাই। " * 30, "The river flows to the sea. " * 30]
+    new = train_tokenizer(texts, vocab_size=290, min_frequency=1)
+    old = new_tokenizer()  # what format 3 trained: only <|endoftext|> and <|pad|>, 288 entries
+    old.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=288, min_frequency=1, show_progress=False,
+                                                       special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert not has_chat_tokens(old) and has_chat_tokens(new)
+    assert new.get_vocab_size() == 290 and [new.token_to_id(t) for t in CHAT_TOKENS] == [288, 289]
+    old_vocab = old.get_vocab(with_added_tokens=True)
+    assert {k: v for k, v in new.get_vocab(with_added_tokens=True).items() if k not in CHAT_TOKENS} == old_vocab
+    assert json.loads(new.to_str())["model"]["merges"] == json.loads(old.to_str())["model"]["merges"]
+    assert add_chat_tokens(old) == [288, 289] and add_chat_tokens(old) == [288, 289]  # idempotent
+    conversation = render([{"role": "user", "content": "গান গাই"}], add_generation_prompt=True)
+    assert old.encode(conversation).ids == new.encode(conversation).ids
+    ids = new.encode(conversation).ids
+    assert ids[0] == 288 and ids.count(289) == 1 and new.decode(ids, skip_special_tokens=False) == conversation
+    assert Tokenizer.from_str(new.to_str()).token_to_id("<|im_end|>") == 289
 
 
 # ----------------------------------------------------------------------------------------------- anchors

@@ -11,9 +11,10 @@ and ``transformers`` take the same template as Jinja. It needs no extra BOS/EOS 
 
 Token ids of a conversation are ``[id of <|endoftext|>]`` + ``encode(render(messages, ...))``: the same leading
 ``<|endoftext|>`` that began every training document and that the server puts before every prompt
-(``serve.lm``: "every prompt is encoded as ``<|endoftext|>`` + prompt"); llama.cpp adds it as BOS itself
-(the GGUF's ``add_bos_token`` is true and its bos id is ``<|endoftext|>``), and ``transformers``'
-``apply_chat_template`` (``add_bos_token`` false) gives the ids after it. The tokenizer keeps ``<|im_start|>`` and
+(``serve.lm``: "every prompt is encoded as ``<|endoftext|>`` + prompt"). :data:`CHAT_TEMPLATE` starts with
+``{{ bos_token }}`` (``<|endoftext|>`` in tokenizer_config.json), so ``transformers``' ``apply_chat_template``
+gives these ids exactly, as llama-cpp-python's Jinja2 formatter does; llama.cpp's built-in ChatML renders
+:func:`render`'s text and adds ``<|endoftext|>`` as BOS itself (the GGUF's ``add_bos_token`` is true). The tokenizer keeps ``<|im_start|>`` and
 ``<|im_end|>`` whole (special added tokens), so encoding the rendered text as one string gives the same ids as
 the other runtimes; never encode pieces separately.
 
@@ -34,8 +35,12 @@ CHAT_TOKENS = (IM_START, IM_END)  # in id order; a tokenizer keeps them as its l
 END_OF_GENERATION = ("<|endoftext|>", IM_END)  # train.byte_level.EOT and the end of a turn
 ROLES = ("system", "user", "assistant")
 
-# transformers' apply_chat_template form (messages, add_generation_prompt); rendered by jinja2 it equals render().
+# transformers' apply_chat_template form (messages, bos_token, add_generation_prompt); rendered by jinja2 it is
+# bos_token + render(): the tokenizer's bos_token is <|endoftext|>, so transformers' apply_chat_template(tokenize=True)
+# and llama-cpp-python's Jinja2 formatter (which then adds no BOS of its own) give exactly the server's ids.
+# llama.cpp's built-in ChatML (no --jinja) renders render() and prepends the BOS itself: the same ids again.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"

@@ -177,8 +177,6 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LlamaForCausalLM, optimiz
     final = ckpt_root / step_name(step)
     with atomic_dir(final, overwrite=True) as tmp:
         save_weights(model, tmp / "model.safetensors")
-        if special_ids is not None:
-            write_hf_files(tmp, model.config, *special_ids)
         for name, src in extra_files.items():
             if isinstance(src, bytes):
                 atomic_write_bytes(tmp / name, src)
@@ -186,6 +184,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LlamaForCausalLM, optimiz
                 atomic_write_text(tmp / name, src)
             else:
                 shutil.copyfile(src, tmp / name)
+        if special_ids is not None:  # after tokenizer.json: its chat tokens decide the chat template
+            write_hf_files(tmp, model.config, *special_ids)
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1) + "\n")
         if optimizer is not None:
             (serializer or torch.save)(optimizer.state_dict(), tmp / "optimizer.pt")

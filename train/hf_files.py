@@ -8,9 +8,11 @@ may not import ``export/``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from train.atomic import atomic_write_json
+from train.chat_format import IM_END, missing_chat_tokens
 from train.model import ModelConfig
 from train.tokenizer import tokenizer_config
 
@@ -24,26 +26,69 @@ MAX_NEW_TOKENS = 64  # generation_config's default length
 SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.1}
 
 
-def generation_config(eot_id: int, pad_id: int) -> dict:
-    """``generation_config.json``: sampling with :data:`SAMPLING`, ``<|endoftext|>`` (``eot_id``) as bos and eos,
-    ``pad_id`` as pad, :data:`MAX_NEW_TOKENS` new tokens (Hugging Face's ``GenerationConfig`` keys)."""
-    return {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": pad_id, "do_sample": True, **SAMPLING,
+def generation_config(eot_id: int, pad_id: int, im_end_id: int | None = None) -> dict:
+    """``generation_config.json``: sampling with :data:`SAMPLING`, ``<|endoftext|>`` (``eot_id``) as bos,
+    every end-of-generation id as eos (``eot_id``, and ``im_end_id`` — the end of a chat turn — when the
+    tokenizer has the chat tokens: then a list, as Hugging Face's ``GenerationConfig`` takes it), ``pad_id`` as
+    pad, :data:`MAX_NEW_TOKENS` new tokens."""
+    eos = eot_id if im_end_id is None else [eot_id, im_end_id]
+    return {"bos_token_id": eot_id, "eos_token_id": eos, "pad_token_id": pad_id, "do_sample": True, **SAMPLING,
             "max_new_tokens": MAX_NEW_TOKENS}
 
 
-def hf_files(cfg: ModelConfig, eot_id: int, pad_id: int, torch_dtype: str = "float32") -> dict[str, dict]:
+def chat_end_id(folder: Path) -> int | None:
+    """The id of ``<|im_end|>`` in ``folder/tokenizer.json`` when it has both chat tokens, else None (also when
+    there is no tokenizer.json). Raises OSError / ValueError for an unreadable file."""
+    f = Path(folder) / "tokenizer.json"
+    if not f.is_file():
+        return None
+    t = json.loads(f.read_text(encoding="utf-8"))
+    vocab = {**t.get("model", {}).get("vocab", {}), **{a["content"]: a["id"] for a in t.get("added_tokens", [])}}
+    return None if missing_chat_tokens(vocab) else int(vocab[IM_END])
+
+
+def hf_files(cfg: ModelConfig, eot_id: int, pad_id: int, torch_dtype: str = "float32",
+             im_end_id: int | None = None) -> dict[str, dict]:
     """``{file name: JSON object}`` for the three sidecar files of a model with config ``cfg``; ``torch_dtype``
-    is the dtype of the stored weights (config.json's ``torch_dtype``)."""
+    is the dtype of the stored weights (config.json's ``torch_dtype``); ``im_end_id``: the tokenizer's
+    ``<|im_end|>`` when it has the chat tokens (:func:`chat_end_id`): then tokenizer_config.json carries the
+    chat template and generation_config.json both end-of-generation ids."""
     return {
         "config.json": cfg.hf_config(torch_dtype, eot_id, pad_id),
-        "generation_config.json": generation_config(eot_id, pad_id),
-        "tokenizer_config.json": tokenizer_config(cfg.max_position_embeddings),
+        "generation_config.json": generation_config(eot_id, pad_id, im_end_id),
+        "tokenizer_config.json": tokenizer_config(cfg.max_position_embeddings, chat=im_end_id is not None),
     }
 
 
 def write_hf_files(folder: Path, cfg: ModelConfig, eot_id: int, pad_id: int, names: tuple[str, ...] = NAMES) -> None:
     """Write the sidecar files named in ``names`` (default all three) into ``folder``, each atomically (UTF-8
-    JSON, indent 2). Raises OSError as the file system does."""
-    files = hf_files(cfg, eot_id, pad_id)
+    JSON, indent 2); the chat parts follow ``folder/tokenizer.json`` when it is there (:func:`chat_end_id`).
+    Raises OSError as the file system does."""
+    files = hf_files(cfg, eot_id, pad_id, im_end_id=chat_end_id(folder))
     for name in names:
         atomic_write_json(Path(folder) / name, files[name])
+
+
+def sync_chat_files(folder: Path) -> bool:
+    """Make ``folder``'s tokenizer_config.json and generation_config.json say what its tokenizer.json can do: with
+    both chat tokens, the chat template and both end-of-generation ids; without, neither (a checkpoint written
+    before its tokenizer gained them, or the other way round). Rewrites (atomically) only what differs; other keys
+    are kept. Returns whether the folder is chat-capable. Raises OSError / ValueError for unreadable files."""
+    folder = Path(folder)
+    im_end = chat_end_id(folder)
+    tc_path, gc_path = folder / "tokenizer_config.json", folder / "generation_config.json"
+    if tc_path.is_file():
+        tc = json.loads(tc_path.read_text(encoding="utf-8"))
+        want = {k: v for k, v in tc.items() if k != "chat_template"}
+        want.update({k: v for k, v in tokenizer_config(None, chat=im_end is not None).items() if k == "chat_template"})
+        if want != tc:
+            atomic_write_json(tc_path, want)
+    if gc_path.is_file():
+        gc = json.loads(gc_path.read_text(encoding="utf-8"))
+        eos = gc.get("eos_token_id")
+        eot = eos[0] if isinstance(eos, list) and eos else eos
+        want_eos = eot if im_end is None else [eot, im_end]
+        if eos != want_eos:
+            atomic_write_json(gc_path, {**gc, "eos_token_id": want_eos})
+    return im_end is not None
+

@@ -9,7 +9,11 @@ The tokenizer (Hugging Face ``tokenizers``):
   signs, virama, nukta and candrabindu stay in their word; GPT-2's ``\\p{L}+`` cuts "বাংলা" into
   ব · াং · ল · া), with at most one leading non-letter; numbers go in pieces of up to three digits;
   punctuation runs take the newlines after them. Then ``ByteLevel(add_prefix_space=False, use_regex=False)``;
-* model BPE over the 256 byte symbols, specials ``<|endoftext|>`` (id 0) and ``<|pad|>`` (id 1). Training cuts
+* model BPE over the 256 byte symbols, specials ``<|endoftext|>`` (id 0) and ``<|pad|>`` (id 1), and the chat
+  turn tokens ``<|im_start|>`` / ``<|im_end|>`` (``train.chat_format``) as the last two ids (since tokenizer
+  format 4): the BPE is trained with ``vocab_size - 2`` entries, so every other id and merge is what a format-3
+  tokenizer of the same data has (its last two merges are not learned), and :func:`add_chat_tokens` appends the
+  two to an older tokenizer the same way (fine-tuning a run whose tokenizer lacks them). Training cuts
   pieces longer than ``pretokenizers.TRAIN_MAX_PIECE`` code points (the trainer's cost grows with the square of
   a piece); the saved tokenizer does not, as llama.cpp does not, and encodes in time linear in the input;
 * decoder ByteLevel: ``decode(encode(x)) == NFC(x)`` exactly (no prefix space, no clean-up of spaces).
@@ -32,6 +36,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from train.atomic import atomic_dir, sha256_file
 from train.byte_level import EOT, PAD, SPECIAL_TOKENS, bytes_to_unicode  # noqa: F401 - re-exported
+from train.chat_format import CHAT_TEMPLATE, CHAT_TOKENS, missing_chat_tokens
 from train.tokenizer.pretokenizers import PRETOKENIZERS, Pretokenizer, training_pre_tokenizer
 
 PRETOKENIZER: Pretokenizer = PRETOKENIZERS["deepseek-v3"]   # Shalik's split since tokenizer format 3
@@ -55,17 +60,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequency
                     split: Pretokenizer = PRETOKENIZER, length: int | None = None) -> Tokenizer:
     """Train a byte-level BPE on ``texts`` (strings); returns a ``tokenizers.Tokenizer`` that splits with ``split``.
 
-    ``<|endoftext|>`` gets id 0 and ``<|pad|>`` id 1; all 256 byte symbols are in the vocabulary, so any text
-    encodes. The trainer sees ``split``'s pieces cut to ``TRAIN_MAX_PIECE`` code points (its cost is quadratic in
+    ``<|endoftext|>`` gets id 0 and ``<|pad|>`` id 1, ``<|im_start|>`` and ``<|im_end|>`` the last two ids
+    (``vocab_size - 2`` and ``vocab_size - 1``; :func:`add_chat_tokens`); all 256 byte symbols are in the
+    vocabulary, so any text encodes. The trainer sees ``split``'s pieces cut to ``TRAIN_MAX_PIECE`` code points (its cost is quadratic in
     a piece's length); the returned tokenizer splits exactly as ``split`` (and llama.cpp) does. Raises
-    TokenizerError for a vocab_size below 256 + 2.
+    TokenizerError for a vocab_size below 256 + 4.
     """
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise TokenizerError(f"vocab_size {vocab_size}: expected at least {256 + len(SPECIAL_TOKENS)}")
+    reserved = len(SPECIAL_TOKENS) + len(CHAT_TOKENS)
+    if vocab_size < 256 + reserved:
+        raise TokenizerError(f"vocab_size {vocab_size}: expected at least {256 + reserved}")
     tok = new_tokenizer(split)
     tok.pre_tokenizer = training_pre_tokenizer(split)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(CHAT_TOKENS),
         min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -73,11 +80,31 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequency
     )
     tok.train_from_iterator(texts, trainer, length=length)
     tok.pre_tokenizer = split.pre_tokenizer()
+    add_chat_tokens(tok)
     return tok
 
 
-def tokenizer_config(model_max_length: int | None = 2048) -> dict:
+def add_chat_tokens(tok: Tokenizer) -> list[int]:
+    """Give ``tok`` the chat turn tokens (``train.chat_format.CHAT_TOKENS``) it lacks, as special added tokens
+    after its last id (in place: no merge or other id changes; each is always one token, never split or
+    normalised). Returns the ids of ``<|im_start|>`` and ``<|im_end|>``."""
+    missing = missing_chat_tokens(tok.get_vocab(with_added_tokens=True))
+    if missing:
+        tok.add_special_tokens(missing)
+    return [tok.token_to_id(t) for t in CHAT_TOKENS]
+
+
+def has_chat_tokens(tok: Tokenizer) -> bool:
+    """Whether ``tok`` can encode the chat format (both turn tokens in its vocabulary)."""
+    return not missing_chat_tokens(tok.get_vocab(with_added_tokens=True))
+
+
+def tokenizer_config(model_max_length: int | None = 2048, chat: bool = False) -> dict:
     """``tokenizer_config.json`` for ``transformers.AutoTokenizer`` (PreTrainedTokenizerFast over tokenizer.json).
+
+    ``chat``: the tokenizer has the chat turn tokens, so ``chat_template`` is ``train.chat_format.CHAT_TEMPLATE``
+    (``apply_chat_template``; gguf-py's ``SpecialVocab`` copies it into a GGUF); without them no template is
+    written (a base model's tokenizer cannot encode the format).
 
     ``clean_up_tokenization_spaces`` is false and no prefix space is added: decode(encode(x)) must return x.
     ``model_max_length`` is the model's context (``max_position_embeddings``); None leaves it out (a cached
@@ -98,6 +125,8 @@ def tokenizer_config(model_max_length: int | None = 2048) -> dict:
     }
     if model_max_length is None:
         del cfg["model_max_length"]
+    if chat:
+        cfg["chat_template"] = CHAT_TEMPLATE
     return cfg
 
 
@@ -105,7 +134,8 @@ def write_tokenizer_files(tok: Tokenizer, out_dir: Path, model_max_length: int |
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into an existing (temporary) folder."""
     out_dir = Path(out_dir)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model_max_length), indent=2) + "\n")
+    cfg = tokenizer_config(model_max_length, chat=has_chat_tokens(tok))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int | None = 2048, overwrite: bool = False) -> Path:
