@@ -29,6 +29,7 @@ class Evaluator:
         self.title = title
         self.prompts = SAMPLE_PROMPTS  # (lang, prompt text) of the samples; a subclass may change them
         self.stop_ids = None  # where the samples stop (default: data.eot_id)
+        self.random_init_twin = True  # at step 0 of a run that starts from weights, also the random init's figures
 
     def _val(self, model: LlamaForCausalLM) -> dict[str, dict]:
         return evaluate(model, self.data.val, self.data.char_counts, self.placement.device, self.placement.autocast,
@@ -45,7 +46,7 @@ class Evaluator:
         row = {"kind": "eval", "step": state.step, "tokens": state.tokens, "val": val}
         if state.step == 0 and state.at_init:
             row["random_init"] = val
-        elif state.step == 0:
+        elif state.step == 0 and self.random_init_twin:
             twin = LlamaForCausalLM(model.config).to(self.placement.device)
             row["random_init"] = self._val(twin)
             del twin

@@ -3,7 +3,8 @@ the tokenizer (the pretrained run's, with the chat tokens added when it lacks th
 ``char_counts``, the training ``loader`` and ``val`` (language → windows), the checkpoint's files.
 
 Conversations are padded, not packed: each is one row of ``[<|endoftext|>] + its tokens``, right-padded with
-context-only ``<|pad|>`` to the longest row of its step (rounded up to 8), so causal attention needs no mask and
+context-only ``<|pad|>`` to the longest row of its step (rounded up to 8; to ``train.seq_len + 1`` when the step module is compiled:
+static shapes), so causal attention needs no mask and
 positions start at 0 as they do when a runtime encodes the conversation; ``benchmarks/sft.py`` measured this
 against packing with a block-diagonal mask (benchmarks/results/sft.md). To keep the padding small, each epoch's
 order groups conversations of similar length: a permutation is cut into pools of :data:`POOL_STEPS` steps, each
@@ -22,15 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from train import windows as W
-from train.chat_format import CHAT_TOKENS
+from train.chat_format import CHAT_TOKENS, missing_chat_tokens
 from train.checkpoint import CheckpointError, find_checkpoint
 from train.config import Config
 from train.corpus import DataError, is_hf_spec, list_input_files
 from train.errors import TrainError
 from train.inputs import scan_inputs
-from train.sft.encode import add_chat_tokens, encode_conversations, pad_windows, to_window
+from train.sft.encode import encode_conversations, pad_windows, to_window
 from train.sft.formats import ReadStats, read_conversations
-from train.tokenizer import EOT, PAD, TokenizerError, load_tokenizer, token_char_counts
+from train.tokenizer import EOT, PAD, TokenizerError, add_chat_tokens, load_tokenizer, token_char_counts
 
 POOL_STEPS = 50  # steps per length-sorted pool
 PAD_MULTIPLE = 8
@@ -60,7 +61,8 @@ class ConversationLoader:
     ranks), which the pools are cut into; ``position`` is ``{"epoch", "offset"}`` as :class:`train.loader.
     TrainLoader`'s, so a resume continues exactly."""
 
-    def __init__(self, windows: list[np.ndarray], step_size: int, seq_len: int, seed: int, pad_id: int):
+    def __init__(self, windows: list[np.ndarray], step_size: int, seq_len: int, seed: int, pad_id: int,
+                 fixed_length: bool = False):
         if not windows:
             raise ValueError("no training conversations")
         self.windows = windows
@@ -69,6 +71,7 @@ class ConversationLoader:
         self.seq_len = seq_len
         self.seed = seed
         self.pad_id = pad_id
+        self.fixed_length = fixed_length
         self.n_windows = len(windows)
         self.epoch = 0
         self.offset = 0
@@ -105,7 +108,8 @@ class ConversationLoader:
                 self.offset = 0
             rows.append(self.windows[int(self._epoch_order(self.epoch)[self.offset])])
             self.offset += 1
-        return pad_windows(rows, self.pad_id, PAD_MULTIPLE, self.seq_len + 1)
+        multiple = self.seq_len + 1 if self.fixed_length else PAD_MULTIPLE
+        return pad_windows(rows, self.pad_id, multiple, self.seq_len + 1)
 
     def peek_windows(self, n: int) -> np.ndarray:
         """The next ``n`` without moving the position."""
@@ -149,14 +153,17 @@ class SFTData:
     base: dict
 
     @classmethod
-    def load(cls, cfg: Config, base: Path, step_size: int, log: Callable[[str], None]) -> SFTData:
+    def load(cls, cfg: Config, base: Path, step_size: int, log: Callable[[str], None],
+             fixed_length: bool = False) -> SFTData:
         """Read ``cfg.data.paths`` with the tokenizer of the base checkpoint ``base``; TrainError (exit 2) on bad
-        input or when no conversation is left to train on."""
+        input or when no conversation is left to train on. ``fixed_length``: every step padded to
+        ``train.seq_len + 1`` (the static shapes a compiled step module wants) instead of its longest row."""
         try:
             tok = load_tokenizer(base)
-        except TokenizerError as e:
-            raise TrainError(str(e)) from None
-        added = add_chat_tokens(tok)
+            added = missing_chat_tokens(tok.get_vocab(with_added_tokens=True))
+            add_chat_tokens(tok)
+        except (TokenizerError, ValueError) as e:
+            raise TrainError(f"{base}: {e}") from None
         eot_id, pad_id = tok.token_to_id(EOT), tok.token_to_id(PAD)
         stats = ReadStats()
         try:
@@ -191,7 +198,7 @@ class SFTData:
                              f"turn, {too_long} too long); expected JSON Lines of messages, Alpaca or ShareGPT rows")
         val = {lang: [pad_windows([w], pad_id, 32)[0] for w in spread(ws, cfg.train.eval_tokens)]
                for lang, ws in val.items()}
-        loader = ConversationLoader(train, step_size, cfg.train.seq_len, cfg.run.seed, pad_id)
+        loader = ConversationLoader(train, step_size, cfg.train.seq_len, cfg.run.seed, pad_id, fixed_length)
         files = list_input_files(cfg.data.paths)
         inputs = [i.fingerprint() for i in scan_inputs([f for f in files if not is_hf_spec(f)])]
         inputs += [{"path": f, "sha256": None, "bytes": None} for f in files if is_hf_spec(f)]

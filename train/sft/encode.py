@@ -1,10 +1,11 @@
-"""A conversation as token ids with its loss mask, and the chat tokens a pretrained tokenizer may lack.
+"""A conversation as token ids with its loss mask, and padded windows of conversations.
 
 Ids are ``[<|endoftext|>] + encode(render(messages))`` (:mod:`train.chat_format`: the ids the server and every
 other runtime give the same conversation). The loss mask comes from the tokenizer's character offsets of that
 whole rendered text: a token carries loss when it starts inside an assistant span (the reply and the
 ``<|im_end|>`` that closes it, :func:`train.chat_format.assistant_spans`). Pieces are never encoded separately,
-so the ids are exactly those a runtime sees.
+so the ids are exactly those a runtime sees. (A tokenizer without the chat tokens gets them from
+``train.tokenizer.add_chat_tokens``.)
 """
 
 from __future__ import annotations
@@ -12,20 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from train import windows as W
-from train.chat_format import CHAT_TOKENS, assistant_spans, missing_chat_tokens
-
-
-def add_chat_tokens(tok) -> list[str]:
-    """Append the chat tokens ``tok`` lacks as special added tokens (ids ``vocab, vocab + 1``: the chat tokens
-    are a tokenizer's last ids, as tokenizers that reserve them at training lay them out); returns the tokens
-    added (empty when it had them). The tokenizer is changed in place."""
-    missing = missing_chat_tokens(tok.get_vocab(with_added_tokens=True))
-    if missing:
-        if len(missing) != len(CHAT_TOKENS):
-            raise ValueError(f"the tokenizer has only some of the chat tokens (lacks {', '.join(missing)}); "
-                             f"expected all of {', '.join(CHAT_TOKENS)} or none")
-        tok.add_special_tokens(list(CHAT_TOKENS))
-    return missing
+from train.chat_format import assistant_spans
 
 
 def encode_conversation(tok, messages: list[dict], eot_id: int) -> tuple[np.ndarray, np.ndarray]:

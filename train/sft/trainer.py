@@ -39,6 +39,7 @@ class SFTEvaluator(Evaluator):
         super().__init__(*args, **kwargs)
         self.prompts = [(lang, render(msgs, add_generation_prompt=True)) for lang, msgs in CHAT_PROMPTS]
         self.stop_ids = (self.data.eot_id, self.data.tokenizer.token_to_id(IM_END))
+        self.random_init_twin = False  # the reference is the base model (step 0), not a random twin
 
     def final(self, model, cfg: Config, state) -> dict | None:
         if not self.placement.dist.is_main:
@@ -69,7 +70,8 @@ class SFTTrainer(Trainer):
 
     def load_data(self) -> SFTData:
         t = self.cfg.train
-        return SFTData.load(self.cfg, self.base, t.micro_batch_size * t.grad_accum, self.log)
+        return SFTData.load(self.cfg, self.base, t.micro_batch_size * t.grad_accum, self.log,
+                            fixed_length=t.compile is not False)
 
     def init_weights(self) -> None:
         if self.resume:  # the run's own checkpoint is loaded next; the base only fixes the shapes
