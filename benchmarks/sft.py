@@ -44,6 +44,7 @@ from train import windows as W  # noqa: E402
 from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train.chat_format import IM_END, render  # noqa: E402
 from train.checkpoint import find_checkpoint, load_model  # noqa: E402
+from train.device import autocast_ctx, resolve_dtype  # noqa: E402
 from train.evaluate import evaluate, sampled_continuation  # noqa: E402
 from train.hf_files import SAMPLING  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, compute_dtype  # noqa: E402
@@ -102,9 +103,10 @@ def packed_loss(lm: LlamaForCausalLM, batch: torch.Tensor, seg: torch.Tensor) ->
                                              reduction="sum")
 
 
-def layout(model: LlamaForCausalLM, data: SFTData, micro: int, seq_len: int, rounds: int) -> dict:
-    """Conversation tokens per second of forward + backward, padded vs packed, over the same conversations."""
-    convs = [data.loader.windows[i] for i in data.loader._epoch_order(0)[:micro * 8]]
+def layout(model: LlamaForCausalLM, data: SFTData, micro: int, seq_len: int, rounds: int, ctx) -> dict:
+    """Conversation tokens per second of forward + backward (in the run's autocast ``ctx``), padded vs packed, over
+    the same conversations."""
+    convs = [data.loader.windows[i] for i in data.loader._epoch_order(0)[:micro * 4]]
     real = sum(len(w) for w in convs)
     padded = [pad_windows(convs[i:i + micro], data.pad_id, 8, seq_len + 1) for i in range(0, len(convs), micro)]
     rows, seg = packed_rows(convs, seq_len, data.pad_id)
@@ -113,12 +115,16 @@ def layout(model: LlamaForCausalLM, data: SFTData, micro: int, seq_len: int, rou
     def run_padded():
         for b in padded:
             t = torch.from_numpy(b)
-            loss_mod(W.inputs(t), W.labels(t)).backward()
+            with ctx():
+                loss = loss_mod(W.inputs(t), W.labels(t))
+            loss.backward()
 
     def run_packed():
         per = max(1, len(rows) // len(padded))
         for i in range(0, len(rows), per):
-            packed_loss(model, torch.from_numpy(rows[i:i + per]), torch.from_numpy(seg[i:i + per])).backward()
+            with ctx():
+                loss = packed_loss(model, torch.from_numpy(rows[i:i + per]), torch.from_numpy(seg[i:i + per]))
+            loss.backward()
 
     lanes = {"padded": run_padded, "packed": run_packed}
     for f in lanes.values():  # warm-up
@@ -198,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="the fine-tuning run's name (default: <base>-sft)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="passed to train.sft")
     p.add_argument("--retrain", action="store_true", help="fine-tune again even if the run exists")
-    p.add_argument("--prompts", type=int, default=60, help="validation prompts per language")
-    p.add_argument("--layout-rounds", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=25, help="validation prompts per language")
+    p.add_argument("--layout-rounds", type=int, default=2)
+    p.add_argument("--full-val", action="store_true", help="validation NLL over the whole split (default: the "
+                   "run's own evaluation rows: train.eval_tokens targets per language, spread over the split)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -215,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
               "commit": timing.git_commit()}
 
     if args.layout_rounds:
-        result["layout"] = layout(base, data, t.micro_batch_size, t.seq_len, args.layout_rounds)
+        dev = torch.device("cpu")
+        dtype = resolve_dtype(t.dtype, dev)
+        result["layout"] = layout(base, data, t.micro_batch_size, t.seq_len, args.layout_rounds,
+                                  lambda: autocast_ctx(dev, dtype))
+        result["layout"]["dtype"] = str(dtype).replace("torch.", "")
         print("layout:", json.dumps(result["layout"]))
 
     cmd = [sys.executable, "-m", "train.sft", args.base, "--name", cfg.run.name, *sum((["--set", s] for s in args.overrides), [])]
@@ -235,12 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     models = {"base": base.eval(), "fine-tuned": tuned.eval()}
 
     convs = [c for c in read_conversations(cfg.data.paths, cfg.data.val_fraction) if c.split == "validation"]
-    full_val = {}
-    for c, (ids, mask) in zip(convs, encode_conversations(data.tokenizer, [c.messages for c in convs], eot),
-                              strict=True):
-        full_val.setdefault(c.lang, []).append(pad_windows([to_window(ids, mask)], data.pad_id, 32)[0])
-    result["val_nll"] = {name: evaluate(m, full_val, data.char_counts, torch.device("cpu"), batch_size=16)
-                         for name, m in models.items()}
+    if args.full_val:
+        full_val = {}
+        for c, (ids, mask) in zip(convs, encode_conversations(data.tokenizer, [c.messages for c in convs], eot),
+                                  strict=True):
+            full_val.setdefault(c.lang, []).append(pad_windows([to_window(ids, mask)], data.pad_id, 32)[0])
+        result["val_scope"] = "the whole validation split"
+        result["val_nll"] = {name: evaluate(m, full_val, data.char_counts, torch.device("cpu"), batch_size=16)
+                             for name, m in models.items()}
+    else:
+        n = {lang: len(ws) for lang, ws in data.val.items()}
+        result["val_scope"] = (f"the run's own evaluation: {n.get('bn', 0)} bn and {n.get('en', 0)} en conversations "
+                               f"spread over the validation split (train.eval_tokens = {t.eval_tokens} targets per "
+                               f"language)")
+        result["val_nll"] = {"base": summary["base_val"], "fine-tuned": summary["val"]}
     chosen = prompts_of(convs, args.prompts)
     result["replies"] = {}
     for name, m in models.items():
@@ -274,8 +294,9 @@ def report(r: dict) -> str:
         lay = r["layout"]
         tps = lay["tokens_per_s"]
         lines += ["## Padded or packed", "",
-                  f"Forward + backward of the base model over the same {lay['conversations']} conversations "
-                  f"({lay['tokens']:,} tokens), {lay['rounds']} interleaved rounds:", "",
+                  f"Forward + backward of the base model ({lay['dtype']} autocast, as the run) over the same "
+                  f"{lay['conversations']} conversations ({lay['tokens']:,} tokens), {lay['rounds']} interleaved "
+                  "rounds:", "",
                   "| layout | rows × length computed | conversation tokens / s (median) |", "|---|---:|---:|",
                   f"| padded (one conversation a row, causal attention, no mask) | {lay['padded_rows_tokens']:,} | "
                   f"{tps['padded']:,.0f} |",
@@ -289,8 +310,8 @@ def report(r: dict) -> str:
               + (f" ({r['finetune_wall_s'] / 60:.1f} min for the whole command)" if "finetune_wall_s" in r else "")
               + f", {s['tokens_per_s']:,.0f} target tokens/s.", ""]
     vn = r["val_nll"]
-    lines += ["## Results", "", "Validation NLL on assistant tokens (nats/token, the whole validation split: works "
-              "held out of training):", "", "| model | bn | en | all |", "|---|---:|---:|---:|"]
+    lines += ["## Results", "", f"Validation NLL on assistant tokens (nats/token; {r['val_scope']}; works held out of "
+              "training):", "", "| model | bn | en | all |", "|---|---:|---:|---:|"]
     for name, v in vn.items():
         lines.append(f"| {name} | {v['bn']['nll']:.3f} | {v['en']['nll']:.3f} | {v['all']['nll']:.3f} |")
     lines += ["", f"Replies to validation prompts (at most {MAX_NEW} new tokens; targets: ≥ 95 % end with "

@@ -29,13 +29,15 @@ DEFAULT_DATA = ["data/sft"]
 SFT_DEFAULTS = {
     "train.micro_batch_size": 32,
     "train.grad_accum": 1,
-    "train.max_steps": 600,
+    "train.max_steps": 200,
     "train.lr": 3e-3,
     "train.min_lr": 0.0,
     "train.warmup_steps": 20,
     "train.eval_every": 100,
-    "train.ckpt_every": 200,
+    "train.eval_tokens": 4096,
+    "train.ckpt_every": 100,
     "train.log_every": 10,
+    "train.final_eval": True,
     "data.val_fraction": 0.05,
 }
 
