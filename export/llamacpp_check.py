@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["GREEDY_PROMPTS", "TokenAgreement", "GreedyResult", "token_agreement", "greedy_text_agreement"]
 
-# Ten prompts per language for the text-in/text-out check (issue 28): prose, digits, quotes, a joiner, a nukta;
+# Ten prompts per language for the text-in/text-out check: prose, digits, quotes, a joiner, a nukta;
 # NFC, as llama.cpp must be given.
 GREEDY_PROMPTS: list[tuple[str, str]] = [("bn", unicodedata.normalize("NFC", t)) for t in (
     "আমি বাংলায় গান গাই",

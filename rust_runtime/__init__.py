@@ -1,4 +1,6 @@
-"""rust_runtime: Shalik's CPU runtime (candle + PyO3). The compiled module is ``rust_runtime.rust_runtime``.
+"""rust_runtime: Shalik's CPU runtime (a Llama forward on its own kernels, through PyO3).
+
+The compiled module is ``rust_runtime.rust_runtime``.
 
 This file makes the crate folder a Python package, so that ``pip install -e ".[all]"`` (setuptools-rust, from the
 repository root) and ``pip install ./rust_runtime`` (maturin, the crate alone) both give ``import rust_runtime``

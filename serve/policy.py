@@ -26,13 +26,11 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# sequences per step; benchmarks/serve_batching.py, f32 on `small`: 16 streams give 4.9x one stream's tokens/s, and
-# 32 add 11 % more at 1.6x the p99 inter-token latency
+# sequences per step: where more streams stop paying for their latency (benchmarks/results/serve_batching.md)
 DEFAULT_MAX_BATCH = 16
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step (decode tokens + prefill chunks); llama.cpp's n_batch
-# prompt tokens in a step that also decodes: a prompt row skips the lm_head (about half a decode row's work), so 16
-# prompt tokens beside 16 decodes make the step about 1.5x a pure 16-decode step (32: about 2x, and a p99
-# inter-token latency over 4x one stream's; benchmarks/serve_batching.py on `small`)
+# prompt tokens in a step that also decodes: a cap on how much a step beside decodes grows, so arriving prompts do not
+# stall the streams (benchmarks/results/serve_batching_prefill_chunk.md)
 DEFAULT_PREFILL_CHUNK = 16
 MAX_BATCH_LIMIT = 4096  # the most sequences one engine steps together
 MAX_TOKEN_BUDGET = 1 << 20  # the most tokens (token_budget, prefill_chunk) one step may carry

@@ -71,13 +71,10 @@ class Thresholds:
                 "mean_abs_top_logprob_delta_max": self.mean_abs_top_logprob_delta_max}
 
 
-# By bit width, per language; measured (benchmarks/results/nll_quant.md: the trained small, 200 steps, 8,192 val
-# positions; benchmarks/results/int8_agreement.md: the tiny fixture and a random-init small). 8 bits: worst top-1
-# 0.923 and |Δ log p| 0.034 (random-init small, near-flat logits full of near-ties); trained small: top-1 ≥ 0.990,
-# |Δ log p| ≤ 0.011, |Δ NLL| ≤ 0.0001 in every runtime. 4 bits: trained small, worst of onnx / llama.cpp q4_0, q4_mix,
-# Q4_K_M: Δ NLL +0.0037, top-1 0.952, |Δ log p| 0.064 (q4_0, bn; the mixes 0.015-0.023). Δ NLL and top-1 limits
-# are the targets; the |Δ log p| limits sit about 3x (8 bits) / 4x (4 bits) above the worst measured, where
-# a broken form (wrong scales, a dropped matrix) lands far outside.
+# By bit width, per language. The measurements behind them: benchmarks/results/nll_quant.md (every form of the
+# trained small) and benchmarks/results/int8_agreement.md (8 bits on random-init models, near-flat logits full of
+# near-ties). The |Δ log p| limits sit a few times above the worst measured, where a broken form (wrong scales, a
+# dropped matrix) lands far outside.
 GATE = {
     8: Thresholds(val_nll_delta_max=0.05, top1_agreement_min=0.85, mean_abs_top_logprob_delta_max=0.1),
     4: Thresholds(val_nll_delta_max=0.10, top1_agreement_min=0.85, mean_abs_top_logprob_delta_max=0.25),

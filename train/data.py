@@ -70,7 +70,7 @@ from train.tokenizer_sample import choose_sample
 
 # 2: pre-tokens bounded to MAX_PRETOKEN_CHARS (the split pattern changed, so every tokenizer and shard key did)
 # and the context length out of the tokenizer's key
-# 3: the split is llama.cpp's deepseek-v3 (train.tokenizer.PRETOKENIZER, issue 28): GGUF exports tokenize as trained
+# 3: the split is llama.cpp's deepseek-v3 (train.tokenizer.PRETOKENIZER): GGUF exports tokenize as trained
 # 4: tokenizers reserve the chat turn tokens <|im_start|> / <|im_end|> as their last two ids (train.chat_format)
 FORMAT_VERSION = 4
 MAX_REPEAT = 4.0  # "Scaling Data-Constrained Language Models" (Muennighoff et al. 2023): ~4 epochs ≈ fresh data

@@ -205,8 +205,8 @@ mod x86 {
 /// rayon pool of that size; a whole forward runs inside it (`install`, one hand-off per call)
 /// and row ranges are split with rayon's work stealing, so a worker that the OS has descheduled
 /// (2 shared cores!) costs little: the thread that is running takes the remaining chunks.
-/// (candle's own spin-barrier pool is kept at 1 thread by the Python module: a spinning barrier
-/// waiting on a preempted worker made 2-thread decode 20× slower on a loaded 2-core VM.)
+/// (A spinning barrier, as candle's pool has, waiting on a preempted worker stalls every step on a
+/// loaded 2-core VM.)
 #[derive(Clone)]
 pub struct Par {
     pub threads: usize,

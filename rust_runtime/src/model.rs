@@ -625,7 +625,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// Issue 17: a sequence's logits are the same bits alone, beside 15 others (each at its own
+    /// A sequence's logits are the same bits alone, beside 15 others (each at its own
     /// position, some prefilling, some decoding), and with its prompt prefilled in chunks.
     #[test]
     fn long_contexts_are_bit_identical_across_chunks_steps_forks_and_cache_growth() {
@@ -723,7 +723,7 @@ pub(crate) mod tests {
         let ids: Vec<u32> = (0..16).map(|i| (i * 5 + 1) % 96).collect();
         let a = f.forward(&mut f.new_cache(), &ids, true).unwrap();
         // relative RMS of the logits on this random model (uniform weights, 2 layers): measured
-        // q8_0 5.2 %, q4_mix 41 %, q4_0 50 % (candle's q8_0 gave 5–10 % on similar fixtures)
+        // q8_0 5.2 %, q4_mix 41 %, q4_0 50 %
         let mut errs = Vec::new();
         for (q, limit) in [(Quantize::Q8_0, 0.08), (Quantize::Q4Mix, 0.5), (Quantize::Q4_0, 0.6)] {
             for threads in [1, 2] {
@@ -748,7 +748,7 @@ pub(crate) mod tests {
         assert_eq!(bytes(Quantize::Q4Mix), (qk + o + gu) / 32 * 18 + (v + down + head) / 32 * 34);
     }
 
-    /// Issue 27: the integer kernels keep a sequence's logits the same bits alone, beside others
+    /// The integer kernels keep a sequence's logits the same bits alone, beside others
     /// (decoding or prefilling) and with its prompt in chunks, as the f32 path does.
     #[test]
     fn quantized_forward_is_bit_identical_alone_batched_and_chunked() {

@@ -9,15 +9,13 @@
 
 use crate::error::{Error, Result};
 
-/// Sequences stepped together (benchmarks/serve_batching.py, f32 on `small`: 16 streams give 4.9×
-/// one stream's tokens/s; 32 add 11 % at 1.6× the p99 inter-token latency).
+/// Sequences stepped together: where more streams stop paying for their inter-token latency
+/// (benchmarks/results/serve_batching.md).
 pub const DEFAULT_MAX_BATCH: usize = 16;
 /// Tokens per step, decodes plus prompt chunks (llama.cpp's n_batch).
 pub const DEFAULT_TOKEN_BUDGET: usize = 256;
-/// Prompt tokens in a step that also decodes, picked with benchmarks/serve_batching.py on
-/// `small`: a prompt row skips the lm_head, about half a decode row's work, so 16 prompt tokens
-/// beside 16 decodes make the step ≈ 1.5× a pure 16-decode step (32: ≈ 2×, and a p99
-/// inter-token latency over 4× one stream's).
+/// Prompt tokens in a step that also decodes: a cap on how much a step beside decodes grows, so
+/// arriving prompts do not stall the streams (benchmarks/results/serve_batching_prefill_chunk.md).
 pub const DEFAULT_PREFILL_CHUNK: usize = 16;
 /// The most sequences one engine steps together.
 pub const MAX_BATCH_LIMIT: usize = 4096;

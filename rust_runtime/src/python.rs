@@ -889,10 +889,10 @@ fn py_top_logprobs(py: Python<'_>, logits: &Bound<'_, PyAny>, n: i64) -> PyResul
 
 #[pymodule]
 fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // Our parallelism is per model (rayon pools, see kernels::Par). candle's own spin-barrier
-    // pool, used inside its q8_0 kernels, must stay at one thread: its pool is sized once per
-    // process, and its spinning waits collapse on a loaded 2-core machine. Set before any
-    // candle op; a value the user exported is kept.
+    // Our parallelism is per model (rayon pools, see kernels::Par). No candle op runs in a
+    // forward (candle-core only maps the safetensors); should one run, candle's spin-barrier pool,
+    // sized once per process, stays at one thread, since its spinning waits collapse on a loaded
+    // 2-core machine. A value the user exported is kept.
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }

@@ -554,7 +554,7 @@ mod tests {
 
     #[test]
     fn edge_values_behave_as_their_limit() {
-        // issue 18: temperature 1e-310 and repetition_penalty 5e-324 raised "no token left to sample"
+        // temperature 1e-310 and repetition_penalty 5e-324 raised "no token left to sample"
         let l = [1.0f32, 3.0, 2.5, -1.0];
         let pen = PenaltyState::new(4);
         for t in [1e-310, 1e-45, 5e-324] {

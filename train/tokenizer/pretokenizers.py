@@ -134,9 +134,9 @@ _W = "\\p{L}\\p{M}\u200c\u200d"
 LEGACY = Pretokenizer("", (
     f"[^\\r\\n{_W}\\p{{N}}]?[{_W}]{{1,127}}| ?\\p{{N}}{{1,3}}| ?[^\\s{_W}\\p{{N}}]{{1,63}}[\\r\\n]{{0,64}}"
     "|\\s{0,64}[\\r\\n]{1,64}|\\s{1,128}(?!\\S)|\\s{1,128}",), digits="1-3 left", note="Shalik format 2")
-# Issue 2's baseline (figures.md): letters+marks words, single digits; benchmarks/fertility.py trains it.
+# The plain baseline: letters+marks words, single digits; benchmarks/fertility.py trains it.
 BASELINE = Pretokenizer("", (" ?[\\p{L}\\p{M}]+| ?\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+|\\s+(?!\\S)|\\s+",), digits="1",
-                        note="issue 2's baseline")
+                        note="plain baseline")
 
 # The tokenizer *trainer* cuts every piece into runs of at most this many code points after the split: its cost
 # grows with the square of the longest piece (a 100,000-letter "word" took 235 s, a 30,000-letter one 13 s), and
@@ -173,7 +173,7 @@ def identify(tokenizer_json: dict) -> Pretokenizer | None:
     return None
 
 
-# Text where splits differ (issue 28's list): the benchmark measures fertility on these and the llama.cpp tests
+# Text where splits differ: the benchmark measures fertility on these and the llama.cpp tests
 # compare ids on them. Escapes keep the spellings visible: U+09DC/09DD/09DF are the precomposed nukta letters
 # (NFC decomposes them), U+200D ZWJ, U+200C ZWNJ.
 SCRIPT_EDGES: dict[str, str] = {
