@@ -10,8 +10,8 @@ same base model prompted with the same template, and which batch layout trains f
    conversation tokens per second, median per layout and the median of the rounds' ratios.
 2. **Fine-tuning**: ``python -m train.sft BASE --name NAME`` (the README command), timed; reused when the run is
    already there (``--retrain`` to run it again).
-3. **Replies**: for up to ``--prompts`` validation conversations per language (held out by work; spread over the
-   tasks), the conversation up to its last assistant turn is the prompt (``<|im_start|>assistant\\n`` after it);
+3. **Replies**: for ``--prompts`` validation conversations per language (held out by work; drawn at random, so
+   in the split's mix of tasks), the conversation up to its last assistant turn is the prompt (``<|im_start|>assistant\\n`` after it);
    the base (its pretrained weights with the chat tokens added, the fine-tuning run's step 0) and the fine-tuned
    model each reply greedily and sampled (the bundle's sampling defaults, seeded), at most 128 tokens. Per
    language: the share of replies that end with ``<|im_end|>`` (before any ``<|endoftext|>``) within 128 tokens,
@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 import unicodedata
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,20 +153,14 @@ def norm(s: str) -> str:
     return re.sub(r"[.।!?]+$", "", s).strip()
 
 
-def prompts_of(convs, per_lang: int) -> list:
-    """Up to ``per_lang`` validation conversations per language, spread over their tasks (round robin)."""
+def prompts_of(convs, per_lang: int, seed: int) -> list:
+    """Up to ``per_lang`` validation conversations per language, drawn at random (seeded): the split's own mix of
+    tasks."""
+    rng = np.random.default_rng(seed)
     out = []
     for lang in ("bn", "en"):
-        by_task: dict[str, list] = {}
-        for c in convs:
-            if c.lang == lang:
-                by_task.setdefault(c.task or "-", []).append(c)
-        pick, queues = [], [list(v) for _, v in sorted(by_task.items())]
-        while len(pick) < per_lang and any(queues):
-            for q in queues:
-                if q and len(pick) < per_lang:
-                    pick.append(q.pop(len(q) // 2) if len(q) > 2 else q.pop())
-        out += pick
+        mine = [c for c in convs if c.lang == lang]
+        out += [mine[i] for i in sorted(rng.choice(len(mine), min(per_lang, len(mine)), replace=False))]
     return out
 
 
@@ -204,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="the fine-tuning run's name (default: <base>-sft)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="passed to train.sft")
     p.add_argument("--retrain", action="store_true", help="fine-tune again even if the run exists")
-    p.add_argument("--prompts", type=int, default=25, help="validation prompts per language")
+    p.add_argument("--prompts", type=int, default=40, help="validation prompts per language")
     p.add_argument("--layout-rounds", type=int, default=2)
     p.add_argument("--full-val", action="store_true", help="validation NLL over the whole split (default: the "
                    "run's own evaluation rows: train.eval_tokens targets per language, spread over the split)")
@@ -265,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                                f"spread over the validation split (train.eval_tokens = {t.eval_tokens} targets per "
                                f"language)")
         result["val_nll"] = {"base": summary["base_val"], "fine-tuned": summary["val"]}
-    chosen = prompts_of(convs, args.prompts)
+    chosen = prompts_of(convs, args.prompts, args.seed)
+    result["prompt_tasks"] = {lang: dict(sorted(Counter(c.task for c in chosen if c.lang == lang).items()))
+                              for lang in ("bn", "en")}
     result["replies"] = {}
     for name, m in models.items():
         for mode in ("greedy", "sampled"):
@@ -326,8 +323,10 @@ def report(r: dict) -> str:
               "training):", "", "| model | bn | en | all |", "|---|---:|---:|---:|"]
     for name, v in vn.items():
         lines.append(f"| {name} | {v['bn']['nll']:.3f} | {v['en']['nll']:.3f} | {v['all']['nll']:.3f} |")
-    lines += ["", f"Replies to validation prompts (at most {MAX_NEW} new tokens; targets: ≥ 95 % end with "
-              "`<|im_end|>`, ≥ 90 % in the language asked):", "",
+    mix = "; ".join(f"{lang}: " + ", ".join(f"{k} {v}" for k, v in m.items())
+                    for lang, m in r.get("prompt_tasks", {}).items())
+    lines += ["", f"Replies to validation prompts drawn at random (seeded) per language (tasks — {mix}); at most "
+              f"{MAX_NEW} new tokens; targets: ≥ 95 % end with `<|im_end|>`, ≥ 90 % in the language asked:", "",
               "| model, decoding | lang | prompts | ends with `<|im_end|>` | language asked | exact match title/author (n) |",
               "|---|---|---:|---:|---:|---:|"]
     for key, v in r["replies"].items():

@@ -73,8 +73,11 @@ def sft_config(run: str, ckpt: Path, data: list[str] | None, overrides: list[str
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m train.sft``."""
-    p = argparse.ArgumentParser(prog="python -m train.sft", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m train.sft", formatter_class=HelpFormatter,
+                                description="Fine-tune a pretrained run (a run folder as python -m train.run "
+                                            "writes, e.g. runs/cpu) on conversations: the same loop, preflight, "
+                                            "checkpoints, --resume and run folder as train.run "
+                                            "(docs/design.md, Fine-tuning).")
     p.add_argument("run", metavar="RUN", help="the pretrained run folder (or one of its checkpoints), e.g. runs/cpu")
     p.add_argument("--data", nargs="+", metavar="PATH", default=None,
                    help="conversations: .jsonl[.gz] files or folders (messages, Alpaca or ShareGPT rows) or "
