@@ -1,7 +1,7 @@
 """What fine-tuning did: the main job's model fine-tuned on the embedded set (``python -m train.sft``) against the
 same base model prompted with the same template, and which batch layout trains faster here.
 
-    python benchmarks/sft.py [--base runs/cpu] [--name cpu-sft] [--prompts 60] [--layout-rounds 4]
+    OMP_NUM_THREADS=1 python benchmarks/sft.py [--base runs/cpu] [--name cpu-sft] [--prompts 40] [--layout-rounds 2]
 
 1. **Layout** (``--layout-rounds``): the same conversations as training steps of the base model, forward +
    backward, either padded (one conversation a row, right-padded to the step's longest, causal attention with no
@@ -207,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true", help="rewrite sft.md from sft.json")
     args = p.parse_args(argv)
     if args.report_only:
-        atomic_write_text(RESULTS / "sft.md", report(json.loads((RESULTS / "sft.json").read_text())))
+        r = json.loads((RESULTS / "sft.json").read_text())
+        r.setdefault("log_span_s", log_span(ROOT / r["run"] / "train.log"))
+        atomic_write_json(RESULTS / "sft.json", r)
+        atomic_write_text(RESULTS / "sft.md", report(r))
         return 0
     torch.manual_seed(0)
     ckpt = base_checkpoint(args.base)
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     base = LlamaForCausalLM(ModelConfig.from_dict({**load_model(ckpt)[1].to_dict(), "vocab_size": data.vocab_size}))
     load_base(base, ckpt, print)
     result = {"base": timing.relative(ckpt), "run": str(run_dir), "cpu": timing.cpu_name(), "loadavg_start": timing.loadavg(),
-              "commit": timing.git_commit()}
+              "commit": timing.git_commit(), "torch_threads": torch.get_num_threads()}
 
     if args.layout_rounds:
         dev = torch.device("cpu")
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(cmd, check=True, cwd=ROOT)
         result["finetune_wall_s"] = time.time() - t0
     summary = json.loads((run_dir / "summary.json").read_text())
+    result["log_span_s"] = log_span(run_dir / "train.log")
     result["command"] = " ".join(["python -m train.sft", args.base] + (["--name", cfg.run.name] if args.name else [])
                                  + sum((["--set", s] for s in args.overrides), []))
     result["summary"] = {k: summary.get(k) for k in ("steps", "tokens", "wall_s", "tokens_per_s", "val", "base_val")}
@@ -278,6 +282,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def log_span(path: Path) -> float:
+    """Seconds from the first to the last timestamped line of a train.log (data read to final report)."""
+    stamps = [time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+              for line in path.read_text(encoding="utf-8").splitlines() if re.match(r"\d{4}-\d\d-\d\d \d", line)]
+    return stamps[-1] - stamps[0] if stamps else float("nan")
+
+
+def reading(r: dict) -> list[str]:
+    """What the table says, computed from the rows: the majority-answer baseline of the exact-match prompts, and
+    where the replies that did not end come from."""
+    out = []
+    rows = r["replies"]["fine-tuned greedy"]["rows"]
+    for lang in ("bn", "en"):
+        refs = [norm(x["reference"]) for x in rows if x["lang"] == lang and x["exact"] is not None]
+        if refs:
+            top, n = Counter(refs).most_common(1)[0]
+            out.append(f"- {lang}: answering the most common reference ({top!r}) to every title/author prompt would "
+                       f"score {n / len(refs):.0%} exact match; the held-out works' titles never appear as answers in "
+                       "training, and an author only when another of their works is in the training split.")
+    for key in ("fine-tuned greedy", "fine-tuned sampled"):
+        for lang in ("bn", "en"):
+            miss = Counter(x["task"] for x in r["replies"][key]["rows"] if x["lang"] == lang and not x["ended"])
+            if miss:
+                out.append(f"- {key}, {lang}: the replies without `<|im_end|>` within {MAX_NEW} tokens are "
+                           + ", ".join(f"{n} {t}" for t, n in miss.most_common()) + " prompts.")
+    return ["What the figures say:", "", *out]
+
+
 def _layout_verdict(ratio: float) -> str:
     why = ("`train.sft` pads: causal attention needs no mask (the attention code is pretraining's), and every "
            "conversation sits at positions from 0, as a runtime encodes it; length-grouped steps leave about 4 % "
@@ -295,8 +327,10 @@ def report(r: dict) -> str:
     """benchmarks/results/sft.md from the result dict."""
     s = r["summary"]
     lines = ["# Supervised fine-tuning: what it did", "",
-             f"`python benchmarks/sft.py` on {r['cpu']} (2 shared cores; other jobs ran beside, load average "
-             f"{r['loadavg_start'][0]:.1f} at the start and {r['loadavg_end'][0]:.1f} at the end), commit "
+             f"`OMP_NUM_THREADS=1 python benchmarks/sft.py` on {r['cpu']} (Zen 4: AVX-512, AVX512-BF16, VNNI, no AMX; 2 shared cores; other jobs ran beside, load average "
+             f"{r['loadavg_start'][0]:.1f} at the start and {r['loadavg_end'][0]:.1f} at the end), "
+             f"{r.get('torch_threads', '?')} torch thread(s) here and in the fine-tuning run (`OMP_NUM_THREADS=1`: "
+             "on the oversubscribed machine two threads made a step about five times slower), commit "
              f"{r['commit']}. Base: the main job's model (`{r['base']}`), "
              "its pretrained weights with `<|im_start|>` / `<|im_end|>` added (rows at the mean embedding): the "
              "fine-tuning run's step 0, prompted with the same ChatML template.", ""]
@@ -316,7 +350,9 @@ def report(r: dict) -> str:
                   + _layout_verdict(lay["padded_over_packed"]), ""]
     lines += ["## Fine-tuning", "", f"`{r['command']}`: {s['steps']} steps, {s['tokens']:,} assistant tokens, "
               f"{s['wall_s'] / 60:.1f} min of training"
-              + (f" ({r['finetune_wall_s'] / 60:.1f} min for the whole command)" if "finetune_wall_s" in r else "")
+              + (f" ({r['finetune_wall_s'] / 60:.1f} min for the whole command)" if "finetune_wall_s" in r else
+                 f" ({r['log_span_s'] / 60:.1f} min from the data read to the final report in its train.log)"
+                 if "log_span_s" in r else "")
               + f", {s['tokens_per_s']:,.0f} target tokens/s.", ""]
     vn = r["val_nll"]
     lines += ["## Results", "", f"Validation NLL on assistant tokens (nats/token; {r['val_scope']}; works held out of "
@@ -333,7 +369,7 @@ def report(r: dict) -> str:
         for lang, sc in v["scores"].items():
             lines.append(f"| {key} | {lang} | {sc['n']} | {_pct(sc['im_end'])} | {_pct(sc['language'])} | "
                          f"{_pct(sc['exact'])} ({sc['exact_n']}) |")
-    lines += ["", "## Samples", "", "The first validation prompts of each language and task kind, greedy and "
+    lines += ["", *reading(r), "", "## Samples", "", "The first validation prompts of each language and task kind, greedy and "
               "sampled, base and fine-tuned (replies cut at 200 characters).", ""]
     keys = list(r["replies"])
     first = r["replies"][keys[0]]["rows"]
