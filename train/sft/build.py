@@ -10,7 +10,7 @@ nothing is invented), asked and answered in one language:
 * ``what_is``: "what is X?" → the first sentence of the Wikipedia article X;
 * ``lead``: "the main point of this passage in one sentence" → the article's first sentence (an extractive
   summary: the lead sentence, not a written abstract);
-* ``continue``: a passage → the text that follows it in the corpus;
+* ``continue``: a passage → the text that follows it in the corpus, to the end of a sentence or line;
 * ``language``: "which language is this written in?" asked in the other language → answered in the language
   of the question (the cross-lingual case of "answer in the language asked").
 
@@ -126,6 +126,16 @@ def cut(text: str, start: int, size: int) -> tuple[str, int]:
     return text[start:end].strip(), end
 
 
+_END = re.compile(r"[.?!।॥][\"'”’)]*(?=\s|$)|\n")
+
+
+def sentence_end(text: str, keep: int = 60) -> str:
+    """``text`` up to its last sentence end (., ?, !, ।, ॥ and closing quotes) or line break, when that keeps at
+    least ``keep`` characters: a continuation that stops where a sentence or a line does."""
+    ends = [m.end() for m in _END.finditer(text) if m.end() >= keep]
+    return text[:ends[-1]].strip() if ends else text
+
+
 def work_of(doc) -> str:
     """The work a document belongs to: the novel for chapter pieces, else the piece itself (parts joined)."""
     title = _PART.sub("", doc.title or "")
@@ -214,7 +224,7 @@ def conversations_of(doc, rng: random.Random, per_doc: int) -> list[tuple[str, l
         start = rng.randrange(0, len(text) - 350)
         start = text.find(" ", start) + 1 if start else 0
         prompt, end = cut(text, start, rng.choice((160, 240)))
-        answer, _ = cut(text, end, rng.choice((160, 240)))
+        answer = sentence_end(cut(text, end, rng.choice((160, 240)))[0])
         if prompt and answer:
             out.append(("continue", _turns(f"{pick(ASK['continue'][lang])}\n\n{prompt}", answer)))
     if rng.random() < 0.12:
