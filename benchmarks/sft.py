@@ -205,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                    "run's own evaluation rows: train.eval_tokens targets per language, spread over the split)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--report-only", action="store_true", help="rewrite sft.md from sft.json")
+    p.add_argument("--results", default="sft", help="the results' file name (benchmarks/results/NAME.md, .json)")
     args = p.parse_args(argv)
     if args.report_only:
-        r = json.loads((RESULTS / "sft.json").read_text())
+        r = json.loads((RESULTS / f"{args.results}.json").read_text())
         r.setdefault("log_span_s", log_span(ROOT / r["run"] / "train.log"))
-        atomic_write_json(RESULTS / "sft.json", r)
-        atomic_write_text(RESULTS / "sft.md", report(r))
+        atomic_write_json(RESULTS / f"{args.results}.json", r)
+        atomic_write_text(RESULTS / f"{args.results}.md", report(r))
         return 0
     torch.manual_seed(0)
     ckpt = base_checkpoint(args.base)
@@ -276,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             print(name, mode, json.dumps(score(rows)))
     result["loadavg_end"] = timing.loadavg()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(RESULTS / "sft.json", result)
-    atomic_write_text(RESULTS / "sft.md", report(result))
-    print(RESULTS / "sft.md")
+    atomic_write_json(RESULTS / f"{args.results}.json", result)
+    atomic_write_text(RESULTS / f"{args.results}.md", report(result))
+    print(RESULTS / f"{args.results}.md")
     return 0
 
 
@@ -346,6 +347,7 @@ def report(r: dict) -> str:
                   f"{tps['padded']:,.0f} |",
                   f"| packed (rows of train.seq_len, block-diagonal mask, positions reset) | "
                   f"{lay['packed_rows_tokens']:,} | {tps['packed']:,.0f} |", "",
+                  *([f"({lay['note']}.)", ""] if lay.get("note") else []),
                   f"Padded / packed: **{lay['padded_over_packed']:.2f}×** (median of the rounds' ratios). "
                   + _layout_verdict(lay["padded_over_packed"]), ""]
     lines += ["## Fine-tuning", "", f"`{r['command']}`: {s['steps']} steps, {s['tokens']:,} assistant tokens, "

@@ -29,7 +29,7 @@ DEFAULT_DATA = ["data/sft"]
 SFT_DEFAULTS = {
     "train.micro_batch_size": 32,
     "train.grad_accum": 1,
-    "train.max_steps": 200,
+    "train.max_steps": 400,
     "train.lr": 3e-3,
     "train.min_lr": 0.0,
     "train.warmup_steps": 20,
