@@ -14,7 +14,8 @@ import math
 import numpy as np
 import torch
 
-from train.model import LlamaForCausalLM, causal_lm_loss
+from train import windows as W
+from train.model import LlamaForCausalLM, causal_lm_loss, stop_set
 
 SAMPLE_PROMPTS = [
     ("bn", "আমি বাংলায় গান গাই"),
@@ -28,7 +29,8 @@ SAMPLE_PROMPTS = [
 @torch.no_grad()
 def evaluate(model: LlamaForCausalLM, val: dict[str, list[np.ndarray]], char_counts: np.ndarray,
              device: torch.device, autocast=None, batch_size: int = 8) -> dict[str, dict]:
-    """``{lang: {nll, bpc, tokens, chars}, "all": {…}}`` over the given val windows (int64 arrays of ≤ seq+1).
+    """``{lang: {nll, bpc, tokens, chars}, "all": {…}}`` over the given val windows (int64 arrays of ≤ seq+1, in
+    :mod:`train.windows`' layout: positions marked context only are inputs, not targets).
 
     Windows of equal length are batched; the model is put in eval mode and restored.
     """
@@ -45,12 +47,13 @@ def evaluate(model: LlamaForCausalLM, val: dict[str, list[np.ndarray]], char_cou
         for _n, group in sorted(by_len.items()):
             for i in range(0, len(group), batch_size):
                 batch = torch.from_numpy(np.stack(group[i:i + batch_size])).to(device)
-                x, y = batch[:, :-1], batch[:, 1:]
+                x, y = W.inputs(batch), W.labels(batch)
                 with ctx:
                     logits, _ = model(x)
                 nll_sum += float(causal_lm_loss(logits, y, reduction="sum"))
-                tokens += int(y.numel())
-                chars += int(char_counts[y.cpu().numpy()].sum())
+                ys = y[y != W.IGNORE].cpu().numpy()
+                tokens += int(ys.size)
+                chars += int(char_counts[ys].sum())
         if tokens == 0:
             continue
         out[lang] = {"nll": nll_sum / tokens, "bpc": nll_sum / math.log(2) / max(chars, 1), "tokens": tokens,
@@ -67,14 +70,15 @@ def evaluate(model: LlamaForCausalLM, val: dict[str, list[np.ndarray]], char_cou
 
 @torch.no_grad()
 def greedy_samples(model: LlamaForCausalLM, tokenizer, eot_id: int, max_new_tokens: int = 32,
-                   prompts=SAMPLE_PROMPTS) -> list[dict]:
-    """Greedy continuations ``[{prompt, lang, text}]``; every prompt is encoded as ``<|endoftext|>`` + prompt."""
+                   prompts=SAMPLE_PROMPTS, stop_ids=None) -> list[dict]:
+    """Greedy continuations ``[{prompt, lang, text}]``; every prompt is encoded as ``<|endoftext|>`` + prompt;
+    generation stops at ``stop_ids`` (default ``eot_id``)."""
     was_training = model.training
     model.eval()
     out = []
     for lang, prompt in prompts:
         ids = [eot_id] + tokenizer.encode(prompt, add_special_tokens=False).ids
-        new = model.generate_greedy(ids, max_new_tokens, eot_id=eot_id)
+        new = model.generate_greedy(ids, max_new_tokens, eot_id=eot_id if stop_ids is None else stop_ids)
         out.append({"prompt": prompt, "lang": lang, "text": tokenizer.decode(new)})
     model.train(was_training)
     return out
@@ -175,23 +179,24 @@ def _process_logits(logits: torch.Tensor, seen: list[int], temperature: float, t
 
 
 @torch.no_grad()
-def sampled_continuation(model: LlamaForCausalLM, ids: list[int], max_new_tokens: int, eot_id: int, seed: int,
+def sampled_continuation(model: LlamaForCausalLM, ids: list[int], max_new_tokens: int, eot_id, seed: int,
                          temperature: float, top_k: int = 0, top_p: float = 1.0,
                          repetition_penalty: float = 1.0) -> list[int]:
     """A continuation of ``ids`` drawn with the KV cache and :func:`_process_logits` (the penalty counts the prompt's
-    tokens too, as Hugging Face's does), from a ``torch.Generator`` seeded with ``seed``; stops at ``eot_id`` or the
-    context. ``temperature`` 0 is greedy."""
+    tokens too, as Hugging Face's does), from a ``torch.Generator`` seeded with ``seed``; stops at ``eot_id`` (an id
+    or several) or the context. ``temperature`` 0 is greedy."""
     if temperature == 0:
         return model.generate_greedy(ids, max_new_tokens, eot_id=eot_id)
     device = model.lm_head.weight.device
     max_new_tokens = max(0, min(max_new_tokens, model.config.max_position_embeddings - len(ids)))
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    stops = stop_set(eot_id)
     logits, past = model(torch.tensor([ids], dtype=torch.long, device=device), use_cache=True)
     seen, out = list(ids), []
     while len(out) < max_new_tokens:
         x = _process_logits(logits[0, -1], seen, temperature, top_k, top_p, repetition_penalty)
         nxt = int(torch.multinomial(torch.softmax(x, dim=-1).cpu(), 1, generator=gen))
-        if nxt == eot_id:
+        if nxt in stops:
             break
         out.append(nxt)
         seen.append(nxt)
@@ -201,9 +206,10 @@ def sampled_continuation(model: LlamaForCausalLM, ids: list[int], max_new_tokens
 
 
 def user_samples(model: LlamaForCausalLM, tokenizer, eot_id: int, sampling: dict, seed: int = 1234,
-                 max_new_tokens: int = 48, prompts=SAMPLE_PROMPTS) -> list[dict]:
-    """For each prompt, the continuation a user would draw (``sampling``: the bundle's defaults,
-    ``train.hf_files.SAMPLING``; seeded) and the greedy one, each with its share of distinct words:
+                 max_new_tokens: int = 48, prompts=SAMPLE_PROMPTS, stop_ids=None) -> list[dict]:
+    """For each prompt (encoded as ``<|endoftext|>`` + prompt), the continuation a user would draw (``sampling``:
+    the bundle's defaults, ``train.hf_files.SAMPLING``; seeded) and the greedy one, both stopping at ``stop_ids``
+    (default ``eot_id``), each with its share of distinct words:
     ``[{prompt, lang, sampled, greedy, distinct_sampled, distinct_greedy}]``."""
     from train.textutil import distinct_word_share  # noqa: PLC0415 - a leaf module
 
@@ -212,8 +218,9 @@ def user_samples(model: LlamaForCausalLM, tokenizer, eot_id: int, sampling: dict
     out = []
     for i, (lang, prompt) in enumerate(prompts):
         ids = [eot_id] + tokenizer.encode(prompt, add_special_tokens=False).ids
-        sampled = tokenizer.decode(sampled_continuation(model, ids, max_new_tokens, eot_id, seed + i, **sampling))
-        greedy = tokenizer.decode(model.generate_greedy(ids, max_new_tokens, eot_id=eot_id))
+        stops = eot_id if stop_ids is None else stop_ids
+        sampled = tokenizer.decode(sampled_continuation(model, ids, max_new_tokens, stops, seed + i, **sampling))
+        greedy = tokenizer.decode(model.generate_greedy(ids, max_new_tokens, eot_id=stops))
         out.append({"prompt": prompt, "lang": lang, "sampled": sampled, "greedy": greedy,
                     "distinct_sampled": distinct_word_share(sampled), "distinct_greedy": distinct_word_share(greedy)})
     model.train(was_training)

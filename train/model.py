@@ -26,6 +26,7 @@ SwiGLU MLP → residual] → RMSNorm → lm_head (optionally tied to the embeddi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -334,8 +335,11 @@ class LlamaForCausalLM(nn.Module):
         return _upcast(self.lm_head(self.model.norm(x))), presents
 
     @torch.no_grad()
-    def generate_greedy(self, ids: list[int], max_new_tokens: int, eot_id: int | None = None) -> list[int]:
-        """Greedy continuation with the KV cache (ties → lowest id); stops at ``eot_id`` or the context."""
+    def generate_greedy(self, ids: list[int], max_new_tokens: int, eot_id: int | Iterable[int] | None = None
+                        ) -> list[int]:
+        """Greedy continuation with the KV cache (ties → lowest id); stops at ``eot_id`` (an id or several: a chat
+        reply ends at ``<|im_end|>`` or ``<|endoftext|>``) or the context; the stop id is not returned."""
+        stops = stop_set(eot_id)
         device = self.lm_head.weight.device
         room = self.config.max_position_embeddings - len(ids)
         max_new_tokens = max(0, min(max_new_tokens, room))
@@ -346,13 +350,20 @@ class LlamaForCausalLM(nn.Module):
         out: list[int] = []
         for _ in range(max_new_tokens):
             nxt = int(torch.argmax(logits[0, -1]).item())
-            if eot_id is not None and nxt == eot_id:
+            if nxt in stops:
                 break
             out.append(nxt)
             if len(out) == max_new_tokens:
                 break
             logits, past = self(torch.tensor([[nxt]], device=device), past_key_values=past)
         return out
+
+
+def stop_set(ids: int | Iterable[int] | None) -> frozenset[int]:
+    """The ids generation stops at: one id, several, or none."""
+    if ids is None:
+        return frozenset()
+    return frozenset((ids,)) if isinstance(ids, int) else frozenset(int(i) for i in ids)
 
 
 CHUNK_TOKENS = 8192  # rows of lm_head + cross-entropy per checkpointed chunk in reduced precision

@@ -51,6 +51,7 @@ import torch
 from tqdm import tqdm
 
 from train import distributed as D
+from train import windows as W
 from train.components.checkpointer import Checkpointer
 from train.components.evaluation import Evaluator
 from train.components.placement import Placement
@@ -147,7 +148,7 @@ class Trainer:
         """Prepare the data, seed every RNG, place the run, build the model (``--init-from`` weights) and the
         optimizer. Raises TrainError on bad input."""
         cfg = self.cfg
-        self.data = RunData.load(cfg, self.placement.dist, self.log)
+        self.data = self.load_data()
         mcfg = model_config_for(cfg, self.data.vocab_size)
         torch.manual_seed(cfg.run.seed)
         np.random.seed(cfg.run.seed % 2**32)
@@ -155,12 +156,34 @@ class Trainer:
         self.placement.setup(cfg, mcfg, self.log)
         self.model = LlamaForCausalLM(mcfg).to(self.placement.device)
         self.state.at_init = True
+        self.init_weights()
+        self.optimizer = build_optimizer_for(self.model, cfg.train, self.placement.device.type)
+        self.evaluator = self.make_evaluator()
+
+    # the parts a configuration of the loop replaces (train.sft: conversations, a pretrained start, chat samples)
+    def load_data(self) -> RunData:
+        """The run's data (:class:`RunData`: prepared shards and tokenizer). Raises TrainError on bad input."""
+        return RunData.load(self.cfg, self.placement.dist, self.log)
+
+    def init_weights(self) -> None:
+        """Weights beyond the random initialisation: ``--init-from``'s (clears ``state.at_init``)."""
         if self.init_from:
             src = self.checkpointer.load_init(self.init_from, self.model)
             self.state.at_init = False
             self.log(f"init-from: loaded weights of {src} (fresh optimizer, step 0)")
-        self.optimizer = build_optimizer_for(self.model, cfg.train, self.placement.device.type)
-        self.evaluator = Evaluator(self.data, self.placement, cfg.train.micro_batch_size, self.run_log, cfg.run.name)
+
+    def make_evaluator(self) -> Evaluator:
+        """The periodic and final evaluation."""
+        return Evaluator(self.data, self.placement, self.cfg.train.micro_batch_size, self.run_log, self.cfg.run.name)
+
+    def preflight_batches(self) -> tuple[np.ndarray, np.ndarray]:
+        """(small, big) windows for preflight: two windows of at most 64 targets, and a training micro-batch (one
+        window on CUDA: the throughput check runs eagerly on a copy beside the live model, and at the full
+        micro-batch that can run out of memory; the training loop measures the real figure)."""
+        t, p = self.cfg.train, self.placement
+        windows = self.data.loader.peek_windows(max(t.micro_batch_size, 2))
+        n_big = 1 if p.device.type == "cuda" else p.micro
+        return windows[:2, :min(t.seq_len, 64) + 1].copy(), windows[:n_big].copy()
 
     def start(self) -> None:
         """Everything before the first step: refuse an existing run (unless resuming), set up, write runs/NAME,
@@ -201,13 +224,8 @@ class Trainer:
             self.setup()
             self.run_log.ensure_dir()
         t, p = self.cfg.train, self.placement
-        small_len = min(t.seq_len, 64)
-        windows = self.data.loader.peek_windows(max(t.micro_batch_size, 2))
-        batch = torch.from_numpy(windows[:2, :small_len + 1].copy()).to(p.device)
-        # On CUDA the throughput check (eager, on a deep copy) gets one window, not the micro-batch: eager at the
-        # full micro-batch beside the live model can run out of memory; the training loop measures the real figure.
-        n_big = 1 if p.device.type == "cuda" else p.micro
-        big = torch.from_numpy(windows[:n_big].copy()).to(p.device)
+        small, big = self.preflight_batches()
+        batch, big = torch.from_numpy(small).to(p.device), torch.from_numpy(big).to(p.device)
         report = run_preflight(
             self.model, batch, big_batch=big, device=p.device, dtype=p.dtype, vocab_size=self.data.vocab_size,
             optimizer_factory=lambda m: build_optimizer_for(m, t, p.device.type),
@@ -300,7 +318,7 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         windows = self.data.loader.next_windows(p.micro * p.accum * p.dist.world_size)
-        total_tokens = int((windows[:, 1:] != -100).sum())
+        total_tokens = W.target_count(windows)
         micro_batches = step_batches(windows, p.micro, p.accum, p.dist.rank)
         scale = p.dist.world_size / max(total_tokens, 1)
         loss_sum = torch.zeros((), device=p.device)
@@ -309,7 +327,7 @@ class Trainer:
             sync = (k == len(micro_batches) - 1) or not p.dist.enabled
             with contextlib.nullcontext() if sync else train_model.no_sync():
                 with p.step_context():
-                    loss = train_model(batch[:, :-1], batch[:, 1:])
+                    loss = train_model(W.inputs(batch), W.labels(batch))
                 (loss * scale).backward()
             loss_sum += loss.detach().float()
         if p.dist.enabled:

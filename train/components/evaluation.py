@@ -12,7 +12,7 @@ from train.components.placement import Placement
 from train.components.run_data import RunData
 from train.components.run_log import RunLog
 from train.components.state import TrainState
-from train.evaluate import evaluate, evaluate_sources, greedy_samples, user_samples
+from train.evaluate import SAMPLE_PROMPTS, evaluate, evaluate_sources, greedy_samples, user_samples
 from train.hf_files import SAMPLING
 from train.model import LlamaForCausalLM
 
@@ -27,6 +27,9 @@ class Evaluator:
         self.batch_size = batch_size
         self.run_log = run_log
         self.title = title
+        self.prompts = SAMPLE_PROMPTS  # (lang, prompt text) of the samples; a subclass may change them
+        self.stop_ids = None  # where the samples stop (default: data.eot_id)
+        self.random_init_twin = True  # at step 0 of a run that starts from weights, also the random init's figures
 
     def _val(self, model: LlamaForCausalLM) -> dict[str, dict]:
         return evaluate(model, self.data.val, self.data.char_counts, self.placement.device, self.placement.autocast,
@@ -43,12 +46,13 @@ class Evaluator:
         row = {"kind": "eval", "step": state.step, "tokens": state.tokens, "val": val}
         if state.step == 0 and state.at_init:
             row["random_init"] = val
-        elif state.step == 0:
+        elif state.step == 0 and self.random_init_twin:
             twin = LlamaForCausalLM(model.config).to(self.placement.device)
             row["random_init"] = self._val(twin)
             del twin
         self.run_log.append_metrics(row)
-        samples = greedy_samples(model, self.data.tokenizer, self.data.eot_id)
+        samples = greedy_samples(model, self.data.tokenizer, self.data.eot_id, prompts=self.prompts,
+                                 stop_ids=self.stop_ids)
         self.run_log.append_samples(state.step, samples)
         parts = ", ".join(f"{k} {v['nll']:.3f} nats ({v['bpc']:.3f} bpc)" for k, v in val.items())
         self.run_log.log(f"eval step {state.step}: {parts} [{time.time() - t0:.1f} s]")

@@ -25,22 +25,27 @@ class RunLog:
         self.run_dir = run_dir
         self.is_main = is_main
         self._sink = sink
+        self._early: list[str] = []  # lines logged before runs/NAME exists (setup), written first by create()
 
     @property
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
     def log(self, msg: str) -> None:
-        """To the sink and, once runs/NAME exists, to runs/NAME/train.log with a timestamp."""
+        """To the sink and to runs/NAME/train.log with a timestamp (lines logged before runs/NAME exists are kept
+        and written when :meth:`create` makes it)."""
         if not self.is_main:
             return
         if self._sink:
             self._sink(msg)
         else:
             tqdm.write(msg, file=sys.stderr)
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n"
         if self.run_dir.is_dir():
             with open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
-                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+                f.write(line)
+        else:
+            self._early.append(line)
 
     def ensure_dir(self) -> None:
         if self.is_main:
@@ -52,6 +57,10 @@ class RunLog:
         if self.is_main:
             self.ensure_dir()
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
+            if self._early:
+                with open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
+                    f.writelines(self._early)
+                self._early = []
 
     def append_metrics(self, row: dict) -> None:
         """One row of metrics.jsonl (``kind`` "train" or "eval"), flushed."""

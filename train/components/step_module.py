@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from train import windows as W
 from train.components.placement import Placement
 from train.config import TrainSection
 from train.errors import TrainError
@@ -117,7 +118,7 @@ class StepModuleBuilder:
         """One forward + backward at the training micro-batch (the shapes every step uses), gradients dropped."""
         batch = placement.to_device(windows)
         with placement.step_context():
-            loss = step_model(batch[:, :-1], batch[:, 1:])
+            loss = step_model(W.inputs(batch), W.labels(batch))
         loss.backward()
         step_model.lm.zero_grad(set_to_none=True)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from train import windows as W
 from train.model import ModelConfig, causal_lm_loss
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -15,7 +16,7 @@ ModelFactory = Callable[[ModelConfig], nn.Module]
 
 
 def batch_loss(model: nn.Module, batch: torch.Tensor, ctx=None) -> torch.Tensor:
-    x, y = batch[:, :-1], batch[:, 1:]
+    x, y = W.inputs(batch), W.labels(batch)
     with ctx if ctx is not None else contextlib.nullcontext():
         logits, _ = model(x)
     return causal_lm_loss(logits, y, reduction="mean")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from train import windows as W
 from train.preflight.common import capture, first_divergence
 from train.preflight.report import CheckResult
 
@@ -142,7 +143,7 @@ def backward_layout_culprits(model: nn.Module, x: torch.Tensor) -> tuple[list[st
 
 def check_layout_invariance(model: nn.Module, batch: torch.Tensor, ctx, atol: float) -> CheckResult:
     m = copy.deepcopy(model).eval()
-    x = batch[:, :-1].contiguous()
+    x = W.inputs(batch).contiguous()
     b, s = x.shape
     wide = torch.zeros(s, 2 * b, dtype=x.dtype, device=x.device)
     wide[:, ::2] = x.t()

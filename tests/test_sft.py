@@ -1,0 +1,282 @@
+"""Supervised fine-tuning (``python -m train.sft``): conversation rows, the loss mask, the grown embedding, the
+run end to end (resume, export), bad input, and the set built from the corpus."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from train import windows as W
+from train.chat_format import IM_END, IM_START, render
+from train.corpus import DataError
+from train.sft.encode import encode_conversation, pad_windows, to_window
+from train.sft.formats import ReadStats, read_conversations, to_messages
+from train.tokenizer import add_chat_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+MINI = ROOT / "tests" / "data" / "mini"
+
+CONVS = [
+    {"messages": [{"role": "user", "content": "বাংলা ভাষা কী?"}, {"role": "assistant", "content": "একটি ভাষা।"}]},
+    {"instruction": "Say hi", "input": "", "output": "hi there"},
+    {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "name?"},
+                       {"from": "gpt", "value": "Shalik"}]},
+    {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "two turns"},
+                  {"role": "assistant", "content": "one"}, {"role": "user", "content": "and?"},
+                  {"role": "assistant", "content": "two"}]},
+]
+
+
+def write_jsonl(path: Path, rows: list, raw_lines: list[str] = ()) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) + "".join(raw_lines),
+                    encoding="utf-8")
+    return path
+
+
+def test_alpaca_and_sharegpt_rows_become_messages():
+    assert to_messages({"instruction": "Do", "input": "this", "output": "done", "system": "sys"}) == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "Do\n\nthis"},
+        {"role": "assistant", "content": "done"}]
+    assert to_messages(CONVS[2]) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name?"},
+                                     {"role": "assistant", "content": "Shalik"}]
+    with pytest.raises(ValueError, match=r"conversations\[0\]\.from"):
+        to_messages({"conversations": [{"from": "tool", "value": "x"}]})
+
+
+def test_bad_rows_are_skipped_with_file_and_line_and_strict_makes_them_an_error(tmp_path):
+    f = write_jsonl(tmp_path / "c.jsonl", CONVS[:1] + [{"messages": [{"role": "user", "content": "no reply"}]}],
+                    ["not json\n", json.dumps({"text": "a document"}) + "\n",
+                     json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n"])
+    stats = ReadStats()
+    convs = read_conversations([str(f)], 0.05, stats=stats)
+    assert len(convs) == 1 and stats.no_assistant == 1 and stats.rows == 5
+    assert [s.split(": ")[0] for s in stats.skipped] == [f"skipped {f}:3", f"skipped {f}:4", f"skipped {f}:5"]
+    assert "messages[0].role" in stats.skipped[2]
+    with pytest.raises(DataError, match=rf"{f}:3: not valid JSON"):
+        read_conversations([str(f)], 0.05, strict=True)
+
+
+def test_split_follows_the_row_then_the_group(tmp_path):
+    rows = [{**CONVS[0], "split": "validation"}, {**CONVS[1], "split": "train"}]
+    rows += [{**CONVS[0], "group": "work-a"}, {**CONVS[1], "group": "work-a"}]
+    convs = read_conversations([str(write_jsonl(tmp_path / "c.jsonl", rows))], 0.5)
+    assert [c.split for c in convs[:2]] == ["validation", "train"]
+    assert convs[2].split == convs[3].split  # one group, one side
+
+
+@pytest.fixture(scope="module")
+def chat_tok(fixture_tok):
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(fixture_tok)
+    if tok.token_to_id(IM_START) is None:  # a tokenizer from before the chat tokens were reserved
+        add_chat_tokens(tok)
+    return tok
+
+
+def test_chat_tokens_are_appended_as_the_last_ids(chat_tok):
+    v = chat_tok.get_vocab_size(with_added_tokens=True)
+    assert (chat_tok.token_to_id(IM_START), chat_tok.token_to_id(IM_END)) == (v - 2, v - 1)
+
+
+@pytest.mark.parametrize("row", CONVS)
+def test_loss_mask_is_exactly_the_replies_and_their_end_of_turn(chat_tok, row):
+    msgs = to_messages(row)
+    ids, mask = encode_conversation(chat_tok, msgs, 0)
+    assert ids.tolist() == [0] + chat_tok.encode(render(msgs, False), add_special_tokens=False).ids
+    replies = [m["content"] + IM_END for m in msgs if m["role"] == "assistant"]
+    # the masked tokens decode to the replies, each closed by <|im_end|>, and nothing else
+    runs, cur = [], []
+    for i, m in zip(ids.tolist(), mask.tolist(), strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    assert cur == []
+    assert [chat_tok.decode(r, skip_special_tokens=False) for r in runs] == replies
+
+
+def test_windows_carry_the_mask_through_padding(chat_tok):
+    rows = [to_window(*encode_conversation(chat_tok, to_messages(r), 0)) for r in CONVS]
+    batch = pad_windows(rows, pad_id=1, multiple=8)
+    assert batch.shape[1] % 8 == 0 and batch.shape[1] >= max(map(len, rows))
+    x, y = W.inputs(batch), W.labels(batch)
+    assert x.min() >= 0 and (x[0, :len(rows[0]) - 1] == W.token_ids(rows[0])[:-1]).all()
+    assert (x[0, len(rows[0]):] == 1).all() and (y[0, len(rows[0]) - 1:] == W.IGNORE).all()
+    assert W.target_count(batch) == sum(W.target_count(r) for r in rows) == int((y != W.IGNORE).sum())
+    t = torch.from_numpy(batch)
+    assert torch.equal(W.inputs(t), torch.from_numpy(x)) and torch.equal(W.labels(t), torch.from_numpy(y))
+
+
+def test_the_embedding_grows_by_the_mean_row(trained_run):
+    from train.checkpoint import find_checkpoint, load_model
+    from train.model import LlamaForCausalLM, ModelConfig
+    from train.sft.init import load_base
+
+    ckpt = find_checkpoint(trained_run)
+    base, cfg = load_model(ckpt)
+    grown = LlamaForCausalLM(ModelConfig(**{**cfg.to_dict(), "vocab_size": cfg.vocab_size + 2}))
+    logs = []
+    assert load_base(grown, ckpt, logs.append) == 2
+    e_old, e_new = base.model.embed_tokens.weight, grown.model.embed_tokens.weight
+    assert torch.equal(e_new[:cfg.vocab_size], e_old)
+    assert torch.allclose(e_new[cfg.vocab_size:], e_old.mean(0).expand(2, -1))
+    assert grown.lm_head.weight is grown.model.embed_tokens.weight
+    assert "mean of the pretrained rows" in logs[0]
+    x = torch.tensor([[0, 5, 9, 3]])
+    assert torch.allclose(grown(x)[0][..., :cfg.vocab_size], base(x)[0], atol=1e-5)
+
+
+def sft(*args, cwd=ROOT, timeout=600):
+    return subprocess.run([sys.executable, "-m", "train.sft", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def fast_sets(tmp: Path, **extra) -> list[str]:
+    sets = {"run.out_dir": str(tmp / "runs"), "train.seq_len": 128, "train.micro_batch_size": 4, "train.max_steps": 6,
+            "train.eval_every": 3, "train.ckpt_every": 3, "train.log_every": 1, "train.warmup_steps": 1,
+            "train.preflight": False, "data.val_fraction": 0.3, **extra}
+    out = []
+    for k, v in sets.items():
+        out += ["--set", f"{k}={json.dumps(v)}"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def conv_file(tmp_path_factory) -> Path:
+    rows = []
+    for i in range(24):
+        rows.append({"messages": [{"role": "user", "content": f"প্রশ্ন {i}?"},
+                                  {"role": "assistant", "content": f"উত্তর {i}।"}], "group": f"g{i % 6}"})
+        rows.append({"instruction": f"Say {i}", "output": f"It is {i}.", "group": f"e{i % 6}"})
+    return write_jsonl(tmp_path_factory.mktemp("sft") / "chat.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def base_without_chat_tokens(trained_run, tmp_path_factory) -> Path:
+    """The trained tiny run as a run from before the chat tokens were reserved: its tokenizer without them and its
+    embedding without their two rows (the main job's runs/cpu of earlier tokenizer formats is such a run)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from train.checkpoint import find_checkpoint, write_sums
+
+    src = find_checkpoint(trained_run)
+    run = tmp_path_factory.mktemp("old") / "old"
+    dst = run / "checkpoints" / src.name
+    shutil.copytree(src, dst)
+    shutil.copy(trained_run / "config.toml", run / "config.toml")
+    (run / "checkpoints" / "latest").write_text(src.name + "\n")
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    chat = [t for t in tok["added_tokens"] if t["content"] in (IM_START, IM_END)]
+    if chat:
+        tok["added_tokens"] = [t for t in tok["added_tokens"] if t not in chat]
+        (dst / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["vocab_size"] -= len(chat)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        w = load_file(dst / "model.safetensors")
+        w = {k: (v[:cfg["vocab_size"]].contiguous() if v.shape[0] == cfg["vocab_size"] + len(chat) else v)
+             for k, v in w.items()}
+        save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
+        (dst / "SHA256SUMS").unlink()
+        write_sums(dst)
+    return run
+
+
+def test_sft_run_end_to_end_resumes_exactly_and_exports(base_without_chat_tokens, conv_file, tmp_path):
+    from safetensors.torch import load_file
+
+    trained_run = base_without_chat_tokens
+    out = sft(str(trained_run), "--data", str(conv_file), "--name", "full", *fast_sets(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "runs" / "full"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["base_val"] and summary["val"]["all"]["nll"] < summary["base_val"]["all"]["nll"]
+    assert {s["lang"] for s in summary["samples"]} == {"bn", "en"}
+    ckpt = run / "checkpoints" / "step-000006"
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    assert [t["content"] for t in tok["added_tokens"]][-2:] == [IM_START, IM_END]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    base_cfg = json.loads((trained_run / "checkpoints" / "step-000040" / "config.json").read_text())
+    assert tok["added_tokens"][-1]["id"] == base_cfg["vocab_size"] + 1
+    assert cfg["vocab_size"] == base_cfg["vocab_size"] + 2
+    assert "chat tokens: the embedding grew" in (run / "train.log").read_text()
+    # exact resume: the run as it was at its step-3 checkpoint, resumed to step 6 = the 6 steps in one go
+    import shutil
+
+    part = tmp_path / "runs" / "part"
+    shutil.copytree(run, part)
+    shutil.rmtree(part / "checkpoints" / "step-000006")
+    (part / "checkpoints" / "latest").write_text("step-000003\n")
+    (part / "summary.json").unlink()
+    res = sft(str(trained_run), "--data", str(conv_file), "--name", "part", "--resume", *fast_sets(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    a = load_file(ckpt / "model.safetensors")
+    b = load_file(tmp_path / "runs" / "part" / "checkpoints" / "step-000006" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the fine-tuned run exports with export.onnx unchanged and passes its parity gate
+    exp = subprocess.run([sys.executable, "-m", "export.onnx", str(run), "--out", str(tmp_path / "bundle")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert exp.returncode == 0, exp.stderr[-2000:]
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert manifest["parity"]["ok"] is True
+
+
+def test_preflight_checks_the_masked_loss(trained_run, conv_file, tmp_path):
+    out = sft(str(trained_run), "--data", str(conv_file), "--name", "pf",
+              *fast_sets(tmp_path, **{"train.preflight": True, "train.max_steps": 1}))
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "runs" / "pf" / "preflight.json").read_text())
+    assert report["ok"] and report["checks"][0]["name"] == "gradient_flow" and report["checks"][0]["ok"]
+
+
+def test_bad_input_is_one_line_exit_2_and_no_run_folder(trained_run, tmp_path):
+    empty = write_jsonl(tmp_path / "none.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}],
+                        ["not json\n"])
+    cases = [(["no/such/run"], "not a trained run"),
+             ([str(trained_run), "--data", str(tmp_path / "missing.jsonl")], "does not exist"),
+             ([str(trained_run), "--data", str(empty)], "no training conversation left"),
+             ([str(trained_run), "--data", str(empty), "--strict"], f"{empty}:2: not valid JSON"),
+             ([str(trained_run), "--set", "train.nope=1"], "unknown key train.nope")]
+    for args, msg in cases:
+        out = sft(*args, *fast_sets(tmp_path))
+        assert out.returncode == 2, (args, out.stderr[-1500:])
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and msg in last and "Traceback" not in out.stderr, (args, out.stderr)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_built_set_holds_works_out_by_work_and_keeps_licences(tmp_path):
+    from train.sft.build import build, write
+
+    rows, summary = build([str(MINI)], seed=0)
+    assert summary["works"]["validation"] > 0 and summary["by_split"]["validation"]
+    groups = {s: {r["group"] for r in rows if r["split"] == s} for s in ("train", "validation")}
+    assert not groups["train"] & groups["validation"]
+    assert {r["license"] for r in rows} <= {"public-domain", "CC-BY-SA-3.0"}
+    assert {r["task"] for r in rows} >= {"title", "author", "continue"}
+    for r in rows[:200]:
+        to_messages(r)  # every row is a conversation the trainer reads
+        assert r["messages"][-1]["role"] == "assistant" and r["lang"] in ("bn", "en")
+    write(rows, tmp_path / "a.jsonl.gz")
+    write(build([str(MINI)], seed=0)[0], tmp_path / "b.jsonl.gz")
+    assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
+
+
+def test_the_embedded_set_is_the_builders_output():
+    rows = [json.loads(line) for line in gzip.open(ROOT / "data" / "sft" / "shalik-sft.jsonl.gz", "rt")]
+    assert len(rows) > 1000 and {r["lang"] for r in rows} == {"bn", "en"}
+    val = {r["group"] for r in rows if r["split"] == "validation"}
+    assert val and not val & {r["group"] for r in rows if r["split"] == "train"}
+    langs = np.unique([r["lang"] for r in rows if r["split"] == "validation"])
+    assert list(langs) == ["bn", "en"]

@@ -1,0 +1,171 @@
+"""Reading conversations: JSON Lines in the OpenAI / Hugging Face ``messages`` form, and Alpaca and ShareGPT rows
+converted on read, from files, folders or ``hf:`` sources (the inputs ``train.run`` reads text from:
+:func:`train.corpus.list_input_files`, :func:`train.corpus.parse_hf_spec`).
+
+Row forms (one JSON object a line, or one ``datasets`` row):
+
+* ``{"messages": [{"role": "system"|"user"|"assistant", "content": str | [text parts]}, ...]}``;
+* Alpaca: ``{"instruction": str, "input": str (optional), "output": str, "system": str (optional)}`` →
+  user ``instruction`` (and ``input`` after a blank line), assistant ``output``;
+* ShareGPT: ``{"conversations": [{"from": "system"|"human"|"user"|"gpt"|"assistant", "value": str}, ...]}``.
+
+Optional keys of any form: ``lang`` (the language asked; by default the script of the last user message),
+``split`` ("train" or "validation"/"val"; by default the hash of ``group``, else of the rendered conversation,
+against ``data.val_fraction``, as documents are split), ``group`` (rows of one group stay on one side), ``task``.
+
+A row that is not a conversation (not JSON, not one of the forms, a bad role or content) is skipped with a
+warning naming ``file:line`` and why (``strict``: a :class:`train.corpus.DataError` instead); a conversation
+without an assistant turn is skipped and counted, strict or not.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.chat_format import ChatFormatError, normalize_messages
+from train.corpus import DataError, is_hf_spec, list_input_files, parse_hf_spec, unreadable_reason
+from train.textutil import detect_language, is_val
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+VAL_NAMES = ("validation", "val", "valid", "test")
+
+
+@dataclass
+class Conversation:
+    """One conversation: checked, NFC ``messages``; ``lang`` asked; ``split`` "train" or "validation";
+    ``origin`` (``file:line`` or ``hf:…:row``), the row's ``task`` (or None), ``source`` (the row's, else the file
+    or dataset name) and ``license`` (the row's, or None)."""
+
+    messages: list[dict]
+    lang: str
+    split: str
+    origin: str
+    task: str | None = None
+    source: str = ""
+    license: str | None = None
+
+
+@dataclass
+class ReadStats:
+    """What reading skipped: ``skipped`` warnings (``file:line: why``), conversations ``no_assistant``."""
+
+    skipped: list[str] = field(default_factory=list)
+    no_assistant: int = 0
+    rows: int = 0
+
+
+def to_messages(row) -> list[dict]:
+    """The ``messages`` of a row in any of the three forms (see the module doc), checked and NFC-normalised by
+    :func:`train.chat_format.normalize_messages`. Raises ChatFormatError (or ValueError) saying what is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        return normalize_messages(row["messages"])
+    if "conversations" in row:
+        turns = row["conversations"]
+        if not isinstance(turns, list):
+            raise ValueError(f"conversations: expected a list, got {type(turns).__name__}")
+        msgs = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES:
+                got = t.get("from") if isinstance(t, dict) else type(t).__name__
+                raise ValueError(f"conversations[{i}].from: expected one of {', '.join(SHAREGPT_ROLES)}, got {got!r}")
+            msgs.append({"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")})
+        return normalize_messages(msgs)
+    if "instruction" in row and "output" in row:
+        user = row["instruction"]
+        if not isinstance(user, str) or not isinstance(row["output"], str):
+            raise ValueError("instruction / output: expected strings")
+        extra = row.get("input")
+        if isinstance(extra, str) and extra.strip():
+            user = f"{user}\n\n{extra}"
+        msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
+        if isinstance(row.get("system"), str) and row["system"].strip():
+            msgs.insert(0, {"role": "system", "content": row["system"]})
+        return normalize_messages(msgs)
+    raise ValueError("expected a conversation: \"messages\", Alpaca \"instruction\"/\"output\" or ShareGPT "
+                     "\"conversations\"")
+
+
+def _split_of(row: dict, msgs: list[dict], val_fraction: float) -> str:
+    given = row.get("split")
+    if isinstance(given, str) and given:
+        return "validation" if given.lower() in VAL_NAMES else "train"
+    key = row.get("group")
+    key = str(key) if key is not None else json.dumps(msgs, ensure_ascii=False, sort_keys=True)
+    return "validation" if is_val(key, val_fraction) else "train"
+
+
+def _lang_of(row: dict, msgs: list[dict]) -> str:
+    if row.get("lang") in ("bn", "en"):
+        return row["lang"]
+    users = [m["content"] for m in msgs if m["role"] == "user"]
+    return detect_language(users[-1] if users else msgs[-1]["content"])
+
+
+def _stem(path: str) -> str:
+    return parse_hf_spec(path)[0].rstrip("/").split("/")[-1] if is_hf_spec(path) else Path(path).name.split(".")[0]
+
+
+def _rows(path: str) -> Iterator[tuple[str, object]]:
+    """``(origin, parsed row or the parse error)`` of a file or an ``hf:`` source."""
+    if is_hf_spec(path):
+        try:
+            import datasets  # noqa: PLC0415 - heavy, only for hf: sources
+        except ImportError as e:  # pragma: no cover - datasets is in the train extra
+            raise DataError(f"data source {path!r} needs the 'datasets' package: pip install 'shalik[train]'") from e
+        name, config, split = parse_hf_spec(path)
+        try:
+            ds = datasets.load_dataset(name, config, split=split, streaming=True)
+        except Exception as e:  # noqa: BLE001 - datasets raises many types; name the source
+            raise DataError(f"data source {path!r}: cannot open it with datasets.load_dataset: {e}") from None
+        for n, row in enumerate(ds, start=1):
+            yield f"{path}:{n}", row
+        return
+    if ".jsonl" not in Path(path).name:
+        raise DataError(f"data file {path!r}: conversations are read from JSON Lines (.jsonl or .jsonl.gz)")
+    reason = unreadable_reason(path)
+    if reason:
+        raise DataError(f"data file {path!r}: {reason}")
+    with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{n}", json.loads(line)
+            except (ValueError, RecursionError) as e:
+                yield f"{path}:{n}", ValueError(f"not valid JSON ({str(e).splitlines()[0][:120]})")
+
+
+def read_conversations(paths: list[str], val_fraction: float, strict: bool = False,
+                       stats: ReadStats | None = None) -> list[Conversation]:
+    """Every conversation of ``paths`` (see the module doc), in reading order. Raises DataError for a path that
+    does not exist or cannot be read, and in ``strict`` mode for the first row that is not a conversation."""
+    stats = stats if stats is not None else ReadStats()
+    out = []
+    for path in list_input_files(paths):
+        for origin, row in _rows(path):
+            stats.rows += 1
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                msgs = to_messages(row)
+            except (ChatFormatError, ValueError) as e:
+                msg = f"skipped {origin}: {e}"
+                if strict:
+                    raise DataError(msg + " (strict mode: fix the input or drop --strict)") from None
+                stats.skipped.append(msg)
+                continue
+            if not any(m["role"] == "assistant" for m in msgs):
+                stats.no_assistant += 1
+                continue
+            task = row.get("task") if isinstance(row.get("task"), str) else None
+            source = str(row.get("source") or _stem(path))
+            lic = str(row["license"]) if row.get("license") is not None else None
+            out.append(Conversation(msgs, _lang_of(row, msgs), _split_of(row, msgs, val_fraction), origin, task,
+                                    source, lic))
+    return out
