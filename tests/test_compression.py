@@ -46,8 +46,7 @@ def floor(tmp_path_factory):
 
 def test_floor_per_source_matches_a_direct_measurement(floor):
     cfg, res = floor
-    train, sources = C.split_by_source([str(p) for p in sorted(MINI.glob("*.jsonl.gz"))], cfg.data.languages,
-                                       cfg.data.val_fraction)
+    train, sources = C.split_by_source(cfg, [str(p) for p in sorted(MINI.glob("*.jsonl.gz"))])
     assert set(res["sources"]) == set(sources) and {"bn-literature", "en-literature"} <= set(sources)
     name = "bn-literature"
     held = C.SEPARATOR.join(d.encode() for d in sources[name].docs)

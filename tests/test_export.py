@@ -46,8 +46,9 @@ def ref(ckpt):
 
 @pytest.fixture(scope="module")
 def exported(trained_run, tmp_path_factory) -> Path:
-    """The trained tiny run through the CLI: gate on, int8 and q4_mix (its pure q4_0 — hidden 64, the tied head at
-    4 bits too — fails the 4-bit gate: top-1 agreement 0.71 in en; the trained small passes, 0.95)."""
+    """The trained tiny run through the CLI: gate on, int8 and q4_mix (its pure q4_0, measured unasked for Rust —
+    hidden 64, the tied head at 4 bits too — is near the 4-bit gate's top-1 limit, so its verdict depends on the
+    data: the tests check the rule on the verdict the manifest records)."""
     out = tmp_path_factory.mktemp("export") / "bundle"
     assert E.main([str(trained_run), "--out", str(out), "--quantize", "int8", "q4_mix"]) == 0
     return out
@@ -138,9 +139,13 @@ def test_parity_table_covers_every_case(exported):
             lp = rows[f"{lang}: mean |Δ log p| of fp32's top token, nats"]
             assert 0 < lp["value"] <= th.mean_abs_top_logprob_delta_max == lp["tol"]
         assert len(rows) == 9 and all(r["ok"] for r in rows.values())
-    # the Rust q4_0 the gate measures unasked fails on this model: recorded, kept out of the parity table
+    # a Rust form the gate measures unasked and fails is recorded and kept out of the parity table; whether this
+    # tiny model's q4_0 passes depends on its data, so the rule is checked on whatever the manifest records
     q = json.loads((exported / "manifest.json").read_text())["quantization"]["forms"]
-    assert q["rust q4_0"]["ok"] is False and not any(c["runtime"] == "rust q4_0" for c in p["cases"])
+    failed = {n for n, r in q.items() if r["ok"] is False}
+    assert failed <= {"rust q4_0"}   # the asked-for forms passed (else the export exits 1); q4_mix passes here
+    assert not any(c["runtime"] in failed for c in p["cases"])
+    assert all(any(c["runtime"] == n for c in p["cases"]) for n, r in q.items() if r["ok"] is True and n != "rust q4_0")
 
 
 def test_quality_gate_recorded(exported):
@@ -150,8 +155,8 @@ def test_quality_gate_recorded(exported):
     rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n != "none"}   # every Rust form, asked for or not
     assert set(q["forms"]) == {"onnx int8", "onnx q4_mix"} | rust
     for name, r in q["forms"].items():
-        if name == "rust q4_0":   # not asked for, fails on this model (the fixture's doc): recorded as failed
-            assert r["ok"] is False and not r["all"]["ok"]
+        if name == "rust q4_0" and r["ok"] is False:   # not asked for; may fail on this model: recorded as failed
+            assert not r["all"]["ok"]
             continue
         c = r["continuations"]   # measured, not gated
         assert all(0 <= v["identical"] <= v["prompts"] == 10 for v in c["by_lang"].values()) and c["new_tokens"] > 0
@@ -234,7 +239,11 @@ def test_config_json_and_card(exported, ckpt):
     for form, file in (("onnx q4_mix", "`model.q4_mix.onnx`"), ("rust int8", "quantized at load")):  # the gate
         assert all(f"| {form} | {file} | {lang} |" in card for lang in ("bn", "en", "all")), form
     assert "Gate at 8 bits: Δ NLL ≤ 0.05" in card and "Gate at 4 bits: Δ NLL ≤ 0.10" in card
-    assert "Passed: `onnx int8`, `onnx q4_mix`" in card and "Failed: `rust q4_0`" in card
+    forms = json.loads((exported / "manifest.json").read_text())["quantization"]["forms"]
+    for what, verdict in (("Passed", True), ("Failed", False)):
+        names = [n for n, r in forms.items() if r["ok"] is verdict]
+        assert (f"{what}: " + ", ".join(f"`{n}`" for n in names) + ".") in card if names else f"{what}: " not in card
+    assert "Passed: `onnx int8`, `onnx q4_mix`" in card
     data = json.loads((exported / "manifest.json").read_text())["data"]
     assert data["sources"] and all("license" in s for s in data["sources"])
     assert all(s["source"] in card for s in data["sources"])
