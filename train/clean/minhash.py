@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from train.clean.text import splitmix64
+
 SEED = 20240601
 _BLOCK = 4096  # n-grams per block of the (n-grams × permutations) product: bounded memory for long documents
 
@@ -64,16 +66,8 @@ def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
         h = np.arange(bands, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93)
         for r in range(rows):
             h = h * np.uint64(0x100000001B3) + raw[..., r]
-        return _mix(h)
+        return splitmix64(h)
 
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint64(30))
-        x = x * np.uint64(0xBF58476D1CE4E5B9)
-        x = x ^ (x >> np.uint64(27))
-        x = x * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
 
 
 def estimated_jaccard(s1: np.ndarray, s2: np.ndarray) -> float:

@@ -61,7 +61,8 @@ def prepare_tables() -> None:
     _powers(1 << 16)
 
 
-def _splitmix(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser (Steele, Lea and Flood 2014) on uint64 arrays, elementwise, wrapping."""
     with np.errstate(over="ignore"):
         x = x ^ (x >> np.uint64(30))
         x = x * np.uint64(0xBF58476D1CE4E5B9)
@@ -87,7 +88,7 @@ def word_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         s = np.concatenate([[np.uint64(0)], np.cumsum(cps.astype(np.uint64) * p[:len(cps)], dtype=np.uint64)])
         h = (s[ends] - s[starts]) * q[starts]
         lengths = (ends - starts).astype(np.int64)
-        return _splitmix(h + lengths.astype(np.uint64)), lengths, cps
+        return splitmix64(h + lengths.astype(np.uint64)), lengths, cps
 
 
 def words(text: str) -> list[str]:
@@ -143,7 +144,7 @@ class NgramHashes:
             return np.zeros(0, dtype=np.uint64)
         n = min(n, self.m)
         if n not in self.done:
-            self.done[n] = _splitmix(self.keys(n))
+            self.done[n] = splitmix64(self.keys(n))
         return self.done[n]
 
     def keys(self, n: int) -> np.ndarray:
@@ -172,4 +173,4 @@ def ngram_hashes(wh: np.ndarray, n: int) -> np.ndarray:
     m = len(wh)
     if m == 0:
         return np.zeros(0, dtype=np.uint64)
-    return _splitmix(_poly(wh, min(n, m)))
+    return splitmix64(_poly(wh, min(n, m)))
