@@ -15,7 +15,7 @@ from typing import Any
 
 from serve.generation import Generation
 from serve.http.schemas import ChatCompletionRequest
-from serve.http.translate import ResponseFormat, usage_dict
+from serve.http.translate import ResponseFormat, sampling_options, usage_dict
 from serve.lm import LM
 from serve.results import Chunk
 
@@ -25,15 +25,8 @@ _BYTES_DISPLAY = re.compile(r"\\x([0-9a-f]{2})")
 def chat_options(req: ChatCompletionRequest, default_max_tokens: int) -> dict[str, Any]:
     """The keyword arguments of :meth:`serve.lm.LM.start_chat` for a request (OpenAI's defaults for absent
     fields; ``top_logprobs`` counts only with ``logprobs``)."""
-    return dict(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed, stop=req.stop, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        default_max_new_tokens=default_max_tokens)
+    return dict(**sampling_options(req), top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                default_max_new_tokens=default_max_tokens)
 
 
 def start_chat_generations(lm: LM, req: ChatCompletionRequest, default_max_tokens: int) -> list[Generation]:

@@ -39,8 +39,9 @@ def split_prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def generation_options(req: CompletionRequest, default_max_tokens: int) -> dict[str, Any]:
-    """The keyword arguments of :meth:`serve.lm.LM.start` for a request (OpenAI's defaults for absent fields)."""
+def sampling_options(req) -> dict[str, Any]:
+    """The sampling keyword arguments that completions and chat requests share (OpenAI's defaults for absent
+    fields): temperature, top_p, top_k, the three penalties, seed and stop."""
     return dict(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -48,7 +49,13 @@ def generation_options(req: CompletionRequest, default_max_tokens: int) -> dict[
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed, stop=req.stop, top_logprobs=req.logprobs,
+        seed=req.seed, stop=req.stop)
+
+
+def generation_options(req: CompletionRequest, default_max_tokens: int) -> dict[str, Any]:
+    """The keyword arguments of :meth:`serve.lm.LM.start` for a request (OpenAI's defaults for absent fields)."""
+    return dict(
+        **sampling_options(req), top_logprobs=req.logprobs,
         echo=req.echo and req.logprobs is not None, ignore_eos=req.ignore_eos,
         default_max_new_tokens=default_max_tokens)
 
