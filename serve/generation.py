@@ -213,7 +213,9 @@ class Generation:
             tail += stops.finish()
         if stops.stop_at is not None:
             self.finish_reason = "stop"
-        final = self._chunk(tail, pending, stops.released)
+        # without a stop string every token left is output, also one whose text is empty (an end-of-text kept by
+        # ignore_eos, a byte that completes nothing): it is counted and returned with the last chunk
+        final = self._chunk(tail, pending, stops.released if stops.stop_at is not None else len(detok.text) + 1)
         if final.text or final.token_ids:
             yield final
 
