@@ -259,5 +259,36 @@ def test_compiled_run_records_path_and_zero_recompiles(tmp_path, session_cache, 
 def test_compile_value_is_checked(tmp_path, session_cache):
     from train.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"train.compile: expected true, false or \"auto\""):
+    with pytest.raises(ConfigError, match=r"train.compile: expected true, false, \"auto\" or \"head\""):
         fast_config(tmp_path, session_cache, **{"train.compile": "sometimes"})
+
+
+def test_compile_head_compiles_the_head_alone_and_keeps_the_loss(tmp_path, session_cache, monkeypatch):
+    """train.compile = "head" (the cpu preset's): one graph, the head + loss; the layers stay eager; 0 recompiles;
+    the losses those of the eager run to bf16-free float32 rounding."""
+    real = CausalLMLoss.compile_head
+    monkeypatch.setattr(CausalLMLoss, "compile_head", lambda self, backend="inductor": real(self, "aot_eager"))
+    torch._dynamo.reset()
+    runs = {}
+    for name, mode in (("h-on", "head"), ("h-off", False)):
+        cfg = fast_config(tmp_path, session_cache, **{"run.name": name, "train.compile": mode, "train.max_steps": 3,
+                                                      "train.dtype": "float32"})
+        Trainer(cfg, **QUIET).train()
+        runs[name] = json.loads((tmp_path / f"runs/{name}/summary.json").read_text())
+    s = runs["h-on"]
+    assert s["compile"]["path"] == "compiled" and s["compile"]["graphs"] == 1 and s["compile"]["recompiles"] == 0
+    assert "the head + loss only" in s["compile"]["reason"]
+    assert s["val"]["all"]["nll"] == pytest.approx(runs["h-off"]["val"]["all"]["nll"], rel=1e-5)
+
+
+def test_compile_head_failure_falls_back_loudly(tmp_path, session_cache, monkeypatch):
+    def fail(self, backend="inductor"):
+        raise RuntimeError("no C++ compiler (planted)")
+
+    monkeypatch.setattr(CausalLMLoss, "compile_head", fail)
+    logs = []
+    cfg = fast_config(tmp_path, session_cache, **{"run.name": "h-fail", "train.compile": "head", "train.max_steps": 2})
+    Trainer(cfg, log=logs.append).train()
+    s = json.loads((tmp_path / "runs/h-fail/summary.json").read_text())
+    assert s["compile"]["path"] == "eager" and 'train.compile = "head" fell back' in s["compile"]["reason"]
+    assert any("no C++ compiler" in m and m.startswith("WARNING: training EAGERLY") for m in logs)

@@ -107,7 +107,8 @@ class TrainSection:
     ckpt_every: int = 500
     keep_last: int = 3
     log_every: int = 10
-    compile: bool | str = False  # true (a failure is an error), false, or "auto" (falls back to eager, loudly)
+    compile: bool | str = False  # true (a failure is an error), false, "auto" (falls back to eager, loudly), or
+    # "head" (only the head + loss, the layers eager; falls back to eager, loudly)
     activation_checkpoint: str = "none"  # "none", "selective" (every activation_checkpoint_every-th layer), "full"
     activation_checkpoint_every: int = 2
     dtype: str = "auto"
@@ -183,9 +184,9 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     """Check ``value`` against the type of the key's default and convert int → float where needed."""
     where = f"{section}.{key}"
     if (section, key) == ("train", "compile"):
-        if value in (True, False, "auto"):
+        if value in (True, False, "auto", "head"):
             return value
-        raise ConfigError(f"{where}: expected true, false or \"auto\", got {value!r}")
+        raise ConfigError(f"{where}: expected true, false, \"auto\" or \"head\", got {value!r}")
     if (section, key) == ("train", "activation_checkpoint"):
         if value in ("none", "selective", "full"):
             return value

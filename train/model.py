@@ -391,6 +391,7 @@ class CausalLMLoss(nn.Module):
       backward) or "selective" (the layers ``i`` with ``i % checkpoint_every == 0`` only: torchtitan's per-layer
       selective AC). A checkpointed layer computes the same values, so the loss and gradients are unchanged; the
       price is one more forward of that layer per step (see :func:`checkpointed_layers`);
+    * :meth:`compile_head`: the head + loss alone compiled, the layers eager (the ``cpu`` preset's choice);
     * :meth:`compile_blocks`: each decoder layer and the head + loss compiled on their own with static shapes
       (torchtitan's ``apply_compile``): one small graph reused by every layer compiles in seconds. Compiled, a
       micro-batch with fewer rows than ``static_batch`` is padded with ignored rows (label -100) to that size, so
@@ -422,6 +423,15 @@ class CausalLMLoss(nn.Module):
         self._blocks = [torch.compile(self._wrap(i, b), **opts) for i, b in enumerate(self.lm.model.layers)]
         self._head = torch.compile(self._head_loss, **opts)
         self.static_batch = static_batch
+
+    def compile_head(self, backend: str = "inductor") -> None:
+        """Compile only the head + loss (final norm, lm_head, the upcast and the cross-entropy; ``fullgraph=True``)
+        and leave the decoder layers eager. On CPU the layers' matmuls and attention run as fast eager, while
+        the head's log-softmax over ``[tokens, vocab]`` float32 logits, its backward and the casts around them are
+        several passes over memory that the compiler fuses into a few loops (speed: benchmarks/results/cpu_bf16.md).
+        Shapes are Dynamo's default (static first, one dynamic graph if a second shape comes), so padded
+        fine-tuning batches of varying length recompile at most once."""
+        self._head = torch.compile(self._head_loss, fullgraph=True, backend=backend)
 
     def _head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.lm.model.norm(x)

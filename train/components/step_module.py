@@ -1,6 +1,6 @@
 """The module a training step calls: :class:`train.model.CausalLMLoss` over the model, compiled as ``train.compile``
-says (each decoder layer and the head + loss, static shapes, warmed up at the training micro-batch; "auto" falls
-back to eager aloud) or eager, wrapped in DistributedDataParallel under torchrun; and :class:`CompileInfo`, the
+says (each decoder layer and the head + loss, static shapes, warmed up at the training micro-batch; "head": the head
++ loss alone; "auto" and "head" fall back to eager aloud) or eager, wrapped in DistributedDataParallel under torchrun; and :class:`CompileInfo`, the
 record of which path ran (summary.json's ``compile``)."""
 
 from __future__ import annotations
@@ -80,11 +80,16 @@ class StepModuleBuilder:
             before = _unique_graphs()
             t0 = time.time()
             try:
-                step_model.compile_blocks(placement.micro)
+                if mode == "head":
+                    step_model.compile_head()
+                    what = "the head + loss only (the decoder layers eager)"
+                else:
+                    step_model.compile_blocks(placement.micro)
+                    what = "each decoder layer and the head + loss, static shapes"
                 self._warm_up(step_model, placement, warmup_windows)
                 info.path = "compiled"
-                info.reason = (f"train.compile = {json.dumps(mode)}: each decoder layer and the head + loss, static "
-                               f"shapes, warmed up at micro-batch {placement.micro} × {self.train.seq_len}")
+                info.reason = (f"train.compile = {json.dumps(mode)}: {what}, warmed up at micro-batch "
+                               f"{placement.micro} × {self.train.seq_len}")
                 info.graphs = _unique_graphs() - before
             except Exception as e:  # noqa: BLE001 - any compiler failure: an error (true) or eager, said aloud (auto)
                 model.zero_grad(set_to_none=True)
@@ -94,7 +99,7 @@ class StepModuleBuilder:
                                      f"train.compile = \"auto\" to fall back to eager (about half the MFU) or false"
                                      ) from e
                 step_model = self.loss_module(model, placement.device.type)
-                info.path, info.reason = "eager", f"torch.compile failed, train.compile = \"auto\" fell back: {why}"
+                info.path, info.reason = "eager", f"torch.compile failed, train.compile = {json.dumps(mode)} fell back: {why}"
                 log("WARNING: " + "!" * 60)
                 log(f"WARNING: training EAGERLY: {info.reason}")
                 log("WARNING: " + "!" * 60)

@@ -3,7 +3,7 @@ the tokenizer (the pretrained run's, with the chat tokens added when it lacks th
 ``char_counts``, the training ``loader`` and ``val`` (language → windows), the checkpoint's files.
 
 Conversations are padded, not packed: each is one row of ``[<|endoftext|>] + its tokens``, right-padded with
-context-only ``<|pad|>`` to the longest row of its step (rounded up to 8; to ``train.seq_len + 1`` when the step module is compiled:
+context-only ``<|pad|>`` to the longest row of its step (rounded up to 8; to ``train.seq_len + 1`` when the decoder layers are compiled:
 static shapes), so causal attention needs no mask and
 positions start at 0 as they do when a runtime encodes the conversation; ``benchmarks/sft.py`` measured this
 against packing with a block-diagonal mask (benchmarks/results/sft.md). To keep the padding small, each epoch's

@@ -71,7 +71,7 @@ class SFTTrainer(Trainer):
     def load_data(self) -> SFTData:
         t = self.cfg.train
         return SFTData.load(self.cfg, self.base, t.micro_batch_size * t.grad_accum, self.log,
-                            fixed_length=t.compile is not False)
+                            fixed_length=t.compile in (True, "auto"))  # compiled layers want static shapes
 
     def init_weights(self) -> None:
         if self.resume:  # the run's own checkpoint is loaded next; the base only fixes the shapes
