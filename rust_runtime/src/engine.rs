@@ -832,6 +832,33 @@ mod tests {
 
     /// The thread around the scheduler (the cases above drive the scheduler itself): a timeout
     /// counts from the submission, a dropped receiver frees the batch, bad requests are refused.
+    /// Driven one step at a time on this thread, so nothing depends on scheduling: a request whose
+    /// stream was dropped before it ran leaves at its first token (sampled in the step that feeds the
+    /// last of its prompt), so three of them cost their prefills and no decode.
+    #[test]
+    fn a_dropped_stream_leaves_at_its_next_token() {
+        let fx = fixture("engine_drop", 2, None, None);
+        let model = Arc::new(Model::load(&fx.dir, Quantize::None, 1).unwrap());
+        let (_cmd, cmds) = channel();
+        let stats = Arc::new(Mutex::new(Stats::default()));
+        let mut sched = Scheduler::new(model, None, limits(1, 64, 4), cmds, stats.clone());
+        let p = SamplingParams { temperature: 1.0, ..Default::default() };
+        let t0 = Instant::now();
+        for id in 1..=3 {
+            let (tx, rx) = channel();
+            drop(rx);
+            sched.handle(Cmd::Submit { id, req: req(vec![1, 2], 30, p.clone(), Some(1), 1), tx, at: t0 });
+        }
+        let mut steps = 0;
+        while sched.tick(t0).is_some() {
+            steps += 1;
+            assert!(steps <= 10, "still running after {steps} steps");
+        }
+        assert!(sched.running.is_empty() && sched.waiting.is_empty());
+        let st = stats.lock().unwrap().clone();
+        assert_eq!((steps, st.prefill_tokens, st.decode_tokens), (3, 6, 0));
+    }
+
     #[test]
     fn timeout_dropped_streams_and_refusals_through_the_engine_thread() {
         let fx = fixture("engine_cancel", 2, None, None);
@@ -839,14 +866,13 @@ mod tests {
         let eng = Engine::start(model, None, limits(1, 64, 4)).unwrap();
         assert!(Engine::start(eng.model.clone(), None, limits(4, 64, 0)).is_err());
         let p = SamplingParams { temperature: 1.0, ..Default::default() };
+        // dropped streams (how many tokens each ran before its drop depends on the threads' timing: the
+        // exact rule is held by a_dropped_stream_leaves_at_its_next_token) do not hold up a later request
         for _ in 0..3 {
             drop(eng.submit(req(vec![1, 2], 30, p.clone(), Some(1), 1)).unwrap().1);
         }
         let (_, rx) = eng.submit(req(vec![1, 2], 3, p.clone(), Some(1), 1)).unwrap();
         assert_eq!(collect(&rx, 1).remove(0).1, Finish::Length);
-        // a dropped stream leaves at its next token: at most one decode each (else 3 × 29), then this one's 2
-        let st = eng.stats();
-        assert!(st.decode_tokens <= 3 + 2, "{} decodes", st.decode_tokens);
         let mut r = req(vec![1, 2], 30, p, Some(1), 1);
         r.timeout = Some(Duration::from_nanos(1));
         let (_, rx) = eng.submit(r).unwrap();
