@@ -7,7 +7,9 @@ the default optimizer) on the same weights and the same random batch:
 * ``float32``: what ``auto`` ran on every CPU before;
 * ``bf16-chunked``: bfloat16 autocast with the head + loss in checkpointed chunks (the CUDA path, which the CPU
   ran before);
-* ``bf16``: bfloat16 autocast with the whole logits (``chunk_tokens=None``, the CPU path now).
+* ``bf16``: bfloat16 autocast with the whole logits (``chunk_tokens=None``, the CPU path in eager);
+* ``float32-head``, ``bf16-head``: the same with the head + loss compiled (``train.compile = "head"``, the ``cpu``
+  preset's choice; the layers stay eager; compiled before the warm-up, which is not timed).
 
 Each round runs every lane once, in a rotated order. Reported per lane: the fastest and the median step in wall
 time and in process CPU time, and each bfloat16 lane's speed over float32's (median of per-round ratios). With
@@ -41,7 +43,10 @@ from train.optim import build_optimizer_for  # noqa: E402
 from train.run import model_config_for  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-LANES = {"float32": (torch.float32, None), "bf16-chunked": (torch.bfloat16, 8192), "bf16": (torch.bfloat16, None)}
+# lane: (autocast dtype, chunk_tokens, head compiled)
+LANES = {"float32": (torch.float32, None, False), "bf16-chunked": (torch.bfloat16, 8192, False),
+         "bf16": (torch.bfloat16, None, False), "float32-head": (torch.float32, None, True),
+         "bf16-head": (torch.bfloat16, None, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     opt = build_optimizer_for(model, cfg.train, "cpu")
     x = torch.randint(0, a.vocab, (a.rows, cfg.train.seq_len + 1))
     cpu = torch.device("cpu")
-    mods = {name: CausalLMLoss(model, chunk_tokens=chunk) for name, (_, chunk) in LANES.items()}
+    mods = {name: CausalLMLoss(model, chunk_tokens=chunk) for name, (_, chunk, _) in LANES.items()}
+    for name, (_, _, head) in LANES.items():
+        if head:
+            mods[name].compile_head()
 
     def step(name: str) -> tuple[float, float]:
         w0, c0 = time.perf_counter(), time.process_time()
