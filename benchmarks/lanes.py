@@ -83,7 +83,7 @@ class TorchBackend:
 
 
 def role_weights(cfg: dict) -> dict[str, list[int]]:
-    """Weights of each matrix role (serve.quant's names: q_proj, ..., lm_head), one entry per layer (lm_head:
+    """Weights of each matrix role (contract.quant's names: q_proj, ..., lm_head), one entry per layer (lm_head:
     one); the embedding lookup reads one row, not counted."""
     h, nh, inter, layers = (cfg[k] for k in ("hidden_size", "num_attention_heads", "intermediate_size",
                                              "num_hidden_layers"))
@@ -135,7 +135,7 @@ def unavailable(lane: Lane, bundle: Path) -> str | None:
     except ImportError as e:
         return f"{module} not importable ({e})"
     if lane.runtime == "onnx":
-        from serve.bundle import ONNX_GRAPHS
+        from contract.bundle import ONNX_GRAPHS
 
         if lane.kind not in ONNX_GRAPHS:
             return f"serve's OnnxBackend has no graph for quantize={lane.kind!r}"

@@ -108,8 +108,8 @@ def main() -> None:
 
     import onnxruntime as ort
 
+    from contract.atomic import atomic_write_json, atomic_write_text
     from serve.backends.onnx import OnnxBackend
-    from train.atomic import atomic_write_json, atomic_write_text
 
     load_before = timing.loadavg()
     rows = []

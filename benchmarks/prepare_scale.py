@@ -57,12 +57,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
+from contract.text import nfc  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import iter_documents, list_input_files  # noqa: E402
 from train.data import build_shards  # noqa: E402
 from train.inputs import scan_inputs  # noqa: E402
 from train.parallel import serial_tokenizers  # noqa: E402
-from train.textutil import nfc  # noqa: E402
 from train.tokenizer import for_nfc_text, load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
 from train.tokenizer_sample import choose_sample  # noqa: E402
 

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from contract.text import is_val  # noqa: E402
 from train import compression  # noqa: E402
 from train.checkpoint import load_model  # noqa: E402
 from train.clean.decide import VAL  # noqa: E402
@@ -35,7 +36,6 @@ from train.clean.split import iter_split  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
 from train.evaluate import evaluate_sources  # noqa: E402
-from train.textutil import is_val  # noqa: E402
 from train.tokenizer import EOT, load_tokenizer, token_char_counts  # noqa: E402
 
 

@@ -30,8 +30,8 @@ import safetensors.torch
 import torch
 from tokenizers import Tokenizer
 
+from contract.bundle import ONNX, TOKENIZER, WEIGHTS
 from serve.backends.onnx import OnnxBackend
-from serve.bundle import ONNX, TOKENIZER, WEIGHTS
 from serve.verdict import fmt_figure, fmt_limit
 from train.checkpoint import load_weights
 from train.model import LlamaForCausalLM

@@ -1,4 +1,4 @@
-"""Chat on top of completions: a conversation rendered with the one chat format (``train.chat_format``, ChatML) and
+"""Chat on top of completions: a conversation rendered with the one chat format (``contract.chat_format``, ChatML) and
 encoded into the prompt ids that ``LM.start_choices`` generates from, ending at ``<|im_end|>``.
 
 Nothing below the prompt changes: the engine (Python or Rust) takes ids as for any prompt; a choice that samples
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from contract.chat_format import CHAT_TOKENS, IM_END, ChatFormatError, render
 from serve.errors import ContextLengthError, RequestError
-from train.chat_format import CHAT_TOKENS, IM_END, ChatFormatError, render
 
 if TYPE_CHECKING:
     from serve.generation import Generation
@@ -45,7 +45,7 @@ def check_chat_capable(lm: LM) -> None:
 def chat_prompt_ids(lm: LM, messages: Any) -> list[int]:
     """The prompt ids of a conversation (without the leading ``<|endoftext|>``, which generation prepends):
     ``encode(render(messages, add_generation_prompt=True))``. RequestError (param ``messages``) for a model
-    without the chat tokens, a conversation :func:`train.chat_format.normalize_messages` refuses (its message
+    without the chat tokens, a conversation :func:`contract.chat_format.normalize_messages` refuses (its message
     names ``messages[i].field``) or text that is not valid Unicode."""
     check_chat_capable(lm)
     try:

@@ -1,5 +1,5 @@
 """Loading a bundle for serving: :func:`load` checks its arguments, verifies the files the chosen backend reads
-against the manifest (:mod:`serve.bundle`), opens the backend and returns an :class:`serve.lm.LM`.
+against the manifest (:mod:`contract.bundle`), opens the backend and returns an :class:`serve.lm.LM`.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.bundle import MANIFEST, ONNX_GRAPHS, TOKENIZER, backend_files, read_manifest, verify_files
+from contract.bundle import MANIFEST, ONNX_GRAPHS, TOKENIZER, backend_files, read_manifest, verify_files
+from contract.quant import check_backend, parse_quantize
 from serve.lm import LM
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
-from serve.quant import check_backend, parse_quantize
 from serve.verdict import check_form
 
 __all__ = ["BACKENDS", "load"]
@@ -26,10 +26,10 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
     serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
-    ``"none"`` or a name of :data:`serve.quant.NAMES` that the backend offers (``serve.quant.BACKEND_NAMES``);
+    ``"none"`` or a name of :data:`contract.quant.NAMES` that the backend offers (``contract.quant.BACKEND_NAMES``);
     threads: compute threads, an int >= 1 (None = all cores); name: the model's label
     (default: the bundle folder's parent name, e.g. ``cpu`` for ``runs/cpu/bundle``); verify: check the sha256 of
-    every file the backend reads against the manifest first (:func:`serve.bundle.verify_files`; False skips the
+    every file the backend reads against the manifest first (:func:`contract.bundle.verify_files`; False skips the
     hashing and accepts a folder without a manifest, for those who verify the bundle elsewhere or serve a hand-made
     folder — a manifest that is there is still read: its format_version and the gate's verdicts hold whatever
     ``verify`` says); max_batch / token_budget: the engine's sequences per step and tokens per step

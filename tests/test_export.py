@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from contract.bundle import ONNX_GRAPHS
+from contract.quant import BACKEND_NAMES, GATE, SCHEMES
 from export import graph as G
 from export import onnx as E
 from export import pipeline as PL
@@ -24,8 +26,6 @@ from export.parity import PROMPTS, compare_greedy, max_diff
 from export.source import resolve_checkpoint
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
-from serve.bundle import ONNX_GRAPHS
-from serve.quant import BACKEND_NAMES, GATE, SCHEMES
 from train.checkpoint import find_checkpoint, load_model, write_sums
 
 TOL = 1e-4
@@ -107,7 +107,7 @@ def test_bundle_files_and_manifest(exported, ckpt):
     assert m["source"]["step"] == 40 and m["source"]["checkpoint"] == str(Path(*ckpt.resolve().parts[-3:]))
     assert m["params"] == load_model(ckpt)[0].num_params()
     assert set(m["versions"]) >= {"torch", "onnx", "onnxruntime", "transformers"}
-    from train.atomic import sha256_file
+    from contract.atomic import sha256_file
 
     assert m["source"]["sha256"] == sha256_file(ckpt / "model.safetensors")
     assert set(m["files"]) == names - {"manifest.json"}
@@ -181,14 +181,14 @@ def test_quality_gate_recorded(exported):
 @pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx and s.bits == 4])
 def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_path):
     """model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32, accuracy level 4;
-    4 bits, except the roles serve.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
+    4 bits, except the roles contract.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
     weight — v_proj and down_proj); no float MatMul by a weight is left. A graph the export did not keep (q4_0,
     refused by the gate) is written here without it."""
     import onnx
     from onnx import helper
 
+    from contract.quant import role_of
     from export.quantize import matmul_weights, write_onnx_form
-    from serve.quant import role_of
 
     cfg = json.loads((exported / "config.json").read_text())
     pre = {n: role_of(t) for n, t in matmul_weights(_float_graph_preprocessed(exported), exported / "model.safetensors").items()}
@@ -707,7 +707,7 @@ def test_quality_gate_fails_on_agreement_even_when_nll_is_fine():
 def test_failing_quantized_form_is_not_written(trained_run, tmp_path, monkeypatch, capsys):
     """A form outside its thresholds fails the export (exit 1, its rows printed) and nothing is written, even with
     --no-parity; unmeasured (no validation data) is recorded as such."""
-    from serve import quant
+    from contract import quant
 
     monkeypatch.setitem(quant.GATE, 4, quant.Thresholds(val_nll_delta_max=0.1, top1_agreement_min=0.85,
                                                         mean_abs_top_logprob_delta_max=1e-6))

@@ -30,7 +30,7 @@ def test_chat_parts_follow_the_tokenizer(fixture_m, fixture_tok, tmp_path):
     whose tokenizer lacks them loses both (train.hf_files.sync_chat_files, as export runs it), other keys kept."""
     from tokenizers import Tokenizer
 
-    from train.chat_format import CHAT_TEMPLATE
+    from contract.chat_format import CHAT_TEMPLATE
     from train.hf_files import sync_chat_files
 
     tok = fixture_tok / "tokenizer.json"

@@ -1,10 +1,12 @@
-"""docs/design.md's import rules: no module under ``train/`` imports ``serve`` or ``export`` (each stage reads only
-the files the previous one wrote), and ``serve/`` reaches ``train/`` only through leaf modules — ones that import
-nothing else of the project and no torch (the special tokens, sha256, text helpers). Checked statically: every ``.py`` file under ``train/`` is parsed
-with ``ast`` and every import in it — at the top, inside a function or a ``try``, relative ones resolved, and
+"""docs/design.md's import rules: every stage may import ``contract/`` (the facts several stages read,
+standard library and numpy only: the bundle contract, the quantization schemes, the byte-level table, atomic
+writes, text normalisation, the chat format), and ``contract/`` imports nothing of the project and no torch; ``train/`` never imports ``serve/`` or
+``export/``; ``serve/`` never imports ``train/`` or ``export/`` (each stage reads only the files the previous one
+wrote); ``export/`` may use all of them. Checked statically: every ``.py`` file of a package is parsed with ``ast``
+and every import in it — at the top, inside a function or a ``try``, relative ones resolved, and
 ``importlib.import_module`` / ``__import__`` of a string literal — is compared with the forbidden packages, so an
-import on a path no test happens to run is caught too. (``serve/`` never importing torch is checked at run time by
-``tests/test_serve_api.py::test_serve_never_imports_torch``.)"""
+import on a path no test happens to run is caught too. (``serve/`` never importing torch is also checked at run
+time by ``tests/test_serve_api.py::test_serve_never_imports_torch``.)"""
 
 from __future__ import annotations
 
@@ -15,7 +17,12 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-FORBIDDEN = {"train": ("serve", "export")}
+# package → the packages (and their modules) it may not import.
+FORBIDDEN = {
+    "contract": ("train", "serve", "export", "rust_runtime", "torch", "onnxruntime"),
+    "train": ("serve", "export"),
+    "serve": ("train", "export", "torch"),
+}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -64,22 +71,25 @@ def violations(root: Path, package: str, forbidden: tuple[str, ...]) -> list[str
     return sorted(out)
 
 
+def test_contract_imports_nothing_of_the_project():
+    bad = violations(ROOT, "contract", FORBIDDEN["contract"])
+    assert not bad, ("docs/design.md: contract/ imports nothing of the project and no torch (every stage reads it); "
+                     "move the piece it needs into contract/: " + "; ".join(bad))
+
+
 def test_train_imports_neither_serve_nor_export():
     bad = violations(ROOT, "train", FORBIDDEN["train"])
     assert not bad, ("docs/design.md: train/ never imports serve/ or export/ (export may use train, not the other "
-                     "way round); move the shared piece into train/ or a leaf module: " + "; ".join(bad))
+                     "way round); move the shared piece into contract/: " + "; ".join(bad))
 
 
-def test_serve_reaches_train_only_through_leaf_modules():
-    """serve/ may use a train/ module only when that module imports nothing of the project and no torch (so serving
-    never loads the trainer, the corpus reader or torch); serve.bundle re-exports train's sha256 and special tokens."""
-    reached = {name for f in sorted((ROOT / "serve").rglob("*.py")) for _, name in imports(f, ROOT)
-               if name.startswith("train.") and (ROOT / (name.replace(".", "/") + ".py")).is_file()}
-    assert {"train.atomic", "train.byte_level"} <= reached, reached
-    bad = {f"{leaf} imports {name}" for leaf in sorted(reached)
-           for _, name in imports(ROOT / (leaf.replace(".", "/") + ".py"), ROOT)
-           if name.split(".")[0] in ("train", "serve", "export", "torch")}
-    assert not bad, "serve/ reaches train/ through a module that is not a leaf: " + "; ".join(sorted(bad))
+def test_serve_imports_neither_train_nor_export():
+    """Serving never loads the trainer, the corpus reader, the exporter or torch: what it shares with them is in
+    contract/."""
+    bad = violations(ROOT, "serve", FORBIDDEN["serve"])
+    assert not bad, "docs/design.md: serve/ reaches the other stages only through contract/: " + "; ".join(bad)
+    reached = {name for f in sorted((ROOT / "serve").rglob("*.py")) for _, name in imports(f, ROOT)}
+    assert {"contract.bundle", "contract.quant", "contract.byte_level"} <= reached  # the rule is about real imports
 
 
 def test_the_check_finds_every_kind_of_import(tmp_path):

@@ -1,11 +1,11 @@
-"""serve.quant, the one owner of the quantization schemes: its names are the ones rust_runtime, serve.load, the
+"""contract.quant, the one owner of the quantization schemes: its names are the ones rust_runtime, serve.load, the
 server's SHALIK_QUANTIZE and the export command lines accept; bad names, backends and shapes are clear errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve import quant as Q
+from contract import quant as Q
 
 # Spellings that are not names: each must be refused by Python, and if rust_runtime accepts one it must come back
 # as one of Python's names (never as a name of its own).
@@ -22,7 +22,7 @@ def test_one_list_of_names_and_what_each_backend_offers():
     from export.gguf_quant import TYPES  # GGUF types are llama.cpp's names
 
     assert TYPES == ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
-    from serve.bundle import ONNX_GRAPHS  # the file names are the bundle contract's
+    from contract.bundle import ONNX_GRAPHS  # the file names are the bundle contract's
 
     assert ONNX_GRAPHS == {None: "model.onnx", "int8": "model.int8.onnx", "q4_0": "model.q4_0.onnx",
                            "q4_mix": "model.q4_mix.onnx"}
@@ -86,10 +86,10 @@ def test_check_shape_refuses_rows_that_do_not_fill_blocks():
 
 
 def test_rust_runtime_has_python_s_list_of_names(bundle):
-    """Rust's list of quantization names is serve.quant's: rust_runtime.QUANTIZE_NAMES and QUANTIZE_PLAN equal
+    """Rust's list of quantization names is contract.quant's: rust_runtime.QUANTIZE_NAMES and QUANTIZE_PLAN equal
     NAMES and plan(); Model.load(quantize=...)
     takes exactly the names of BACKEND_NAMES["rust"] and reports each back, refuses every other name of NAMES naming
-    it (so serve.quant says rust=True exactly where Rust has the scheme), and answers no spelling with a name of its
+    it (so contract.quant says rust=True exactly where Rust has the scheme), and answers no spelling with a name of its
     own."""
     import rust_runtime  # built by `pip install -e ".[all]"` (README)
     assert tuple(rust_runtime.QUANTIZE_NAMES) == Q.NAMES

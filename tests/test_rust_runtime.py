@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from serve import quant as serve_quant  # noqa: E402  (after the path set-up above)
-from serve.bundle import QUANTIZE_CHOICES  # noqa: E402
+from contract import quant as serve_quant  # noqa: E402  (after the path set-up above)
+from contract.bundle import QUANTIZE_CHOICES  # noqa: E402
 
 ATOL = RTOL = 1e-4  # docs/design.md: fp32 parity
 NEAR_TIE = 1e-3  # docs/design.md: greedy mismatch allowed only where the reference top-2 gap is below this
@@ -208,7 +208,7 @@ def build_bundle(
 def sign(bundle: Path) -> None:
     """Give a hand-made bundle the manifest export/ writes (format, version, every file's sha256 and size), which
     rust_runtime.Model.load checks by default; again after a test changes a file on purpose."""
-    from serve.bundle import write_manifest
+    from contract.bundle import write_manifest
 
     write_manifest(bundle, complete=False)
 

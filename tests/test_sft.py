@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from contract.chat_format import IM_END, IM_START, render
 from train import windows as W
-from train.chat_format import IM_END, IM_START, render
 from train.corpus import DataError
 from train.sft.encode import encode_conversation, pad_windows, to_window
 from train.sft.formats import ReadStats, read_conversations, to_messages

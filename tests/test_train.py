@@ -71,7 +71,7 @@ def test_run_folder_layout(tmp_path, session_cache):
         "model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
         "optimizer.pt", "trainer_state.json", "data_summary.json", "SHA256SUMS"])
     verify_sums(ck)
-    from train.atomic import DIR_MODE, FILE_MODE
+    from contract.atomic import DIR_MODE, FILE_MODE
 
     assert (ck.stat().st_mode & 0o777) == DIR_MODE and ((run / "summary.json").stat().st_mode & 0o777) == FILE_MODE
     torch.load(ck / "optimizer.pt", weights_only=True)

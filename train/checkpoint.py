@@ -25,7 +25,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from train.atomic import TMP_PREFIX, atomic_dir, atomic_write_bytes, atomic_write_text, sha256_file
+from contract.atomic import TMP_PREFIX, atomic_dir, atomic_write_bytes, atomic_write_text, sha256_file
 from train.hf_files import NAMES as HF_NAMES
 from train.hf_files import write_hf_files
 from train.model import LlamaForCausalLM, ModelConfig

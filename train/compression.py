@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-from train.atomic import atomic_write_json
+from contract.atomic import atomic_write_json
+from contract.text import split_value
 from train.clean import stage as clean_stage
 from train.clean.decide import TRAIN, VAL
 from train.clean.split import iter_split
 from train.config import DEFAULT_PRESET, Config, ConfigError, load_config, resolve_path
 from train.corpus import DataError, is_hf_spec, list_input_files
 from train.inputs import scan_inputs
-from train.textutil import split_value
 
 FORMAT_VERSION = 2  # 2: the shards' split (whole works, cleaned)
 PPMD_ORDER = 16

@@ -211,7 +211,7 @@ def user_samples(model: LlamaForCausalLM, tokenizer, eot_id: int, sampling: dict
     the bundle's defaults, ``train.hf_files.SAMPLING``; seeded) and the greedy one, both stopping at ``stop_ids``
     (default ``eot_id``), each with its share of distinct words:
     ``[{prompt, lang, sampled, greedy, distinct_sampled, distinct_greedy}]``."""
-    from train.textutil import distinct_word_share  # noqa: PLC0415 - a leaf module
+    from contract.text import distinct_word_share  # noqa: PLC0415
 
     was_training = model.training
     model.eval()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.atomic import atomic_write_json
-from train.chat_format import IM_END, missing_chat_tokens
+from contract.atomic import atomic_write_json
+from contract.chat_format import IM_END, missing_chat_tokens
 from train.model import ModelConfig
 from train.tokenizer import tokenizer_config
 

@@ -1,8 +1,8 @@
-"""The ONNX backend: a Shalik bundle's ``model.onnx`` (or the graph of a quantization scheme, :mod:`serve.quant`:
+"""The ONNX backend: a Shalik bundle's ``model.onnx`` (or the graph of a quantization scheme, :mod:`contract.quant`:
 ``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) run by onnxruntime on CPU.
 
 numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming,
-:func:`serve.bundle.onnx_input_names` / :func:`serve.bundle.onnx_output_names`):
+:func:`contract.bundle.onnx_input_names` / :func:`contract.bundle.onnx_output_names`):
 ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
 ``[batch, kv_heads, past, head_dim]`` → ``logits`` ``[batch, seq, vocab]`` and ``present.{i}.key/.value``
 ``[batch, kv_heads, past + seq, head_dim]``. One graph serves prefill (past length 0) and decode.
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from contract.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names
+from contract.quant import check_backend, parse_quantize
 from serve.backends.base import BackendError, check_ids
-from serve.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names
-from serve.quant import check_backend, parse_quantize
 
 BATCH_PAYS_FROM = 2  # smallest batch at which decode_batch beats one-at-a-time decode (benchmarks/onnx_batching.py)
 
@@ -139,7 +139,7 @@ class OnnxBackend:
 
     ``OnnxBackend(bundle_dir, quantize=None | "int8" | "q4_0" | "q4_mix", threads=None)``: reads ``config.json``
     (vocab size, context, layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, the scheme's graph,
-    ``serve.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the folder). Raises BackendError for a
+    ``contract.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the folder). Raises BackendError for a
     quantization without an ONNX form, or when the folder, the config or the graph is missing or the graph's inputs
     are not the bundle's.
     """
@@ -194,7 +194,7 @@ class OnnxBackend:
 
     @functools.cached_property
     def eot_id(self) -> int:
-        """``<|endoftext|>``'s id, from the bundle's tokenizer.json (:func:`serve.bundle.eot_id`)."""
+        """``<|endoftext|>``'s id, from the bundle's tokenizer.json (:func:`contract.bundle.eot_id`)."""
         from tokenizers import Tokenizer  # only for callers of this property (serve.lm holds its own tokenizer)
 
         return eot_id(Tokenizer.from_file(str(self.path / TOKENIZER)))

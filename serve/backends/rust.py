@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.quant import check_backend, parse_quantize
 from serve.backends.base import BackendError, check_ids
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET
-from serve.quant import check_backend, parse_quantize
 
 try:  # the extension is optional: serve works with the onnx backend without it
     import rust_runtime as _rr
@@ -69,7 +69,7 @@ class RustSequence:
 
 class RustBackend:
     """Weights in Rust (f32, or quantized at load: q8_0 with ``quantize="int8"``; the schemes rust_runtime offers
-    are :data:`serve.quant.BACKEND_NAMES` ``["rust"]``) plus a factory of KV caches. A quantized form loads only
+    are :data:`contract.quant.BACKEND_NAMES` ``["rust"]``) plus a factory of KV caches. A quantized form loads only
     when the export's quality gate passed it (``rust_runtime.Model.load``, :mod:`serve.verdict`), unless
     ``allow_ungated``."""
 
@@ -89,7 +89,7 @@ class RustBackend:
         quantize = parse_quantize(quantize)
         check_backend(quantize, "rust")
         self.path = Path(path)
-        # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
+        # serve.load checks the manifest's sha256 sums itself (contract.bundle, with its verify setting), so the
         # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time; the
         # manifest's format_version and the gate's verdict on the quantized form are checked by the extension.
         self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize, verify=False,

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from serve.bundle import EOT, PAD
+from contract.bundle import EOT, PAD
 from serve.http import admission, runs
 from serve.http.chat import ChatFormat, start_chat_generations
 from serve.http.lifecycle import ServerState

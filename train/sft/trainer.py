@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.chat_format import IM_END, render
 from train import windows as W
-from train.chat_format import IM_END, render
 from train.components.evaluation import Evaluator
 from train.config import Config
 from train.evaluate import user_samples

@@ -89,7 +89,7 @@ class Scheme:
     """One quantization scheme: ``name`` (the one spelling every runtime accepts), ``weight_type`` (the ggml block
     type of its bulk matrices, a key of :data:`BLOCK_TYPES`, as ``rust_runtime.QUANTIZE_PLAN`` spells it),
     ``keep_8bit`` (roles of :data:`ROLES` stored at q8_0 instead), ``onnx`` (the bundle holds an ONNX graph of it:
-    its file name is ``serve.bundle.ONNX_GRAPHS[name]``), ``rust`` (``rust_runtime`` quantizes to it at load),
+    its file name is ``contract.bundle.ONNX_GRAPHS[name]``), ``rust`` (``rust_runtime`` quantizes to it at load),
     ``gguf`` (the ``export.gguf --type`` that writes it, or None) and ``gguf_by`` (who quantizes the GGUF:
     "gguf-py" or "llama.cpp")."""
 
