@@ -1,6 +1,6 @@
 //! The quantization kinds a model can be loaded with (the names Python passes as `quantize=`),
 //! and which storage each weight matrix gets under each kind: one table (`KINDS`, `Quantize::storage`),
-//! which Python's list of schemes (`contract.quant`: its names, and the roles each keeps at 8 bits) must
+//! which Python's list of schemes (`contract/quant.py`: its names, and the roles each keeps at 8 bits) must
 //! equal (`rust_runtime.QUANTIZE_NAMES`, `rust_runtime.QUANTIZE_PLAN`, tests/test_rust_runtime.py).
 //!
 //! * `none`: every matrix f32 (packed, `kernels::PackedF32`).
