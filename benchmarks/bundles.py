@@ -97,7 +97,7 @@ def init_bundle(preset: str, *, quantize: str | None = None, parity: bool = Fals
     if _reusable(bundle, quantize, parity):
         log(f"reusing {relative(bundle)} (delete {relative(run)} to rebuild it)")
         return bundle
-    if not (run / "checkpoints" / "latest").is_file():  # train.checkpoint moves it last: the checkpoint is whole
+    if not (run / "checkpoints" / "latest").is_file():  # train.components.checkpoint moves it last: the checkpoint is whole
         out_dir = [] if runs == RUNS else ["--set", f"run.out_dir={json.dumps(str(runs))}"]
         _run([sys.executable, "-m", "train.run", "--config", preset, "--name", name, "--no-preflight",
               "--set", "train.max_steps=0", *out_dir], log)

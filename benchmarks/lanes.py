@@ -65,7 +65,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, bundle: Path, threads: int, model=None):
-        from train.checkpoint import load_model
+        from train.components.checkpoint import load_model
 
         if model is None:
             model = load_model(bundle)[0].eval()

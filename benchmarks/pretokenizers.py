@@ -40,11 +40,11 @@ from contract.bundle import TOKENIZER  # noqa: E402
 from contract.text import is_val  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
-from train.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
 from train.parallel import resolve_workers  # noqa: E402
 from train.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+from train.tokenizer.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
 from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, SCRIPT_EDGES  # noqa: E402
-from train.tokenizer_sample import choose_sample  # noqa: E402
+from train.tokenizer.sample import choose_sample  # noqa: E402
 
 TODAY = "format 2 (today)"
 MAX_LOSS = 0.02

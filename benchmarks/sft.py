@@ -45,9 +45,9 @@ from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from contract.chat_format import IM_END, render  # noqa: E402
 from contract.text import detect_language  # noqa: E402
 from train import windows as W  # noqa: E402
-from train.checkpoint import find_checkpoint, load_model  # noqa: E402
+from train.components.checkpoint import find_checkpoint, load_model  # noqa: E402
+from train.components.evaluation import evaluate, sampled_continuation  # noqa: E402
 from train.device import autocast_ctx, resolve_dtype  # noqa: E402
-from train.evaluate import evaluate, sampled_continuation  # noqa: E402
 from train.hf_files import SAMPLING  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, compute_dtype  # noqa: E402
 from train.sft.cli import sft_config  # noqa: E402

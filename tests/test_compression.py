@@ -1,5 +1,5 @@
 """train.compression (the compressor floor) and the per-source evaluation it is compared with
-(train.evaluate.evaluate_sources, strided_spans), on the mini corpus."""
+(train.components.evaluation.evaluate_sources, strided_spans), on the mini corpus."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from contract.text import distinct_word_share
 from tests.conftest import MINI, fast_config
 from train import compression as C
-from train.evaluate import evaluate_sources, strided_spans
+from train.components.evaluation import evaluate_sources, strided_spans
 from train.model import LlamaForCausalLM, ModelConfig
 
 

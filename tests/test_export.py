@@ -26,7 +26,7 @@ from export.parity import PROMPTS, compare_greedy, max_diff
 from export.source import resolve_checkpoint
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
-from train.checkpoint import find_checkpoint, load_model, write_sums
+from train.components.checkpoint import find_checkpoint, load_model, write_sums
 
 TOL = 1e-4
 
@@ -264,7 +264,7 @@ def test_transformers_loads_bundle_unchanged(exported, ref):
 def test_x5_tied_safetensors(exported, ckpt, ref):
     import safetensors.torch
 
-    from train.checkpoint import load_weights
+    from train.components.checkpoint import load_weights
     from train.model import LlamaForCausalLM
 
     sd = safetensors.torch.load_file(str(exported / "model.safetensors"))

@@ -396,7 +396,7 @@ def test_llama_cpp_logits_match_torch(gguf_files, theta_bundle, bundle):
     import torch
 
     from export.parity import probe_ids, reference_logits
-    from train.checkpoint import load_model
+    from train.components.checkpoint import load_model
 
     model, mcfg = load_model(theta_bundle)
     assert mcfg.rope_theta == THETA

@@ -1,5 +1,5 @@
 """train.hf_files: the one builder of config.json, generation_config.json and tokenizer_config.json, used by
-checkpoints (train.checkpoint.save_checkpoint) and bundles (export.bundle)."""
+checkpoints (train.components.checkpoint.save_checkpoint) and bundles (export.bundle)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from train.checkpoint import save_checkpoint, verify_sums
+from train.components.checkpoint import save_checkpoint, verify_sums
 from train.hf_files import NAMES, hf_files
 
 

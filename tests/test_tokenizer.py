@@ -13,11 +13,11 @@ from tokenizers import Regex, pre_tokenizers
 from contract.byte_level import bytes_to_unicode
 from tests.conftest import shared_path
 from train.corpus import Document, iter_documents, list_input_files
-from train.fertility import TokenizerAdapter, fertility, load_any_tokenizer
 from train.tokenizer import PRETOKENIZER, load_tokenizer, new_tokenizer, token_char_counts
 from train.tokenizer.cli import main
+from train.tokenizer.fertility import TokenizerAdapter, fertility, load_any_tokenizer
 from train.tokenizer.pretokenizers import pre_tokenizer_json
-from train.tokenizer_sample import sample_quotas
+from train.tokenizer.sample import sample_quotas
 
 PROBES = {
     "বাংলা": ["বাংলা"],

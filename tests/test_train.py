@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 
 from tests.conftest import MINI, ROOT, fast_config, fast_overrides
-from train.checkpoint import find_checkpoint, read_latest_name, verify_sums
+from train.components.checkpoint import find_checkpoint, read_latest_name, verify_sums
 from train.run import NonFiniteStop, Trainer, TrainError
 
 QUIET = {"log": lambda m: None}

@@ -11,7 +11,7 @@ equivalent of a model trained on the training split — divided by the validatio
 (``held``: the source's validation documents joined by blank lines, in reading order.) The split is the shards'
 (the cleaning stage's validation split of whole works, ``train.clean.split``; documents it removes are on
 neither side), so the characters are those the trainer's per-source evaluation scores
-(:func:`train.evaluate.evaluate_sources`). A language's floor is the sum of its sources' bits over the sum of
+(:func:`train.components.evaluation.evaluate_sources`). A language's floor is the sum of its sources' bits over the sum of
 their characters (the way the model's bits per character are aggregated).
 
 Both compressors are primed once per language and then forked once per source file (PPMd's and xz's streaming state

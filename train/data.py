@@ -22,7 +22,7 @@ is reused and says so; a miss is built in a temporary folder and renamed into pl
 in the tokenizer's key: a tokenizer serves any ``max_position_embeddings``.
 
 Scale: each input is hashed once (``train.inputs``, cached by path, size and mtime); the tokenizer's sample is
-chosen in one streaming pass (``train.tokenizer_sample``); the shards are built by :class:`ShardBuild` in named
+chosen in one streaming pass (``train.tokenizer.sample``); the shards are built by :class:`ShardBuild` in named
 phases, its tokenizing pass spread over ``data.num_workers`` processes (``train.parallel``) with bounded memory:
 chunks of the inputs go out, token ids (and the shuffle keys of each document's copies) come back in reading
 order and stream into per-language raw files; the workers tokenize the NFC text with the tokenizer's own NFC
@@ -78,7 +78,7 @@ from train.tokenizer import (
     tokenizer_sha256,
     train_tokenizer,
 )
-from train.tokenizer_sample import choose_sample
+from train.tokenizer.sample import choose_sample
 
 # 2: pre-tokens bounded to MAX_PRETOKEN_CHARS (the split pattern changed, so every tokenizer and shard key did)
 # and the context length out of the tokenizer's key

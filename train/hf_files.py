@@ -1,6 +1,6 @@
 """The Hugging Face sidecar files: ``config.json``, ``generation_config.json`` and ``tokenizer_config.json``.
 
-One builder for every folder that carries them — a checkpoint (``train.checkpoint.save_checkpoint``) and a
+One builder for every folder that carries them — a checkpoint (``train.components.checkpoint.save_checkpoint``) and a
 bundle (``export.bundle``) — so ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` read the same keys from
 both (docs/design.md, "The bundle"). It lives in ``train/`` because checkpoints carry the files and ``train/``
 may not import ``export/``.

@@ -21,8 +21,8 @@ The tokenizer (Hugging Face ``tokenizers``):
 Tokenizers of format 2 (``pretokenizers.LEGACY``: ZWJ/ZWNJ inside words, pre-tokens of at most 128 code points)
 still load, train and serve; only their GGUF is an approximation (``export.gguf --approximate-pretokenizer``).
 
-Sampling the training text is ``train.tokenizer_sample``; fertility against other tokenizers is
-``train.fertility``; the command lines (``python -m train.tokenizer train|fertility``) are
+Sampling the training text is ``train.tokenizer.sample``; fertility against other tokenizers is
+``train.tokenizer.fertility``; the command lines (``python -m train.tokenizer train|fertility``) are
 ``train.tokenizer.cli`` (run as ``python -m train.tokenizer``).
 """
 
