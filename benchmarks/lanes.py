@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bundles import gguf_path
+from contract.quant import parse
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,11 @@ def load(lane: Lane, bundle: Path, threads: int, n_ctx: int | None = None, extra
         from serve.backends.rust import RustBackend
 
         # speed, not quality: the presets' untrained twins have no gate verdict (export records them unmeasured)
-        return RustBackend(bundle, quantize=lane.kind, threads=threads, allow_ungated=True)
+        return RustBackend(bundle, quantize=parse(lane.kind), threads=threads, allow_ungated=True)
     if lane.runtime == "onnx":
         from serve.backends.onnx import OnnxBackend
 
-        return OnnxBackend(bundle, quantize=lane.kind, threads=threads)
+        return OnnxBackend(bundle, quantize=parse(lane.kind), threads=threads)
     if lane.runtime == "torch":
         return TorchBackend(bundle, threads)
     from serve.backends.llamacpp import LlamaCppBackend

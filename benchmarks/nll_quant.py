@@ -75,7 +75,7 @@ def forms(bundle: Path, scratch: Path, runtimes: list[str], threads: int | None,
                 print(f"made {graph} in {time.time() - t:.0f} s", flush=True)
                 where = scratch
                 made.add(f"onnx {s.name}")
-            out.append(G.Form("onnx", s, OnnxBackend(where, quantize=s.name, threads=threads).logits, graph))
+            out.append(G.Form("onnx", s, OnnxBackend(where, quantize=s, threads=threads).logits, graph))
     if "rust" in runtimes:
         try:
             import rust_runtime as rr

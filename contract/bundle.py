@@ -17,7 +17,7 @@ tests/test_bundle_contract.py checks that the two agree and that nobody else spe
 * **the special tokens** :data:`EOT` and :data:`PAD` and :func:`eot_id`;
 * **hashing**: :func:`sha256_file`;
 * the bundle's default sampling (:func:`sampling_defaults`, from ``generation_config.json``). The quantization
-  names, ``parse_quantize`` and the quality gate's thresholds are :mod:`contract.quant`'s.
+  names, their one parser (``parse``) and the quality gate's thresholds are :mod:`contract.quant`'s.
 
 Layering (docs/design.md): every stage may import ``contract/``, which imports nothing else of the project. The
 special tokens (``contract/byte_level.py``) and the sha256 of a file (``contract/atomic.py``), which checkpoints and

@@ -229,7 +229,7 @@ def _quantized_forms(tmp: Path, fp32_graph: Path, schemes: tuple[Scheme, ...],
             t, graph = time.time(), ONNX_GRAPHS[s.name]
             write_onnx_form(s, fp32_graph, tmp / graph, tmp / WEIGHTS)
             log(f"quantize: {graph} ({s.name}) in {time.time() - t:.1f} s")
-            m = _Lazy(lambda s=s: OnnxBackend(tmp, quantize=s.name))
+            m = _Lazy(lambda s=s: OnnxBackend(tmp, quantize=s))
             forms.append(G.Form("onnx", s, m.logits, graph, m.new_sequence))
     rust = [s for s in _gated(schemes) if s.rust]
     if rust:

@@ -954,7 +954,7 @@ def test_rust_backend_implements_the_protocol(tiny):
         e = expect_error(bad, BackendError)
         assert isinstance(e, ValueError)
     assert seq.position == 15
-    q = RustBackend(d, quantize="int8", threads=1, allow_ungated=True)  # a hand-made bundle: no gate
+    q = RustBackend(d, quantize=serve_quant.SCHEMES["int8"], threads=1, allow_ungated=True)  # a hand-made bundle: no gate
     assert q.quantize == "int8" and q.new_sequence().prefill(ids[:4]).shape == (512,)
     # generate / stream / generate_batch go through the batching engine and equal Model.generate bit for bit
     prompts = [prompt_ids(5 + j, seed=80 + j) for j in range(4)]

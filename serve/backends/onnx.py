@@ -30,8 +30,8 @@ import numpy as np
 import onnxruntime as ort
 
 from contract.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names
-from contract.quant import check_backend, parse_quantize
-from serve.backends.base import BackendError, check_ids
+from contract.quant import Scheme
+from serve.backends.base import BackendError, check_ids, check_scheme
 
 BATCH_PAYS_FROM = 2  # smallest batch at which decode_batch beats one-at-a-time decode (benchmarks/onnx_batching.py)
 
@@ -137,23 +137,24 @@ class OnnxSequence:
 class OnnxBackend:
     """A bundle's ONNX graph in an onnxruntime session, plus a factory of KV caches.
 
-    ``OnnxBackend(bundle_dir, quantize=None | "int8" | "q4_0" | "q4_mix", threads=None)``: reads ``config.json``
-    (vocab size, context, layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, the scheme's graph,
-    ``contract.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the folder). Raises BackendError for a
-    quantization without an ONNX form, or when the folder, the config or the graph is missing or the graph's inputs
-    are not the bundle's.
+    ``OnnxBackend(bundle_dir, quantize=None | Scheme, threads=None)``: reads ``config.json`` (vocab size, context,
+    layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, a :class:`contract.quant.Scheme` parsed by
+    the caller, the scheme's graph, ``contract.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the
+    folder). ``self.quantize`` is the scheme's name (None: float32). Raises TypeError for a ``quantize`` that is not
+    a Scheme, BackendError for a scheme without an ONNX form, or when the folder, the config or the graph is missing
+    or the graph's inputs are not the bundle's.
     """
 
     name = "onnx"
 
-    def __init__(self, bundle_dir: str | Path, quantize: str | None = None, threads: int | None = None,
+    def __init__(self, bundle_dir: str | Path, quantize: Scheme | None = None, threads: int | None = None,
                  model_file: str | None = None):
         self.path = Path(bundle_dir)
-        try:
-            self.quantize = parse_quantize(quantize)
-            check_backend(self.quantize, "onnx")
-        except ValueError as e:
-            raise BackendError(str(e)) from None
+        scheme = check_scheme(quantize)
+        if scheme is not None and not scheme.onnx:
+            raise BackendError(f"quantize {scheme.name!r} has no ONNX form (the onnx backend offers "
+                               f"{', '.join(n for n in ONNX_GRAPHS if n)})")
+        self.quantize = scheme.name if scheme else None
         cfg_path = self.path / CONFIG
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from contract.bundle import MANIFEST
-from contract.quant import NAMES, QuantizeError, check_backend, parse_quantize
+from contract.quant import NAMES, QuantizeError, Scheme, check_backend, parse
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.loader import BACKENDS
 from serve.policy import DEFAULT_MAX_BATCH, MAX_BATCH_LIMIT
@@ -72,7 +72,7 @@ class Settings:
     model: Path | None = None
     model_name: str | None = None
     backend: str = "onnx"
-    quantize: str | None = None
+    quantize: Scheme | None = None  # parsed here, once (contract.quant.parse); serve.load takes it as it is
     threads: int | None = None
     api_key: str | None = None
     max_concurrency: int = DEFAULT_MAX_BATCH  # the engine's batch (serve.policy)
@@ -120,7 +120,7 @@ class Settings:
             return v > 0
 
         backend = get("backend", str.lower, lambda v: v in BACKENDS, " or ".join(BACKENDS))
-        quantize = get("quantize", parse_quantize, lambda v: True, "one of " + ", ".join(NAMES))
+        quantize = get("quantize", parse, lambda v: True, "one of " + ", ".join(NAMES))
         try:
             check_backend(quantize, backend, "SHALIK_QUANTIZE")
         except QuantizeError as e:
