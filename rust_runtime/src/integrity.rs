@@ -2,7 +2,7 @@
 //! model.safetensors, tokenizer.json) are checked against the sha256 and byte count that the
 //! exporter wrote into `manifest.json` (`files: {name: {sha256, bytes}}`, docs/design.md "The
 //! bundle"). Each file is hashed in one streaming pass (1 MiB reads), which also warms the page
-//! cache for the memory-mapped load that follows. The rule is Python's (`contract.bundle`): a bundle
+//! cache for the memory-mapped load that follows. The rule is Python's (`contract/bundle.py`): a bundle
 //! without a manifest is refused — the exporter writes it last, so a folder without one is not a
 //! finished export — unless the caller opts out (`verify=False`); a manifest that is unreadable,
 //! not a Shalik manifest, of a newer `format_version`, lacking an entry for one of these files, or
