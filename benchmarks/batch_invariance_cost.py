@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import bundles, roofline, timing  # noqa: E402
-from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 
 KERNELS = ("packed", "gemm", "numpy")
 PEERS = ("gemm", "numpy")

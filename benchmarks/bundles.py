@@ -74,7 +74,7 @@ def _run(cmd: list[str], log: Callable[[str], None]) -> None:
 def _reusable(bundle: Path, quantize: str | None, parity: bool) -> bool:
     """True when ``bundle`` holds a finished export (its manifest, written last) with the ``quantize`` graph when
     asked for and a passed parity gate when asked for."""
-    from serve.bundle import ONNX_GRAPHS, BundleError, read_manifest
+    from contract.bundle import ONNX_GRAPHS, BundleError, read_manifest
 
     try:
         m = read_manifest(bundle)
@@ -97,7 +97,7 @@ def init_bundle(preset: str, *, quantize: str | None = None, parity: bool = Fals
     if _reusable(bundle, quantize, parity):
         log(f"reusing {relative(bundle)} (delete {relative(run)} to rebuild it)")
         return bundle
-    if not (run / "checkpoints" / "latest").is_file():  # train.checkpoint moves it last: the checkpoint is whole
+    if not (run / "checkpoints" / "latest").is_file():  # train.components.checkpoint moves it last: the checkpoint is whole
         out_dir = [] if runs == RUNS else ["--set", f"run.out_dir={json.dumps(str(runs))}"]
         _run([sys.executable, "-m", "train.run", "--config", preset, "--name", name, "--no-preflight",
               "--set", "train.max_steps=0", *out_dir], log)
@@ -120,20 +120,20 @@ def given_or_newest(path: str | Path | None, required: bool = True) -> Path | No
 
 
 def eot_id(bundle: Path) -> int:
-    """The id of ``<|endoftext|>`` in the bundle's tokenizer.json (serve.bundle.eot_id; every prompt starts with
-    it). Raises serve.bundle.BundleError when the tokenizer has none."""
+    """The id of ``<|endoftext|>`` in the bundle's tokenizer.json (contract.bundle.eot_id; every prompt starts with
+    it). Raises contract.bundle.BundleError when the tokenizer has none."""
     from tokenizers import Tokenizer
 
-    from serve.bundle import TOKENIZER
-    from serve.bundle import eot_id as eot_of
+    from contract.bundle import TOKENIZER
+    from contract.bundle import eot_id as eot_of
 
     return eot_of(Tokenizer.from_file(str(Path(bundle) / TOKENIZER)))
 
 
 def gguf_path(bundle: Path, kind: str) -> Path:
     """Where the bundle's GGUF of type ``kind`` (f32, f16, q8_0, q4_0, q4_k_m) lies: ``bundle/model-<kind>.gguf``
-    (serve.bundle.gguf_file)."""
-    from serve.bundle import gguf_file
+    (contract.bundle.gguf_file)."""
+    from contract.bundle import gguf_file
 
     return Path(bundle) / gguf_file(kind)
 
@@ -165,8 +165,8 @@ def llama_quantize(src: Path, dst: Path, kind: str, threads: int = 2) -> Path:
     """Write ``dst`` = the f32 GGUF ``src`` quantized to ``kind`` (:data:`LLAMA_KINDS`) by llama.cpp on ``threads``
     threads, atomically (a temporary beside ``dst``, renamed when complete). Raises export.errors.ExportError as
     export.gguf_quant.llama_quantizer does (another kind, no llama-cpp-python, llama.cpp's failure)."""
+    from contract.atomic import atomic_path
     from export.gguf_quant import llama_quantizer
-    from train.atomic import atomic_path
 
     quantize = llama_quantizer(kind, threads)
     with atomic_path(dst) as tmp:

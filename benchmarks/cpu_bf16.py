@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import timing  # noqa: E402
-from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.device import autocast_ctx, native_cpu_bf16  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM  # noqa: E402

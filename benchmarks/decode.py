@@ -57,8 +57,8 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from benchmarks import bundles, lanes, roofline, timing  # noqa: E402
-from serve.bundle import CONFIG, TOKENIZER  # noqa: E402
-from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from contract.bundle import CONFIG, TOKENIZER  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = (("rust-f32", "ort-fp32", 1.5), ("rust-int8", "llama-q8_0", 1.0),  # (lane, peer lane, target ratio)

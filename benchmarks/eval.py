@@ -132,8 +132,8 @@ def summarize(scored: list[dict]) -> dict:
 def evaluate_bundle(bundle: Path, tasks: dict[str, list[dict]], threads: int | None = None,
                     log=print) -> dict:
     """Score every task on one bundle; returns its eval.json entry (without ``twin``)."""
+    from contract.bundle import read_manifest
     from serve import load
-    from serve.bundle import read_manifest
 
     manifest = read_manifest(bundle)
     lm = load(bundle, threads=threads)
@@ -200,7 +200,7 @@ def render_markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.atomic import atomic_write_json, atomic_write_text, sha256_file
+    from contract.atomic import atomic_write_json, atomic_write_text, sha256_file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-card", dest="card", action="store_false", help="do not refresh the bundles' model cards")
     a = p.parse_args(argv)
     bundle = Path(a.bundle)
-    from serve.bundle import MANIFEST
+    from contract.bundle import MANIFEST
 
     if not (bundle / MANIFEST).is_file():
         print(f"error: {bundle} is not a bundle (no {MANIFEST}); export one with python -m export.onnx RUN",
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(out.with_suffix(".md"), render_markdown(results))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     if a.card:
+        from contract.bundle import CARD
         from export.card import refresh_card
-        from serve.bundle import CARD
 
         for m in models:
             b = ROOT / m["bundle"] if not Path(m["bundle"]).is_absolute() else Path(m["bundle"])

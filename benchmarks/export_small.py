@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from serve.bundle import ONNX_INT8, read_manifest  # noqa: E402
+from contract.bundle import ONNX_INT8, read_manifest  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     f = figures(Path(a.run) if a.run else default_run(), a.dtype, a.int8)
     md = markdown(f)
     print("\n" + md)
-    from train.atomic import atomic_write_json, atomic_write_text
+    from contract.atomic import atomic_write_json, atomic_write_text
 
     atomic_write_json(a.json, f)
     atomic_write_text(a.md, md)

@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 from train.config import load_config  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
 from train.data import build_shards, ensure_tokenizer  # noqa: E402
-from train.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
 from train.inputs import scan_inputs  # noqa: E402
 from train.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+from train.tokenizer.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
 from train.tokenizer.pretokenizers import BASELINE  # noqa: E402
-from train.tokenizer_sample import sample_texts  # noqa: E402
+from train.tokenizer.sample import sample_texts  # noqa: E402
 
 ANCHORS = ["gpt2", "llama2", "mistral-v0.3", "gpt-neox-20b", "bnlp-bangla-spm", "bangla-bert-base"]
 

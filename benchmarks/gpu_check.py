@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from train.atomic import atomic_write_json
+from contract.atomic import atomic_write_json
 from train.config import add_config_args, config_from_args
 from train.device import peak_memory_bytes, reset_peak_memory
 from train.run import Trainer

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks.common import free_port  # noqa: E402
-from serve.bundle import MANIFEST, ONNX, ONNX_INT8, TOKENIZER, WEIGHTS, external_data  # noqa: E402
+from contract.bundle import MANIFEST, ONNX, ONNX_INT8, TOKENIZER, WEIGHTS, external_data  # noqa: E402
 
 MINI = ROOT / "tests" / "data" / "mini"
 OUT_MD = ROOT / "benchmarks" / "results" / os.environ.get("BATTERY_OUT", "hostile_battery.md")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bundles import gguf_path
+from contract.quant import parse
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, bundle: Path, threads: int, model=None):
-        from train.checkpoint import load_model
+        from train.components.checkpoint import load_model
 
         if model is None:
             model = load_model(bundle)[0].eval()
@@ -83,7 +84,7 @@ class TorchBackend:
 
 
 def role_weights(cfg: dict) -> dict[str, list[int]]:
-    """Weights of each matrix role (serve.quant's names: q_proj, ..., lm_head), one entry per layer (lm_head:
+    """Weights of each matrix role (contract.quant's names: q_proj, ..., lm_head), one entry per layer (lm_head:
     one); the embedding lookup reads one row, not counted."""
     h, nh, inter, layers = (cfg[k] for k in ("hidden_size", "num_attention_heads", "intermediate_size",
                                              "num_hidden_layers"))
@@ -135,7 +136,7 @@ def unavailable(lane: Lane, bundle: Path) -> str | None:
     except ImportError as e:
         return f"{module} not importable ({e})"
     if lane.runtime == "onnx":
-        from serve.bundle import ONNX_GRAPHS
+        from contract.bundle import ONNX_GRAPHS
 
         if lane.kind not in ONNX_GRAPHS:
             return f"serve's OnnxBackend has no graph for quantize={lane.kind!r}"
@@ -162,11 +163,11 @@ def load(lane: Lane, bundle: Path, threads: int, n_ctx: int | None = None, extra
         from serve.backends.rust import RustBackend
 
         # speed, not quality: the presets' untrained twins have no gate verdict (export records them unmeasured)
-        return RustBackend(bundle, quantize=lane.kind, threads=threads, allow_ungated=True)
+        return RustBackend(bundle, quantize=parse(lane.kind), threads=threads, allow_ungated=True)
     if lane.runtime == "onnx":
         from serve.backends.onnx import OnnxBackend
 
-        return OnnxBackend(bundle, quantize=lane.kind, threads=threads)
+        return OnnxBackend(bundle, quantize=parse(lane.kind), threads=threads)
     if lane.runtime == "torch":
         return TorchBackend(bundle, threads)
     from serve.backends.llamacpp import LlamaCppBackend

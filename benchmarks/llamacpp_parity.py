@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.pretokenizers import not_nfc  # noqa: E402
+from contract.bundle import TOKENIZER  # noqa: E402
 from export.gguf import export_gguf  # noqa: E402
 from export.llamacpp_check import GREEDY_PROMPTS, greedy_text_agreement, token_agreement  # noqa: E402
-from serve.bundle import TOKENIZER  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
-from train.fertility import split_docs  # noqa: E402
+from train.tokenizer.fertility import split_docs  # noqa: E402
 from train.tokenizer.pretokenizers import SCRIPT_EDGES  # noqa: E402
 
 

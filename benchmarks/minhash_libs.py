@@ -43,9 +43,9 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
+from contract.text import nfc  # noqa: E402
 from train.clean import minhash  # noqa: E402
 from train.clean.text import NgramHashes, prepare_tables, word_spans  # noqa: E402
-from train.textutil import nfc  # noqa: E402
 
 
 def load(docs: int) -> list[str]:

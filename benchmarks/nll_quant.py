@@ -9,7 +9,7 @@ bundle's tokenizer, as ``export.onnx --quantize`` finds them (``export.valdata.b
 ``train.seq_len`` + 1 ids, up to ``--max-tokens`` predicted positions per language. Reference: the bundle's
 float32 ``model.onnx`` (onnxruntime), run once per window; every form runs the same windows.
 
-Forms (the schemes and their runtimes: serve/quant.py): onnxruntime's quantized graphs, rust_runtime at load (the
+Forms (the schemes and their runtimes: contract/quant.py): onnxruntime's quantized graphs, rust_runtime at load (the
 schemes it offers), llama.cpp reading each GGUF type (f32 KV cache). A graph or GGUF the bundle holds
 (``model.<scheme>.onnx``, ``model-<type>.gguf``) is used as it is; one it lacks is made in a scratch folder without
 the gate (``export.quantize.write_onnx_form``, ``export.gguf.write_gguf``) so that a form the gate would refuse is
@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from contract.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+from contract.bundle import CONFIG, ONNX, ONNX_GRAPHS, TOKENIZER, WEIGHTS, gguf_file  # noqa: E402
+from contract.quant import GATE, SCHEMES  # noqa: E402
 from export import gate as G  # noqa: E402
 from export.gguf_quant import BY_TYPE  # noqa: E402
 from export.valdata import bundle_val_data  # noqa: E402
-from serve.bundle import CONFIG, ONNX, ONNX_GRAPHS, TOKENIZER, WEIGHTS, gguf_file  # noqa: E402
-from serve.quant import GATE, SCHEMES  # noqa: E402
-from train.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 RUNTIMES = ("onnx", "rust", "llama.cpp")
 GGUF_TYPES = ("f32", *BY_TYPE)    # f32: the control row
@@ -75,7 +75,7 @@ def forms(bundle: Path, scratch: Path, runtimes: list[str], threads: int | None,
                 print(f"made {graph} in {time.time() - t:.0f} s", flush=True)
                 where = scratch
                 made.add(f"onnx {s.name}")
-            out.append(G.Form("onnx", s, OnnxBackend(where, quantize=s.name, threads=threads).logits, graph))
+            out.append(G.Form("onnx", s, OnnxBackend(where, quantize=s, threads=threads).logits, graph))
     if "rust" in runtimes:
         try:
             import rust_runtime as rr
@@ -88,7 +88,7 @@ def forms(bundle: Path, scratch: Path, runtimes: list[str], threads: int | None,
                     out.append(G.Form("rust", s, rr.Model.load(str(bundle), threads=threads, quantize=s.name,
                                                                verify=False, allow_ungated=True).logits))
                 else:
-                    skipped[f"rust {s.name}"] = "rust_runtime does not offer it yet (serve/quant.py)"
+                    skipped[f"rust {s.name}"] = "rust_runtime does not offer it yet (contract/quant.py)"
     if "llama.cpp" in runtimes:
         try:
             import llama_cpp  # noqa: F401
@@ -126,7 +126,7 @@ def markdown(res: dict) -> str:
              f"validation shards (windows of {res['seq_len']} + 1 ids, ≤ {res['max_tokens']} positions per "
              f"language); reference: {G.REFERENCE}; {res['seconds']:.0f} s. Δ NLL in nats/token (form minus "
              "float32), top-1 = share of positions whose argmax equals float32's, |Δ log p| = mean absolute change "
-             "of the log-probability of float32's top token (nats). The gate (serve/quant.py) holds every language: "
+             "of the log-probability of float32's top token (nats). The gate (contract/quant.py) holds every language: "
              + "; ".join(f"{b} bits Δ NLL ≤ {t.val_nll_delta_max}, top-1 ≥ {t.top1_agreement_min}, |Δ log p| ≤ "
                          f"{t.mean_abs_top_logprob_delta_max}" for b, t in sorted(GATE.items(), reverse=True)) + ".", "",
              "| form | bits | file (MB) | Δ NLL all | " + " | ".join(f"Δ NLL {k}" for k in langs) + " | "

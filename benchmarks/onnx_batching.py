@@ -108,13 +108,14 @@ def main() -> None:
 
     import onnxruntime as ort
 
+    from contract.atomic import atomic_write_json, atomic_write_text
+    from contract.quant import parse
     from serve.backends.onnx import OnnxBackend
-    from train.atomic import atomic_write_json, atomic_write_text
 
     load_before = timing.loadavg()
     rows = []
     bundle = bundles.init_bundle(args.preset, quantize="int8" if "int8" in args.graphs else None)
-    backends = {g: OnnxBackend(bundle, quantize=None if g == "fp32" else g, threads=args.threads)
+    backends = {g: OnnxBackend(bundle, quantize=None if g == "fp32" else parse(g), threads=args.threads)
                 for g in args.graphs}
     for backend in backends.values():
         run_batch(backend, 2, 1, 2)  # warm-up

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from contract.text import detect_language, nfc  # noqa: E402
 from train.clean.works import work_key, work_order  # noqa: E402
-from train.textutil import detect_language, nfc  # noqa: E402
 
 NEAR_RATES = (0.01, 0.03, 0.05, 0.10, 0.20)
 COUNTS = {"near": 40, "exact": 30, "boilerplate": 30, "spam": 30, "mojibake": 30, "mixed_script": 20, "eval": 30}

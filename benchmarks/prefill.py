@@ -47,8 +47,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import bundles, lanes, roofline, timing  # noqa: E402
-from serve.bundle import CONFIG  # noqa: E402
-from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from contract.bundle import CONFIG  # noqa: E402
 
 # kind → (Rust lane, onnxruntime lane): the lanes compared at that quantization kind
 PAIRS = {"f32": ("rust-f32", "ort-fp32"), "int8": ("rust-int8", "ort-int8"), "q4_0": ("rust-q4_0", "ort-int8"),

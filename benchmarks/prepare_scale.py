@@ -57,14 +57,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
+from contract.text import nfc  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import iter_documents, list_input_files  # noqa: E402
 from train.data import build_shards  # noqa: E402
 from train.inputs import scan_inputs  # noqa: E402
 from train.parallel import serial_tokenizers  # noqa: E402
-from train.textutil import nfc  # noqa: E402
 from train.tokenizer import for_nfc_text, load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
-from train.tokenizer_sample import choose_sample  # noqa: E402
+from train.tokenizer.sample import choose_sample  # noqa: E402
 
 _TEXTS: list[str] = []  # the limit's texts (as the files hold them), inherited by the forked processes
 _TOKS: dict = {}  # "limit": NFC normalizer off (as prepare's workers), "shipped": as saved

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.recipe import recipe_sets, save_figure, side_by_side, train_run  # noqa: E402
+from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train import compression  # noqa: E402
-from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.data import prepare  # noqa: E402
 

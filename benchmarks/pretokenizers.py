@@ -36,15 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fertility import grouped_bars  # noqa: E402
-from serve.bundle import TOKENIZER  # noqa: E402
+from contract.bundle import TOKENIZER  # noqa: E402
+from contract.text import is_val  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
-from train.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
 from train.parallel import resolve_workers  # noqa: E402
-from train.textutil import is_val  # noqa: E402
 from train.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+from train.tokenizer.fertility import fertility, load_any_tokenizer, split_docs  # noqa: E402
 from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, SCRIPT_EDGES  # noqa: E402
-from train.tokenizer_sample import choose_sample  # noqa: E402
+from train.tokenizer.sample import choose_sample  # noqa: E402
 
 TODAY = "format 2 (today)"
 MAX_LOSS = 0.02

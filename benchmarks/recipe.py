@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train import compression  # noqa: E402
-from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.data import prepare  # noqa: E402
 from train.run import Trainer  # noqa: E402

@@ -69,7 +69,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import bundles, lanes, timing  # noqa: E402
 from benchmarks.common import free_port  # noqa: E402
-from train.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+from contract.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 # engine → the lane it serves (benchmarks/lanes.py); the lane's runtime picks the engine: rust → rust_runtime.Engine,
 # onnx → serve.engine.StepEngine, llama → llama-server on the lane's GGUF

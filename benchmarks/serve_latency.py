@@ -18,7 +18,7 @@ when other jobs share the cores). ``vs torch`` compares with the faster of the t
 * decode tok/s: tokens after the first / time after the first, greedy, end-of-text ignored (fixed length).
 
 Bits per character: ``LM.score`` over the val documents of ``--val`` (default ``data/sample``; a document is
-val when ``train.textutil.is_val`` says so at the run's ``val_fraction``), documents split into windows of at
+val when ``contract.text.is_val`` says so at the run's ``val_fraction``), documents split into windows of at
 most the context length (each window's first token is predicted from ``<|endoftext|>``), per language, up to
 ``--val-chars`` characters per language. Writes ``serve_latency.md`` and ``serve_latency.json`` to --out.
 """
@@ -49,8 +49,8 @@ def engines(bundle: Path, threads: int | None) -> dict:
     """name → LM for every engine available here."""
     from tokenizers import Tokenizer
 
+    from contract.bundle import ONNX_INT8, TOKENIZER
     from serve import LM, load
-    from serve.bundle import ONNX_INT8, TOKENIZER
 
     out = {"onnx": load(bundle, backend="onnx", threads=threads)}
     if (bundle / ONNX_INT8).exists():
@@ -108,8 +108,8 @@ def latency(lms: dict, prompt_tokens: int, new_tokens: int, rounds: int) -> dict
 
 def val_documents(paths: list[str], val_fraction: float, max_chars: int) -> dict[str, list[str]]:
     """lang → val documents (NFC), up to ``max_chars`` characters per language."""
+    from contract.text import detect_language, is_val, nfc
     from train.corpus import iter_documents, list_input_files
-    from train.textutil import detect_language, is_val, nfc
 
     docs: dict[str, list[str]] = {}
     chars: dict[str, int] = {}
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     bpc = {}
     if args.val_chars > 0:
         bpc = bits_per_char(onnx, val_documents(args.val, run_val_fraction(bundle), args.val_chars))
-    from serve.bundle import MANIFEST, read_manifest
+    from contract.bundle import MANIFEST, read_manifest
 
     manifest = read_manifest(bundle) if (bundle / MANIFEST).exists() else {}
     result = {"meta": {"bundle": timing.relative(bundle), "params": manifest.get("params"), "context": ctx,

@@ -15,7 +15,7 @@ same base model prompted with the same template, and which batch layout trains f
    the base (its pretrained weights with the chat tokens added, the fine-tuning run's step 0) and the fine-tuned
    model each reply greedily and sampled (the bundle's sampling defaults, seeded), at most 128 tokens. Per
    language: the share of replies that end with ``<|im_end|>`` (before any ``<|endoftext|>``) within 128 tokens,
-   the share whose script is the language asked (train.textutil.detect_language; an empty reply counts as
+   the share whose script is the language asked (contract.text.detect_language; an empty reply counts as
    wrong), exact match on the title / author tasks (NFC, case, surrounding quotes and final punctuation ignored),
    and the validation NLL on assistant tokens over the whole validation split. Samples are shown.
 
@@ -41,12 +41,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
+from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
+from contract.chat_format import IM_END, render  # noqa: E402
+from contract.text import detect_language  # noqa: E402
 from train import windows as W  # noqa: E402
-from train.atomic import atomic_write_json, atomic_write_text  # noqa: E402
-from train.chat_format import IM_END, render  # noqa: E402
-from train.checkpoint import find_checkpoint, load_model  # noqa: E402
+from train.components.checkpoint import find_checkpoint, load_model  # noqa: E402
+from train.components.evaluation import evaluate, sampled_continuation  # noqa: E402
 from train.device import autocast_ctx, resolve_dtype  # noqa: E402
-from train.evaluate import evaluate, sampled_continuation  # noqa: E402
 from train.hf_files import SAMPLING  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, compute_dtype  # noqa: E402
 from train.sft.cli import sft_config  # noqa: E402
@@ -54,7 +55,6 @@ from train.sft.data import SFTData, base_checkpoint  # noqa: E402
 from train.sft.encode import encode_conversations, pad_windows, to_window  # noqa: E402
 from train.sft.formats import read_conversations  # noqa: E402
 from train.sft.init import load_base  # noqa: E402
-from train.textutil import detect_language  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MAX_NEW = 128

@@ -4,7 +4,7 @@ the new training side: the figures that quoted the old split, restated.
 Loads ``RUN/checkpoints/latest`` (or ``--checkpoint``) and the run's ``config.toml``, computes the cleaning stage's
 split for its data (``train.clean.split``; cached in ``--cache``), measures PPMd-16 and xz -9e primed with the
 training side (``train.compression.measure``) and scores every validation document per source file with the
-trainer's own final evaluation (``train.evaluate.evaluate_sources``). For a run trained before the split changed it
+trainer's own final evaluation (``train.components.evaluation.evaluate_sources``). For a run trained before the split changed it
 also says which share of the new validation characters that run trained on (the old split: a document was
 validation when its own hash fell below ``val_fraction``): those figures flatter the model.
 
@@ -28,14 +28,14 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from contract.text import is_val  # noqa: E402
 from train import compression  # noqa: E402
-from train.checkpoint import load_model  # noqa: E402
 from train.clean.decide import VAL  # noqa: E402
 from train.clean.split import iter_split  # noqa: E402
+from train.components.checkpoint import load_model  # noqa: E402
+from train.components.evaluation import evaluate_sources  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.corpus import list_input_files  # noqa: E402
-from train.evaluate import evaluate_sources  # noqa: E402
-from train.textutil import is_val  # noqa: E402
 from train.tokenizer import EOT, load_tokenizer, token_char_counts  # noqa: E402
 
 

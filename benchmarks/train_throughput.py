@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import timing  # noqa: E402
-from train.checkpoint import hf_state_dict  # noqa: E402
+from train.components.checkpoint import hf_state_dict  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.device import autocast_ctx, peak_flops, resolve_device, resolve_dtype, setup_cuda_fast_paths  # noqa: E402
 from train.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402

@@ -24,8 +24,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import bundles, timing  # noqa: E402
+from contract.bundle import ONNX, backend_files, external_data, sha256_file  # noqa: E402
 from serve import load  # noqa: E402
-from serve.bundle import ONNX, backend_files, external_data, sha256_file  # noqa: E402
 
 
 def time_load(bundle: Path, backend: str, rounds: int) -> dict[str, float]:

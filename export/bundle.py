@@ -8,9 +8,9 @@
 * ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``: the checkpoint's (the sidecars
   built by ``train.hf_files`` when an older checkpoint lacks them), their chat parts made to follow the tokenizer
   (``train.hf_files.sync_chat_files``): a tokenizer with ``<|im_start|>`` / ``<|im_end|>`` gets the chat template
-  (``train.chat_format``) and both end-of-generation ids; one without gets neither.
+  (``contract.chat_format``) and both end-of-generation ids; one without gets neither.
 * ``manifest.json`` (written last): docs/design.md's keys, with the sha256 and size of every other file. Its
-  schema, its writer and its readers are the bundle contract's (:mod:`serve.bundle`); this module fills it in.
+  schema, its writer and its readers are the bundle contract's (:mod:`contract.bundle`); this module fills it in.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from contract import bundle as B
+from contract.atomic import DIR_MODE, FILE_MODE
 from export.errors import ExportError
 from export.source import Source
-from serve import bundle as B
-from train.atomic import DIR_MODE, FILE_MODE
 from train.hf_files import sync_chat_files
 from train.hf_files import write_hf_files as write_sidecars
 
@@ -68,7 +68,7 @@ def _display_path(p: Path) -> str:
 
 def write_manifest(out: Path, src: Source, *, exporter: str, opset: int, dtype: str, parity: dict,
                    quantization: dict | None, eval_: dict | None, data: dict | None, export_seconds: float) -> dict:
-    """Write ``out/manifest.json`` (after every other file; :func:`serve.bundle.write_manifest`) and return it.
+    """Write ``out/manifest.json`` (after every other file; :func:`contract.bundle.write_manifest`) and return it.
     ``quantization``: the quality gate's entry (:func:`export.gate.gate_entry`), None when nothing was quantized."""
     return B.write_manifest(
         out,
@@ -98,7 +98,7 @@ def make_readable(folder: Path) -> None:
 
 
 def read_manifest(bundle: Path) -> dict:
-    """A bundle's manifest (:func:`serve.bundle.read_manifest`). Raises ExportError (exit code 2) when it is
+    """A bundle's manifest (:func:`contract.bundle.read_manifest`). Raises ExportError (exit code 2) when it is
     missing or not a manifest this version reads."""
     try:
         return B.read_manifest(bundle)

@@ -14,11 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from export import gate as G
-from export.modelfile import MODELFILE, sampling_defaults
-from export.parity import format_table
-from export.source import Source
-from serve.bundle import (
+from contract.atomic import atomic_write_text
+from contract.bundle import (
     CARD,
     EOT,
     MANIFEST,
@@ -30,8 +27,11 @@ from serve.bundle import (
     read_manifest,
     rehash,
 )
+from export import gate as G
+from export.modelfile import MODELFILE, sampling_defaults
+from export.parity import format_table
+from export.source import Source
 from serve.verdict import fmt_figure, fmt_limit
-from train.atomic import atomic_write_text
 from train.tokenizer.pretokenizers import identify
 
 EVAL_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "eval.json"

@@ -5,7 +5,7 @@ Figures per language and over all: the NLL change (nats/token, the form minus fl
 (share of positions where the form's argmax equals float32's) and the mean |Δ log p| of float32's top token
 (nats). An NLL average can hide a quantization that changes which token wins; the two per-position figures
 cannot. A form passes when every language (and all) is within its bit width's thresholds
-(:data:`serve.quant.GATE`); a form that fails is not written (the export refuses: exit 1, nothing left).
+(:data:`contract.quant.GATE`); a form that fails is not written (the export refuses: exit 1, nothing left).
 
 A form is anything that maps a window of ids to float32 logits ``[len(ids), vocab]``: onnxruntime's int8 and
 q4_0 graphs (:mod:`export.quantize`), ``rust_runtime`` quantizing at load, llama.cpp reading a GGUF. The
@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from contract.bundle import ONNX
+from contract.quant import Scheme
 from export import parity as P
 from export.errors import QualityGateError
 from export.valdata import ValData
-from serve.bundle import ONNX
-from serve.quant import Scheme
 from serve.verdict import FIGURES, fmt_figure, fmt_limit
 from serve.verdict import passes as figures_pass
 

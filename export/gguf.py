@@ -13,7 +13,7 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
 * tensors ``token_embd``, ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
   ffn_down}``, ``output_norm``, and ``output`` only when the bundle's embeddings are untied (llama.cpp falls back
   to ``token_embd`` otherwise). Norms stay float32; 2-D weights take ``--type`` (the tensors a 4-bit scheme keeps at
-  8 bits, :mod:`serve.quant`: Q8_0); a matrix whose rows do not fill the type's blocks is refused, naming it (no
+  8 bits, :mod:`contract.quant`: Q8_0); a matrix whose rows do not fill the type's blocks is refused, naming it (no
   silent fallback).
 * q and k are permuted from the Hugging Face rotate-half layout to llama.cpp's interleaved-pair RoPE layout:
   ``attn_q`` with ``num_attention_heads``, ``attn_k`` with ``num_key_value_heads`` (case X7: using the query head
@@ -33,7 +33,7 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   ``--approximate-pretokenizer`` writes the nearest, ``qwen35`` (digits one per token, words broken at
   ZWJ/ZWNJ), recorded as ``shalik.pretokenizer`` = ``approximate:qwen35``; users must then feed llama.cpp the
   token ids of the bundle's tokenizer.json. A split or normalizer llama.cpp has no name for is refused.
-* with a tokenizer that has the chat tokens (``train.chat_format``): ``tokenizer.chat_template`` (ChatML, which
+* with a tokenizer that has the chat tokens (``contract.chat_format``): ``tokenizer.chat_template`` (ChatML, which
   llama.cpp's built-in template list detects without ``--jinja``) and ``tokenizer.ggml.eot_token_id`` =
   ``<|im_end|>`` (an end-of-generation token, as ``<|endoftext|>`` is); without them neither.
 * beside the GGUF, an Ollama ``Modelfile`` (``export.modelfile``: ``FROM`` it, a raw template or the chat template,
@@ -68,14 +68,14 @@ import numpy as np
 from gguf import TokenType
 from safetensors import safe_open
 
+from contract.atomic import atomic_path, clean_stale, tmp_prefix
+from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
+from contract.chat_format import CHAT_TEMPLATE, IM_END, missing_chat_tokens
+from contract.quant import role_of
 from export import gguf_quant as GQ
 from export.bundle import read_manifest
 from export.errors import ExportError, run_cli
 from export.modelfile import MODELFILE, write_modelfile
-from serve.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
-from serve.quant import role_of
-from train.atomic import atomic_path, clean_stale, tmp_prefix
-from train.chat_format import CHAT_TEMPLATE, IM_END, missing_chat_tokens
 from train.tokenizer import PRETOKENIZER
 from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, identify
 
@@ -236,7 +236,7 @@ class TensorSpec:
 
     @property
     def role(self) -> str | None:
-        """The weight's role (:data:`serve.quant.ROLES`; a tied ``token_embd`` is also the lm_head), None for a norm."""
+        """The weight's role (:data:`contract.quant.ROLES`; a tied ``token_embd`` is also the lm_head), None for a norm."""
         return role_of(self.source) if len(self.shape) == 2 else None
 
 

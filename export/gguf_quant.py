@@ -1,11 +1,11 @@
 """The quantized GGUF types of ``python -m export.gguf`` (``--type q8_0 | q4_0 | q4_k_m``): which ggml type each
 tensor gets, llama.cpp's quantizer for the K-quant mix, and the quality gate of a written GGUF.
 
-The schemes are :mod:`serve.quant`'s (a GGUF type is a scheme's ``gguf``):
+The schemes are :mod:`contract.quant`'s (a GGUF type is a scheme's ``gguf``):
 
 * ``q8_0`` (scheme ``int8``) and ``q4_0`` are written by gguf-py's quantizers, tensor by tensor: every 2-D weight
   at the scheme's type, norms F32.
-* ``q4_k_m`` (:data:`serve.quant.GGUF_ONLY`) is llama.cpp's own ``Q4_K_M`` mix (Q4_K with Q6_K for the output and
+* ``q4_k_m`` (:data:`contract.quant.GGUF_ONLY`) is llama.cpp's own ``Q4_K_M`` mix (Q4_K with Q6_K for the output and
   half of attn_v / ffn_down), made by ``llama_model_quantize`` — llama-cpp-python's binding to llama.cpp's quantizer
   (the ``bench`` extra; gguf-py has no K-quant quantizer) — from a float32 GGUF written first beside the output and
   removed after.
@@ -30,14 +30,14 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
+from contract import bundle as B
+from contract.quant import GGUF_ONLY, SCHEMES, QuantizeError, Scheme, check_shape
 from export.errors import ExportError
-from serve import bundle as B
-from serve.quant import GGUF_ONLY, SCHEMES, QuantizeError, Scheme, check_shape
 
 FLOAT_TYPES = ("f32", "f16")
 BY_TYPE: dict[str, Scheme] = {s.gguf: s for s in (*SCHEMES.values(), *GGUF_ONLY.values()) if s.gguf}
 TYPES = (*FLOAT_TYPES, *BY_TYPE)
-GGML = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}   # gguf-py's quantizers, by serve.quant block type
+GGML = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}   # gguf-py's quantizers, by contract.quant block type
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}   # general.file_type of what gguf-py writes ("mostly": the bulk's type)
 K_SUPER_BLOCK = 256                    # llama.cpp's K-quants (Q4_K, Q6_K): 256 weights a super-block
 # llama.h's file types of llama.cpp's quantizer: q4_k_m is only made by it (BY_TYPE's gguf_by); q4_0 is also its
@@ -48,7 +48,7 @@ INSTALL_HINT = ("pip install llama-cpp-python (the bench extra: pip install -e \
 
 
 def scheme_of(type: str) -> Scheme | None:
-    """The :class:`serve.quant.Scheme` a GGUF ``--type`` writes (None for f32 / f16). ExportError for an unknown
+    """The :class:`contract.quant.Scheme` a GGUF ``--type`` writes (None for f32 / f16). ExportError for an unknown
     type, naming the allowed ones."""
     if type in FLOAT_TYPES:
         return None
@@ -59,7 +59,7 @@ def scheme_of(type: str) -> Scheme | None:
 
 def ggml_type(type: str, role: str | None, shape: tuple[int, ...]) -> Q:
     """The ggml type gguf-py writes a tensor as: 1-D (norms) and ``f32`` F32, ``f16`` F16, else the scheme's bit
-    type for ``role`` (:data:`serve.quant.ROLES`) — Q8_0 or Q4_0. Not for llama.cpp's types (``q4_k_m``)."""
+    type for ``role`` (:data:`contract.quant.ROLES`) — Q8_0 or Q4_0. Not for llama.cpp's types (``q4_k_m``)."""
     if len(shape) == 1 or type == "f32":
         return Q.F32
     if type == "f16":
@@ -167,7 +167,7 @@ def gate_gguf(bundle: Path, path: Path, s: Scheme, name: str, val_data: str | Pa
 
 
 def record(bundle: Path, out: Path, entry: dict | None) -> None:
-    """Record a written GGUF in ``bundle``'s ``manifest.json`` (:func:`serve.bundle.update_manifest`, atomic): its
+    """Record a written GGUF in ``bundle``'s ``manifest.json`` (:func:`contract.bundle.update_manifest`, atomic): its
     sha256 and size in ``files`` when it lies in the bundle folder, and its gate ``entry`` (None for f32 / f16)
     merged into ``quantization``; a float GGUF outside the bundle leaves the manifest alone. ExportError for a
     manifest this version cannot read."""

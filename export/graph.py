@@ -1,4 +1,4 @@
-"""Torch → ONNX: one decoder graph with a KV cache and docs/design.md's I/O names (:mod:`serve.bundle`), by either
+"""Torch → ONNX: one decoder graph with a KV cache and docs/design.md's I/O names (:mod:`contract.bundle`), by either
 exporter.
 
 The graph takes ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
@@ -24,7 +24,7 @@ import onnx
 import torch
 from torch.export import Dim
 
-from serve.bundle import onnx_input_names, onnx_output_names
+from contract.bundle import onnx_input_names, onnx_output_names
 from train.model import LlamaForCausalLM
 
 OPSET = 20

@@ -3,9 +3,9 @@
 ``ollama create NAME -f BUNDLE/Modelfile`` then runs the GGUF as ``python -m serve.generate BUNDLE`` runs the
 bundle: for a base model the prompt is the text as given (a raw template: the model continues text) and
 ``<|endoftext|>`` ends a completion; for a chat model (its tokenizer has ``<|im_start|>`` / ``<|im_end|>``) the
-``TEMPLATE`` is the chat format (``train.chat_format.OLLAMA_TEMPLATE``, ChatML over ``.Messages``, as the server
+``TEMPLATE`` is the chat format (``contract.chat_format.OLLAMA_TEMPLATE``, ChatML over ``.Messages``, as the server
 renders it) and ``<|im_end|>`` stops a reply too; and temperature, top-k, top-p, repetition penalty and length are the bundle's
-defaults (``generation_config.json``, read by ``serve.bundle.sampling_defaults``; their owner is
+defaults (``generation_config.json``, read by ``contract.bundle.sampling_defaults``; their owner is
 ``train.hf_files.SAMPLING``) instead of Ollama's own (temperature 0.8, top-k 40, top-p 0.9, repeat penalty 1.1,
 unlimited length). Ollama runs a ``llama``-architecture GGUF with
 its bundled llama.cpp, which reads ``tokenizer.ggml.pre`` and prepends the BOS id (``<|endoftext|>``) as
@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from contract.atomic import atomic_write_text
+from contract.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError
+from contract.bundle import sampling_defaults as bundle_sampling
+from contract.chat_format import IM_END, OLLAMA_TEMPLATE
 from export.errors import ExportError
-from serve.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError
-from serve.bundle import sampling_defaults as bundle_sampling
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.sampling import SamplingParams
-from train.atomic import atomic_write_text
-from train.chat_format import IM_END, OLLAMA_TEMPLATE
 from train.hf_files import chat_end_id
 from train.tokenizer import EOT
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from contract.bundle import ONNX_GRAPHS
+from contract.quant import BACKEND_NAMES, NAMES
 from export.errors import ExportError, ParityError, run_cli
 from export.graph import EXPORTERS
 from export.pipeline import DTYPES, export_bundle
-from serve.bundle import ONNX_GRAPHS
-from serve.quant import BACKEND_NAMES, NAMES
 
 __all__ = ["ExportError", "ParityError", "export_bundle", "main"]
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="ONNX weights and KV cache (default: float32; safetensors stay float32)")
     p.add_argument("--quantize", nargs="+", default=None, metavar="NAME",  # checked by parse_schemes: one line
-                   help=f"quantized forms to add and gate, of {', '.join(NAMES)} (serve/quant.py): " + ", ".join(
+                   help=f"quantized forms to add and gate, of {', '.join(NAMES)} (contract/quant.py): " + ", ".join(
                        f"{n} → {ONNX_GRAPHS[n]}" for n in BACKEND_NAMES["onnx"] if n != "none")
                    + "; the Rust forms rust_runtime offers are gated too (default: none)")
     p.add_argument("--no-parity", dest="parity", action="store_false", help="skip the parity gate (not advised)")

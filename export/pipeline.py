@@ -8,7 +8,7 @@ refuses to finish unless the bundle computes what the checkpoint computes (the p
 and every quantized form passes its quality gate (:mod:`export.gate`).
 
 The bundle is built in a temporary folder beside the output and put in place at the end
-(``train.atomic.atomic_dir``, one atomic exchange when replacing): a failure, a failed gate or Ctrl-C leaves no
+(``contract.atomic.atomic_dir``, one atomic exchange when replacing): a failure, a failed gate or Ctrl-C leaves no
 partial bundle, and ``--force`` replaces an existing bundle (never another folder, :mod:`export.target`) only once
 the new one is complete. Exporter: dynamo (``torch.export``) first; if it raises or its graph fails the ONNX
 parity cases, TorchScript; the manifest records which.
@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from contract.atomic import atomic_dir, clean_stale, sha256_file
+from contract.bundle import CARD, CONFIG, ONNX, ONNX_GRAPHS, TOKENIZER, WEIGHTS, BundleError, read_manifest
+from contract.quant import SCHEMES, Scheme, scheme
 from export import bundle as B
 from export import gate as G
 from export import parity as P
@@ -33,10 +36,7 @@ from export.runinfo import data_summary, eval_summary
 from export.source import Source, load_source
 from export.target import check_target, os_error_in, write_error
 from export.valdata import find_run_shards, from_shards, load_val_data, run_seq_len
-from serve.bundle import CARD, CONFIG, ONNX, ONNX_GRAPHS, TOKENIZER, WEIGHTS, BundleError, read_manifest
-from serve.quant import SCHEMES, Scheme, scheme
 from serve.verdict import fmt_figure
-from train.atomic import atomic_dir, clean_stale, sha256_file
 
 __all__ = ["DTYPES", "ExportError", "ParityError", "export_bundle"]
 
@@ -61,7 +61,7 @@ def _up_to_date(src: Source, out: Path, dtype: str, schemes: tuple[Scheme, ...],
 
 
 def parse_schemes(quantize: str | Sequence[str] | None) -> tuple[Scheme, ...]:
-    """``--quantize`` names (one string or several; ``none`` ignored) → their schemes, in :data:`serve.quant.NAMES`
+    """``--quantize`` names (one string or several; ``none`` ignored) → their schemes, in :data:`contract.quant.NAMES`
     order without repeats. Raises ExportError naming an unknown name, or a scheme this export cannot produce
     (no ONNX form and not offered by rust_runtime)."""
     names = [quantize] if isinstance(quantize, str) else list(quantize or [])
@@ -147,7 +147,7 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
 
     ``out`` defaults to ``<run dir>/bundle``; ``dtype`` "float32" or "float16" (ONNX weights and KV cache; the
     safetensors stay float32; fp16 parity uses atol = rtol = 5e-2); ``quantize``: scheme names of
-    :data:`serve.quant.NAMES` (one or several: ``"int8"``, ``["int8", "q4_0"]``) — each adds its ONNX graph
+    :data:`contract.quant.NAMES` (one or several: ``"int8"``, ``["int8", "q4_0"]``) — each adds its ONNX graph
     (``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) and, where rust_runtime offers the scheme, its Rust form to the
     quality gate (:mod:`export.gate`; on the run's val shards or ``val_data``: a shard folder or text);
     ``parity=False`` skips the parity gate (the card says the bundle is unchecked; the quantized forms' quality
@@ -229,7 +229,7 @@ def _quantized_forms(tmp: Path, fp32_graph: Path, schemes: tuple[Scheme, ...],
             t, graph = time.time(), ONNX_GRAPHS[s.name]
             write_onnx_form(s, fp32_graph, tmp / graph, tmp / WEIGHTS)
             log(f"quantize: {graph} ({s.name}) in {time.time() - t:.1f} s")
-            m = _Lazy(lambda s=s: OnnxBackend(tmp, quantize=s.name))
+            m = _Lazy(lambda s=s: OnnxBackend(tmp, quantize=s))
             forms.append(G.Form("onnx", s, m.logits, graph, m.new_sequence))
     rust = [s for s in _gated(schemes) if s.rust]
     if rust:

@@ -1,5 +1,5 @@
 """The quantized ONNX graphs of a bundle: ``model.int8.onnx``, ``model.q4_0.onnx`` and ``model.q4_mix.onnx`` (the
-schemes and which tensors stay at 8 bits: :mod:`serve.quant`; their file names: ``serve.bundle.ONNX_GRAPHS``; their
+schemes and which tensors stay at 8 bits: :mod:`contract.quant`; their file names: ``contract.bundle.ONNX_GRAPHS``; their
 quality gate: :mod:`export.gate`).
 
 Both start from the float32 graph pre-processed by ``quant_pre_process(skip_symbolic_shape=True)`` (notes/
@@ -32,9 +32,9 @@ from onnx import numpy_helper
 from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
 from safetensors import safe_open
 
+from contract.bundle import external_data
+from contract.quant import Q8_BLOCK, Scheme, check_shape, role_of
 from export.errors import ExportError
-from serve.bundle import external_data
-from serve.quant import Q8_BLOCK, Scheme, check_shape, role_of
 
 
 def _import_quietly():
@@ -63,7 +63,7 @@ def write_onnx_form(s: Scheme, src: Path, dst: Path, safetensors: Path | None = 
     scheme; not read for int8, which may pass None).
 
     Scratch files live in a temporary folder beside ``dst`` and are removed. Raises ExportError when ``s`` has no
-    ONNX form or a weight's rows do not fill whole blocks (:func:`serve.quant.check_shape`), else what
+    ONNX form or a weight's rows do not fill whole blocks (:func:`contract.quant.check_shape`), else what
     onnxruntime raises."""
     if not s.onnx:
         raise ExportError(f"{s.name} has no ONNX form (onnxruntime offers no such kernel)")

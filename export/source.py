@@ -12,10 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.atomic import TMP_PREFIX
+from contract.bundle import CONFIG, EOT, PAD, TOKENIZER, WEIGHTS, sha256_file
 from export.errors import ExportError
-from serve.bundle import CONFIG, EOT, PAD, TOKENIZER, WEIGHTS, sha256_file
-from train.atomic import TMP_PREFIX
-from train.checkpoint import SUMS, CheckpointError, load_model, read_latest_name, verify_sums
+from train.components.checkpoint import SUMS, CheckpointError, load_model, read_latest_name, verify_sums
 from train.model import LlamaForCausalLM, ModelConfig
 
 REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)  # the bundle's Hugging Face files come from the checkpoint's

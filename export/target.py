@@ -14,9 +14,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from contract.atomic import tmp_prefix
+from contract.bundle import FORMAT, MANIFEST, is_bundle
 from export.errors import ExportError
-from serve.bundle import FORMAT, MANIFEST, is_bundle
-from train.atomic import tmp_prefix
 
 
 def write_error(out: Path, e: OSError) -> ExportError:

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from contract.atomic import sha256_file
+from contract.bundle import CONFIG, TOKENIZER, eot_id
 from export.errors import ExportError
-from serve.bundle import CONFIG, TOKENIZER, eot_id
-from train.atomic import sha256_file
 from train.config import resolve_path
 from train.corpus import DataError, iter_documents, list_input_files
 from train.loader import val_windows

@@ -12,7 +12,7 @@ from typing_extensions import Unpack
 __version__: str
 simd_level: str  # "Avx512", "Avx2Fma" or "Generic": the f32 kernels picked at run time
 int_simd_level: str  # "Avx512Vnni", "Avx2" or "Generic": the integer kernels (quantized weights)
-QUANTIZE_NAMES: tuple[str, ...]  # ("none", "int8", "q4_0", "q4_mix"): what Model.load(quantize=...) accepts (serve.quant's names)
+QUANTIZE_NAMES: tuple[str, ...]  # ("none", "int8", "q4_0", "q4_mix"): what Model.load(quantize=...) accepts (contract.quant's names)
 QUANTIZE_PLAN: dict[str, dict[str, str | None]]  # name -> role (q_proj, ..., lm_head) -> "q8_0" / "q4_0" / None (f32)
 
 class SamplingKwargs(TypedDict, total=False):

@@ -6,7 +6,7 @@
     print(lm.chat([{"role": "user", "content": "নদীর নাম বলো।"}], 64).text)   # a fine-tuned chat model
 
 HTTP: ``uvicorn serve.app:app`` (serve/http/). Command line: ``python -m serve.generate BUNDLE``. The bundle
-contract — file names, manifest, ONNX I/O names, special tokens — is :mod:`serve.bundle`.
+contract — file names, manifest, ONNX I/O names, special tokens — is :mod:`contract.bundle`.
 """
 
 from serve.errors import ContextLengthError, ModelOutputError, RequestError

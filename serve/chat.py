@@ -1,4 +1,4 @@
-"""Chat on top of completions: a conversation rendered with the one chat format (``train.chat_format``, ChatML) and
+"""Chat on top of completions: a conversation rendered with the one chat format (``contract.chat_format``, ChatML) and
 encoded into the prompt ids that ``LM.start_choices`` generates from, ending at ``<|im_end|>``.
 
 Nothing below the prompt changes: the engine (Python or Rust) takes ids as for any prompt; a choice that samples
@@ -9,14 +9,24 @@ samples ``<|endoftext|>`` does. The ids are ``<|endoftext|>`` + ``encode(render(
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from contract.chat_format import CHAT_TOKENS, IM_END, ChatFormatError, render
 from serve.errors import ContextLengthError, RequestError
-from train.chat_format import CHAT_TOKENS, IM_END, ChatFormatError, render
+from serve.generation import Generation
 
-if TYPE_CHECKING:
-    from serve.generation import Generation
-    from serve.lm import LM
+
+class ChatLM(Protocol):
+    """What chat uses of a model (:class:`serve.lm.LM`, which imports this module)."""
+
+    name: str
+    tokenizer: Any
+    context_length: int
+
+    def tokenize(self, text: str, param: str = "text") -> list[int]: ...
+
+    def start_choices(self, prompt: Any, n: int = 1, max_new_tokens: int | None = None, *,
+                      end_ids: frozenset[int] = frozenset(), **options: Any) -> list[Generation]: ...
 
 NO_CHAT_TOKENS = "chat_template_missing"  # the error code of a model whose tokenizer cannot encode the format
 
@@ -31,7 +41,7 @@ def chat_end_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset() if missing_tokens(tokenizer) else frozenset({int(tokenizer.token_to_id(IM_END))})
 
 
-def check_chat_capable(lm: LM) -> None:
+def check_chat_capable(lm: ChatLM) -> None:
     """RequestError (400, code :data:`NO_CHAT_TOKENS`) naming what is missing and how to get it, when ``lm``'s
     tokenizer lacks ``<|im_start|>`` / ``<|im_end|>`` (a base model: no chat template in its bundle)."""
     missing = missing_tokens(lm.tokenizer)
@@ -42,10 +52,10 @@ def check_chat_capable(lm: LM) -> None:
             "then export it again; /v1/completions serves it as it is", param="messages", code=NO_CHAT_TOKENS)
 
 
-def chat_prompt_ids(lm: LM, messages: Any) -> list[int]:
+def chat_prompt_ids(lm: ChatLM, messages: Any) -> list[int]:
     """The prompt ids of a conversation (without the leading ``<|endoftext|>``, which generation prepends):
     ``encode(render(messages, add_generation_prompt=True))``. RequestError (param ``messages``) for a model
-    without the chat tokens, a conversation :func:`train.chat_format.normalize_messages` refuses (its message
+    without the chat tokens, a conversation :func:`contract.chat_format.normalize_messages` refuses (its message
     names ``messages[i].field``) or text that is not valid Unicode."""
     check_chat_capable(lm)
     try:
@@ -55,7 +65,7 @@ def chat_prompt_ids(lm: LM, messages: Any) -> list[int]:
     return lm.tokenize(text, "messages")
 
 
-def start_chat(lm: LM, messages: Any, n: int = 1, max_new_tokens: int | None = None,
+def start_chat(lm: ChatLM, messages: Any, n: int = 1, max_new_tokens: int | None = None,
                **options: Any) -> list[Generation]:
     """``n`` lazy :class:`serve.generation.Generation` s of the assistant's reply to ``messages`` (options as
     :meth:`serve.lm.LM.start_choices`), each ending at ``<|im_end|>``. A conversation that leaves no room for a

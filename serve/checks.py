@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from serve.bundle import EOT
+from contract.bundle import EOT
 from serve.errors import ContextLengthError, RequestError
 
 

@@ -17,7 +17,7 @@ import codecs
 import functools
 from collections.abc import Iterable, Mapping
 
-from train.byte_level import bytes_to_unicode  # the byte-level alphabet of our tokenizer (a leaf module)
+from contract.byte_level import bytes_to_unicode  # the byte-level alphabet of our tokenizer
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serve.bundle import MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
+from contract.bundle import MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
+from contract.quant import NAMES
+from contract.text import distinct_word_share
 from serve.errors import RequestError
 from serve.lm import LM
 from serve.loader import BACKENDS, load
-from serve.quant import NAMES
-from train.textutil import distinct_word_share
 
 DEFAULT_PROMPTS = [("bn", "বাংলা ভাষা"), ("en", "The river")]
 
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-greedy", action="store_true", help="do not follow a sampled continuation by the greedy one")
     p.add_argument("--backend", choices=BACKENDS, default="onnx")
     p.add_argument("--quantize", choices=NAMES, default="none",
-                   help="weights (serve/quant.py): onnx reads the bundle's graph of the scheme; rust quantizes at load")
+                   help="weights (contract/quant.py): onnx reads the bundle's graph of the scheme; rust quantizes at load")
     p.add_argument("--no-verify", action="store_true", help=f"skip checking the files' sha256 against {MANIFEST}")
     p.add_argument("--allow-ungated", action="store_true",
                    help="serve a quantized form the export's quality gate did not pass (logged; serve/verdict.py)")
@@ -54,7 +54,7 @@ SETTINGS = SAMPLING_KEYS  # the options that override the bundle's sampling
 
 
 def sampling_settings(args: argparse.Namespace) -> dict:
-    """The sampling of this command: the bundle's defaults (:func:`serve.bundle.sampling_defaults`) overridden by
+    """The sampling of this command: the bundle's defaults (:func:`contract.bundle.sampling_defaults`) overridden by
     the options given. Missing keys are off (top_k 0, top_p 1, repetition_penalty 1)."""
     s = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **sampling_defaults(args.bundle)}
     s.update({k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None})

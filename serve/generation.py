@@ -15,23 +15,39 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from serve.detok import StreamDecoder
+from serve.detok import StreamDecoder, TokenTable
 from serve.engine import Submission, TokenEvent
 from serve.results import Chunk, TokenLogprobs
 from serve.sampling import SamplingParams
 from serve.stops import StopMatcher
 
-if TYPE_CHECKING:
-    from serve.lm import LM
+
+class GenerationLM(Protocol):
+    """What a generation uses of the model it runs on (:class:`serve.lm.LM`, which imports this module): the
+    engine (``engine`` starts one when none runs; ``_engine`` is the running one or None), the end-of-text id, the
+    token table, and for an echoed prompt the backend and its log-probabilities."""
+
+    eot_id: int
+    table: TokenTable
+    backend: Any
+    _engine: Any
+
+    @property
+    def engine(self) -> Any: ...
+
+    def prefill_logprobs(self, seq: Any, inputs: list[int], targets: list[int], top_n: int | None,
+                         skip: int = 0) -> Any: ...
+
+    def describe(self, ids: list[int], logprobs: list[float], tops: list | None) -> TokenLogprobs: ...
 
 
 class ChoiceGroup:
     """The ``n`` choices of one prompt: submitted to the LM's engine together (one prefill) on first use, so a
     request can be validated and queued before any work is spent on it. Thread-safe."""
 
-    def __init__(self, lm: LM, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+    def __init__(self, lm: GenerationLM, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  top_n: int | None, ignore_eos: bool, n: int, first_index: int = 0,
                  end_ids: frozenset[int] = frozenset()):
         self.lm, self.prompt_ids, self.max_new_tokens, self.params = lm, prompt_ids, max_new_tokens, params

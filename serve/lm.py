@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.bundle import eot_id
+from contract.bundle import eot_id
 from serve.chat import start_chat
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
@@ -247,7 +247,7 @@ class LM:
                    **options: Any) -> list[Generation]:
         """``n`` lazy generations of the assistant's reply to ``messages`` (OpenAI / Hugging Face form: dicts with
         ``role`` system / user / assistant and ``content`` a string or text parts), rendered with the chat
-        template (``train.chat_format``) and ending at ``<|im_end|>``; options as :meth:`start_choices`. Raises
+        template (``contract.chat_format``) and ending at ``<|im_end|>``; options as :meth:`start_choices`. Raises
         RequestError (param ``messages``) for a bad conversation, one that leaves no room for a reply, or a model
         whose tokenizer has no chat tokens (:mod:`serve.chat`)."""
         return start_chat(self, messages, n, max_new_tokens, **options)

@@ -1,5 +1,5 @@
 """Loading a bundle for serving: :func:`load` checks its arguments, verifies the files the chosen backend reads
-against the manifest (:mod:`serve.bundle`), opens the backend and returns an :class:`serve.lm.LM`.
+against the manifest (:mod:`contract.bundle`), opens the backend and returns an :class:`serve.lm.LM`.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.bundle import MANIFEST, ONNX_GRAPHS, TOKENIZER, backend_files, read_manifest, verify_files
+from contract.bundle import MANIFEST, ONNX_GRAPHS, TOKENIZER, backend_files, read_manifest, verify_files
+from contract.quant import Scheme, check_backend, parse
 from serve.lm import LM
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
-from serve.quant import check_backend, parse_quantize
 from serve.verdict import check_form
 
 __all__ = ["BACKENDS", "load"]
@@ -19,17 +19,19 @@ __all__ = ["BACKENDS", "load"]
 BACKENDS = ("onnx", "rust")
 
 
-def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, threads: int | None = None,
+def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None = None, threads: int | None = None,
          name: str | None = None, verify: bool = True, max_batch: int = DEFAULT_MAX_BATCH,
          token_budget: int = DEFAULT_TOKEN_BUDGET, allow_ungated: bool = False) -> LM:
     """Load a bundle directory (tokenizer.json, config.json, model.onnx / model.safetensors, manifest.json) for
     serving.
 
     backend: ``"onnx"`` (onnxruntime) or ``"rust"`` (the ``rust_runtime`` extension); quantize: None /
-    ``"none"`` or a name of :data:`serve.quant.NAMES` that the backend offers (``serve.quant.BACKEND_NAMES``);
+    ``"none"`` or a name of :data:`contract.quant.NAMES` that the backend offers (``contract.quant.BACKEND_NAMES``),
+    parsed here once (:func:`contract.quant.parse`; a :class:`contract.quant.Scheme` parsed already, as the
+    server's settings hold it, is taken as it is) — the backend gets the Scheme;
     threads: compute threads, an int >= 1 (None = all cores); name: the model's label
     (default: the bundle folder's parent name, e.g. ``cpu`` for ``runs/cpu/bundle``); verify: check the sha256 of
-    every file the backend reads against the manifest first (:func:`serve.bundle.verify_files`; False skips the
+    every file the backend reads against the manifest first (:func:`contract.bundle.verify_files`; False skips the
     hashing and accepts a folder without a manifest, for those who verify the bundle elsewhere or serve a hand-made
     folder — a manifest that is there is still read: its format_version and the gate's verdicts hold whatever
     ``verify`` says); max_batch / token_budget: the engine's sequences per step and tokens per step
@@ -53,8 +55,9 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
             raise ValueError(f"threads must be an int >= 1 or None (all cores), got {threads}")
     if backend not in BACKENDS:
         raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
-    quantize = parse_quantize(quantize)
-    check_backend(quantize, backend)
+    scheme = parse(quantize)
+    check_backend(scheme, backend)
+    quantize = scheme.name if scheme else None
     check_engine_limits(max_batch, token_budget)
     path = Path(path)
     if not path.is_dir():
@@ -70,12 +73,12 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | None = None, t
 
         if (path / ONNX_GRAPHS[quantize]).is_file():  # else the backend names the missing graph and its export
             check_form(manifest, str(path), "onnx", quantize, allow_ungated)
-        model = OnnxBackend(path, quantize=quantize, threads=threads)
+        model = OnnxBackend(path, quantize=scheme, threads=threads)
     else:
         from serve.backends.rust import RustBackend  # the optional Rust extension, likewise
 
         # rust_runtime.Model.load reads the same verdict in Rust (and logs an override there)
-        model = RustBackend(path, quantize=quantize, threads=threads, allow_ungated=allow_ungated)
+        model = RustBackend(path, quantize=scheme, threads=threads, allow_ungated=allow_ungated)
     label = name or path.resolve().parent.name or path.name
     return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path, max_batch=max_batch,
               token_budget=token_budget)

@@ -24,15 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serve.bundle import BundleError
-from serve.quant import GATE
+from contract.bundle import BundleError
+from contract.quant import GATE
 
 __all__ = ["FIGURES", "Figure", "UngatedError", "Verdict", "check_form", "fmt_figure", "fmt_limit", "form_name",
            "forms_summary", "misses", "passes", "verdict"]
 
 log = logging.getLogger("shalik.serve")
 
-RULE_DECIMALS = 2   # the thresholds of serve.quant.GATE are stated with two decimals (0.05, 0.10, 0.85, 0.25)
+RULE_DECIMALS = 2   # the thresholds of contract.quant.GATE are stated with two decimals (0.05, 0.10, 0.85, 0.25)
 OVERRIDE = "allow_ungated=True (SHALIK_ALLOW_UNGATED=1)"
 
 
@@ -44,7 +44,7 @@ class UngatedError(BundleError):
 @dataclass(frozen=True)
 class Figure:
     """One figure of the gate: its key in a form's per-language figures, its label, the comparison that passes
-    (``"<="`` or ``">="``), the key of its limit in :class:`serve.quant.Thresholds` and its unit."""
+    (``"<="`` or ``">="``), the key of its limit in :class:`contract.quant.Thresholds` and its unit."""
 
     key: str
     label: str
@@ -87,7 +87,7 @@ def fmt_figure(value: float, limit: float | None = None, signed: bool = False) -
 
 
 def passes(figures: dict, thresholds: dict) -> bool:
-    """One language's (or all's) figures within ``thresholds`` (:meth:`serve.quant.Thresholds.as_dict`)."""
+    """One language's (or all's) figures within ``thresholds`` (:meth:`contract.quant.Thresholds.as_dict`)."""
     return all(f.ok(float(figures[f.key]), float(thresholds[f.limit])) for f in FIGURES)
 
 

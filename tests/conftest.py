@@ -52,7 +52,7 @@ def fixture_tok(tmp_path_factory) -> Path:
     """Fixture Tok: vocab 1000, trained on the train split of tests/data/mini. Returns its folder."""
     from train.corpus import list_input_files
     from train.tokenizer import save_tokenizer, train_tokenizer
-    from train.tokenizer_sample import sample_texts
+    from train.tokenizer.sample import sample_texts
 
     files = list_input_files([str(MINI)])
     make_iter, _ = sample_texts(files, ["bn", "en"], {"bn": 0.6, "en": 0.4}, 10_000_000, 0.01)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from train.atomic import atomic_write_text
+from contract.atomic import atomic_write_text
 from train.config import load_config
 from train.run import Trainer
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from contract.bundle import EOT, PAD
 from serve.backends.base import check_ids
-from serve.bundle import EOT, PAD
 from serve.detok import bytes_to_unicode
 from serve.lm import LM
 

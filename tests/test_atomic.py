@@ -1,4 +1,4 @@
-"""train.atomic: temporaries of live writers survive a neighbour's cleaning; a dead writer's are cleaned; writes
+"""contract.atomic: temporaries of live writers survive a neighbour's cleaning; a dead writer's are cleaned; writes
 are atomic (docs/design.md, "Atomic writes")."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from train import atomic as A
+from contract import atomic as A
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def _writer(parent: Path, name: str, then: str) -> subprocess.Popen:
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
-        from train.atomic import atomic_dir, atomic_path
+        from contract.atomic import atomic_dir, atomic_path
         parent = Path({str(parent)!r})
         with atomic_dir(parent / {name!r}) as tmp, atomic_path(parent / ({name!r} + ".txt")) as f:
             (tmp / "data").write_text({name!r})
@@ -120,7 +120,7 @@ _KILL = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {root!r})
     from pathlib import Path
-    from train import atomic as A
+    from contract import atomic as A
     mode, kill_at, parent = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     if mode == "fallback":
         A._renameat2 = None                  # as on an OS or file system without RENAME_EXCHANGE

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bundles, lanes, roofline, timing
-from serve.bundle import write_manifest
+from contract.bundle import write_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 # the scripts that time lanes against each other (each uses benchmarks/timing.py)

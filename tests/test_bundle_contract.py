@@ -1,4 +1,4 @@
-"""The bundle contract (serve/bundle.py) has one owner: its facts are spelled nowhere else, the Rust mirror
+"""The bundle contract (contract/bundle.py) has one owner: its facts are spelled nowhere else, the Rust mirror
 (rust_runtime/src/bundle.rs) equals it, and readers check the manifest alike (a newer format_version and a missing
 manifest are refused by Python and Rust with the same rule). The import rules that let serve/ and export/ share it
 are tests/test_import_rules.py's.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from serve import bundle as B
+from contract import bundle as B
 from serve import load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def rust_literals(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def sources(root: Path, folders=("serve", "export", "benchmarks")) -> list[Path]:
+def sources(root: Path, folders=("contract", "serve", "export", "benchmarks")) -> list[Path]:
     """The Python files of ``folders`` and the Rust sources under ``root``."""
     py = [p for f in folders for p in sorted((root / f).rglob("*.py"))]
     return py + sorted((root / "rust_runtime" / "src").glob("*.rs"))
@@ -97,19 +97,19 @@ def rust_constants(path: Path = RUST_SRC / "bundle.rs") -> dict[str, object]:
 def test_rust_constants_equal_python():
     rust = rust_constants()
     for name, value in RUST_MIRROR.items():
-        assert rust.get(name) == value, f"rust_runtime/src/bundle.rs {name} = {rust.get(name)!r}, serve.bundle " \
+        assert rust.get(name) == value, f"rust_runtime/src/bundle.rs {name} = {rust.get(name)!r}, contract.bundle " \
                                         f"has {value!r}"
     assert set(rust["CHECKED_FILES"]) == set(B.backend_files("rust", None)), \
         "rust_runtime verifies other files than serve.load verifies for the rust backend"
 
 
 def test_no_bundle_fact_is_spelled_outside_the_contract():
-    """serve/, export/, benchmarks/ and the Rust sources name bundle files, special tokens and the manifest format
-    through serve.bundle / bundle.rs, never as a literal value (messages may mention them)."""
-    owners = {ROOT / "serve" / "bundle.py", RUST_SRC / "bundle.rs"}
+    """contract/, serve/, export/, benchmarks/ and the Rust sources name bundle files, special tokens and the manifest format
+    through contract.bundle / bundle.rs, never as a literal value (messages may mention them)."""
+    owners = {ROOT / "contract" / "bundle.py", ROOT / "contract" / "byte_level.py", RUST_SRC / "bundle.rs"}
     found = [f"{p.relative_to(ROOT)}:{line} {value!r}" for p in sources(ROOT) if p not in owners
              for line, value in literals(p) if value in FACTS]
-    assert not found, "import these from serve.bundle (Rust: crate::bundle) instead: " + "; ".join(found)
+    assert not found, "import these from contract.bundle (Rust: crate::bundle) instead: " + "; ".join(found)
 
 
 def test_the_census_sees_a_literal(tmp_path):
@@ -235,10 +235,10 @@ def census(root: Path) -> dict[str, list[str]]:
 def main(argv: list[str]) -> int:
     """Print the census of ``argv[0]`` (default: this checkout): per fact, the string literals that are or contain it
     (outside docstrings) and the files holding them, in train/ and in the rest (serve/, export/, benchmarks/, the
-    Rust sources) outside the owners (serve/bundle.py, rust_runtime/src/bundle.rs, train/byte_level.py)."""
+    Rust sources) outside the owners (contract/bundle.py, rust_runtime/src/bundle.rs, contract/byte_level.py)."""
     root = Path(argv[0]) if argv else ROOT
     counts = census(root)
-    owners = {"serve/bundle.py", "rust_runtime/src/bundle.rs", "train/byte_level.py"}
+    owners = {"contract/bundle.py", "rust_runtime/src/bundle.rs", "contract/byte_level.py"}
     print(f"{'fact':<24} {'literals':>8} {'files':>6} | {'train/ literals':>15} | {'elsewhere, not owner':>20} {'files':>6}")
     rows = [(fact, counts.get(fact, [])) for fact in sorted(FACTS)] + [("all", [w for v in counts.values() for w in v])]
     for fact, where in rows:

@@ -19,10 +19,10 @@ import unicodedata
 
 import pytest
 
+from contract.chat_format import CHAT_TEMPLATE, IM_END, render
 from tests.client_helpers import uvicorn_server
 from tests.test_http import _rust_available
 from tests.test_llamacpp_tokenizer import _llama_cpp
-from train.chat_format import CHAT_TEMPLATE, IM_END, render
 from train.tokenizer.pretokenizers import SCRIPT_EDGES
 
 NAME = "shalik-tiny-chat"
@@ -251,7 +251,7 @@ def test_gguf_and_modelfile_carry_the_chat_format(bundle, tmp_path):
     """Without llama.cpp: the GGUF's keys (read back with gguf-py) and the Ollama Modelfile beside it."""
     gguf = pytest.importorskip("gguf")
     import export.gguf as G
-    from train.chat_format import OLLAMA_TEMPLATE
+    from contract.chat_format import OLLAMA_TEMPLATE
 
     path = G.export_gguf(bundle, tmp_path / "m.gguf", log=lambda m: None)
     r = gguf.GGUFReader(str(path))
@@ -272,8 +272,8 @@ def test_gguf_and_modelfile_carry_the_chat_format(bundle, tmp_path):
 def test_modelfile_template_follows_the_tokenizer():
     """A base model's Modelfile keeps the raw template and only the <|endoftext|> stop; a chat model's has the
     ChatML template and both stops."""
+    from contract.chat_format import OLLAMA_TEMPLATE
     from export.modelfile import modelfile_text
-    from train.chat_format import OLLAMA_TEMPLATE
 
     sampling = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.1, "max_new_tokens": 64}
     base = modelfile_text("m.gguf", 128, sampling).splitlines()

@@ -1,11 +1,11 @@
-"""train.chat_format: the one conversation format (ChatML), its checks, its Jinja twin and the loss spans."""
+"""contract.chat_format: the one conversation format (ChatML), its checks, its Jinja twin and the loss spans."""
 
 from __future__ import annotations
 
 import jinja2
 import pytest
 
-from train.chat_format import (
+from contract.chat_format import (
     CHAT_TEMPLATE,
     IM_END,
     IM_START,

@@ -10,12 +10,12 @@ import json
 import numpy as np
 import pytest
 
+from contract.chat_format import IM_END, render
 from serve.chat import chat_prompt_ids
 from serve.errors import RequestError
 from serve.sampling import log_softmax
 from tests.scripted import scripted_lm
 from tests.test_http import assert_error, client_for, sse_events
-from train.chat_format import IM_END, render
 
 PIECES = ["নমস্কার", "!", " Hello", "."]
 USER = [{"role": "user", "content": "বাংলা ভাষা সম্পর্কে কিছু বলো।"}]

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from train.checkpoint import CheckpointError, find_checkpoint, save_checkpoint, write_sums
+from train.components.checkpoint import CheckpointError, find_checkpoint, save_checkpoint, write_sums
 from train.model import LlamaForCausalLM, ModelConfig
 
 CFG = ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -1,5 +1,5 @@
 """train.compression (the compressor floor) and the per-source evaluation it is compared with
-(train.evaluate.evaluate_sources, strided_spans), on the mini corpus."""
+(train.components.evaluation.evaluate_sources, strided_spans), on the mini corpus."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from contract.text import distinct_word_share
 from tests.conftest import MINI, fast_config
 from train import compression as C
-from train.evaluate import evaluate_sources, strided_spans
+from train.components.evaluation import evaluate_sources, strided_spans
 from train.model import LlamaForCausalLM, ModelConfig
-from train.textutil import distinct_word_share
 
 
 @pytest.mark.parametrize("length,seq_len,stride", [(2, 8, 4), (9, 8, 4), (10, 8, 4), (37, 8, 4), (100, 16, 16),

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contract.text import detect_language, is_val, nfc, split_value
 from tests.conftest import fast_config
 from train.clean.decide import TRAIN, VAL
 from train.clean.split import iter_split
@@ -18,7 +19,6 @@ from train.config import ConfigError, load_config, parse_value
 from train.corpus import DataError, ReadReport, iter_documents, list_input_files, parse_hf_spec
 from train.data import main, mix_report, prepare, repeat_factors
 from train.shards import ShardError, ShardWriter, dtype_for_vocab, open_shard, read_header, write_shard
-from train.textutil import detect_language, is_val, nfc, split_value
 from train.tokenizer import load_tokenizer
 
 
@@ -480,7 +480,7 @@ def test_bengali_letter_share_counts_exactly_as_the_definition():
     """The numpy table look-up gives the exact share of str.isalpha letters that are Bengali-block letters."""
     from collections import Counter
 
-    from train.textutil import _BENGALI_LETTERS, bengali_letter_share
+    from contract.text import _BENGALI_LETTERS, bengali_letter_share
 
     def by_definition(text: str) -> float:
         counts = Counter(text)

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from tests.conftest import ROOT, fast_overrides
-from train.checkpoint import find_checkpoint
+from train.components.checkpoint import find_checkpoint
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ DESIGN = ROOT / "docs" / "design.md"
 README = ROOT / "README.md"
 README_MAX_LINES = 250
 # Folders whose every file of the given kind docs/design.md's layout names (``__init__.py`` may go unnamed).
-LAYOUT_CHECKED = {"train": ".py", "export": ".py", "serve": ".py", "rust_runtime/src": ".rs",
+LAYOUT_CHECKED = {"contract": ".py", "train": ".py", "export": ".py", "serve": ".py", "rust_runtime/src": ".rs",
                   "rust_runtime/examples": ".rs", "docs": ".md"}
 # The Markdown pages a newcomer reads; their relative links must resolve (anchors included).
 PAGES = ["README.md", "benchmarks/README.md", "rust_runtime/README.md", "data/sample/README.md",
@@ -62,7 +62,7 @@ def test_every_test_named_for_a_case_is_listed_under_it():
 
 def test_nothing_points_to_a_design_document_outside_the_repository():
     offenders = []
-    for folder in ("train", "export", "serve", "tests", "benchmarks", "rust_runtime/src"):
+    for folder in ("contract", "train", "export", "serve", "tests", "benchmarks", "rust_runtime/src"):
         for f in (ROOT / folder).rglob("*"):
             if f.suffix not in {".py", ".rs", ".sh", ".md"} or f == Path(__file__):
                 continue
@@ -278,7 +278,7 @@ def test_the_serving_guide_lists_every_shalik_variable_the_code_reads():
 def test_no_issue_numbers_in_product_code():
     """Issue numbers go stale in code (git history has them); a figure's home is its results page."""
     offenders = []
-    for folder in ("train", "export", "serve", "rust_runtime/src"):
+    for folder in ("contract", "train", "export", "serve", "rust_runtime/src"):
         for f in (ROOT / folder).rglob("*"):
             if f.suffix in {".py", ".rs", ".toml", ".pyi"}:
                 for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):

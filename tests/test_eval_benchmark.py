@@ -77,7 +77,7 @@ def test_wilson_interval(bench):
 
 
 def fake_bundle(folder: Path, sha: str, step: int) -> Path:
-    from serve.bundle import write_manifest
+    from contract.bundle import write_manifest
 
     folder.mkdir()
     card = "# m — Shalik bundle\n\n## Evaluation\n\nNLL.\n\n## Limits\n\n- small.\n"

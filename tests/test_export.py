@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from contract.bundle import ONNX_GRAPHS
+from contract.quant import BACKEND_NAMES, GATE, SCHEMES
 from export import graph as G
 from export import onnx as E
 from export import pipeline as PL
@@ -24,9 +26,7 @@ from export.parity import PROMPTS, compare_greedy, max_diff
 from export.source import resolve_checkpoint
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
-from serve.bundle import ONNX_GRAPHS
-from serve.quant import BACKEND_NAMES, GATE, SCHEMES
-from train.checkpoint import find_checkpoint, load_model, write_sums
+from train.components.checkpoint import find_checkpoint, load_model, write_sums
 
 TOL = 1e-4
 
@@ -107,7 +107,7 @@ def test_bundle_files_and_manifest(exported, ckpt):
     assert m["source"]["step"] == 40 and m["source"]["checkpoint"] == str(Path(*ckpt.resolve().parts[-3:]))
     assert m["params"] == load_model(ckpt)[0].num_params()
     assert set(m["versions"]) >= {"torch", "onnx", "onnxruntime", "transformers"}
-    from train.atomic import sha256_file
+    from contract.atomic import sha256_file
 
     assert m["source"]["sha256"] == sha256_file(ckpt / "model.safetensors")
     assert set(m["files"]) == names - {"manifest.json"}
@@ -172,7 +172,7 @@ def test_quality_gate_recorded(exported):
     ids = tokens(exported, "আমি বাংলায় গান গাই")
     ref = f.logits(ids)
     kinds = ("int8", "q4_mix")
-    err = {k: np.abs(OnnxBackend(exported, quantize=k, threads=1).logits(ids) - ref).max() for k in kinds}
+    err = {k: np.abs(OnnxBackend(exported, quantize=SCHEMES[k], threads=1).logits(ids) - ref).max() for k in kinds}
     assert 0 < err["int8"] < err["q4_mix"] < 2.0   # really quantized, fewer bits further, still close
     lp = [q["forms"][f"onnx {k}"]["all"]["mean_abs_top_logprob_delta"] for k in kinds]
     assert lp == sorted(lp)
@@ -181,14 +181,14 @@ def test_quality_gate_recorded(exported):
 @pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx and s.bits == 4])
 def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_path):
     """model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32, accuracy level 4;
-    4 bits, except the roles serve.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
+    4 bits, except the roles contract.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
     weight — v_proj and down_proj); no float MatMul by a weight is left. A graph the export did not keep (q4_0,
     refused by the gate) is written here without it."""
     import onnx
     from onnx import helper
 
+    from contract.quant import role_of
     from export.quantize import matmul_weights, write_onnx_form
-    from serve.quant import role_of
 
     cfg = json.loads((exported / "config.json").read_text())
     pre = {n: role_of(t) for n, t in matmul_weights(_float_graph_preprocessed(exported), exported / "model.safetensors").items()}
@@ -264,7 +264,7 @@ def test_transformers_loads_bundle_unchanged(exported, ref):
 def test_x5_tied_safetensors(exported, ckpt, ref):
     import safetensors.torch
 
-    from train.checkpoint import load_weights
+    from train.components.checkpoint import load_weights
     from train.model import LlamaForCausalLM
 
     sd = safetensors.torch.load_file(str(exported / "model.safetensors"))
@@ -310,14 +310,14 @@ def test_backend_errors(backend, exported, tmp_path):
     seq.decode(4)                                   # position 127: the last one
     with pytest.raises(BackendError, match="128"):
         seq.decode(4)
-    with pytest.raises(BackendError, match="quantize is 'fp8'; expected None or one of none, int8, q4_0, q4_mix"):
-        OnnxBackend(exported, quantize="fp8")
+    with pytest.raises(TypeError, match="quantize is 'int8'; expected a contract.quant.Scheme or None"):
+        OnnxBackend(exported, quantize="int8")   # names are parsed at the boundary (serve.load), not here
     partial = tmp_path / "b"
     partial.mkdir()
     for f in ("config.json", "model.onnx", "model.onnx.data"):
         shutil.copy(exported / f, partial / f)
     with pytest.raises(BackendError, match="model.int8.onnx"):
-        OnnxBackend(partial, quantize="int8")
+        OnnxBackend(partial, quantize=SCHEMES["int8"])
     with pytest.raises(BackendError, match="config"):
         OnnxBackend(tmp_path / "nowhere")
 
@@ -707,7 +707,7 @@ def test_quality_gate_fails_on_agreement_even_when_nll_is_fine():
 def test_failing_quantized_form_is_not_written(trained_run, tmp_path, monkeypatch, capsys):
     """A form outside its thresholds fails the export (exit 1, its rows printed) and nothing is written, even with
     --no-parity; unmeasured (no validation data) is recorded as such."""
-    from serve import quant
+    from contract import quant
 
     monkeypatch.setitem(quant.GATE, 4, quant.Thresholds(val_nll_delta_max=0.1, top1_agreement_min=0.85,
                                                         mean_abs_top_logprob_delta_max=1e-6))

@@ -334,7 +334,7 @@ def test_quantized_gguf_passes_or_fails_the_quality_gate(bundle, tmp_path, monke
     figures and the file's sha256); with thresholds no 4-bit form can meet, refused (exit 1), nothing written and
     the manifest unchanged."""
     _llama_cpp()
-    from serve import quant
+    from contract import quant
 
     b = Path(shutil.copytree(bundle, tmp_path / "b"))   # with model.onnx: the gate's float32 reference
     out = G.export_gguf(b, type="q4_0", log=lambda m: None, approximate_pretokenizer=True, val_data=mini_corpus)
@@ -342,7 +342,7 @@ def test_quantized_gguf_passes_or_fails_the_quality_gate(bundle, tmp_path, monke
     r = m["quantization"]["forms"]["llama.cpp q4_0"]
     assert r["ok"] is True and r["bits"] == 4 and set(r["by_lang"]) == {"bn", "en"} and m["quantization"]["tokens"] > 0
     assert 0 < r["all"]["mean_abs_top_logprob_delta"] <= quant.GATE[4].mean_abs_top_logprob_delta_max
-    from train.atomic import sha256_file
+    from contract.atomic import sha256_file
 
     assert m["files"][out.name]["sha256"] == sha256_file(out)
     before = (b / "manifest.json").read_bytes()
@@ -396,7 +396,7 @@ def test_llama_cpp_logits_match_torch(gguf_files, theta_bundle, bundle):
     import torch
 
     from export.parity import probe_ids, reference_logits
-    from train.checkpoint import load_model
+    from train.components.checkpoint import load_model
 
     model, mcfg = load_model(theta_bundle)
     assert mcfg.rope_theta == THETA

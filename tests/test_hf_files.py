@@ -1,5 +1,5 @@
 """train.hf_files: the one builder of config.json, generation_config.json and tokenizer_config.json, used by
-checkpoints (train.checkpoint.save_checkpoint) and bundles (export.bundle)."""
+checkpoints (train.components.checkpoint.save_checkpoint) and bundles (export.bundle)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from train.checkpoint import save_checkpoint, verify_sums
+from train.components.checkpoint import save_checkpoint, verify_sums
 from train.hf_files import NAMES, hf_files
 
 
@@ -30,7 +30,7 @@ def test_chat_parts_follow_the_tokenizer(fixture_m, fixture_tok, tmp_path):
     whose tokenizer lacks them loses both (train.hf_files.sync_chat_files, as export runs it), other keys kept."""
     from tokenizers import Tokenizer
 
-    from train.chat_format import CHAT_TEMPLATE
+    from contract.chat_format import CHAT_TEMPLATE
     from train.hf_files import sync_chat_files
 
     tok = fixture_tok / "tokenizer.json"

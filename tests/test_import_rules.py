@@ -1,10 +1,17 @@
-"""docs/design.md's import rules: no module under ``train/`` imports ``serve`` or ``export`` (each stage reads only
-the files the previous one wrote), and ``serve/`` reaches ``train/`` only through leaf modules — ones that import
-nothing else of the project and no torch (the special tokens, sha256, text helpers). Checked statically: every ``.py`` file under ``train/`` is parsed
-with ``ast`` and every import in it — at the top, inside a function or a ``try``, relative ones resolved, and
+"""docs/design.md's import rules: every stage may import ``contract/`` (the facts several stages read,
+standard library and numpy only: the bundle contract, the quantization schemes, the byte-level table, atomic
+writes, text normalisation, the chat format), and ``contract/`` imports nothing of the project and no torch; ``train/`` never imports ``serve/`` or
+``export/``; ``serve/`` never imports ``train/`` or ``export/`` (each stage reads only the files the previous one
+wrote); ``export/`` may use all of them. Checked statically: every ``.py`` file of a package is parsed with ``ast``
+and every import in it — at the top, inside a function or a ``try``, relative ones resolved, and
 ``importlib.import_module`` / ``__import__`` of a string literal — is compared with the forbidden packages, so an
-import on a path no test happens to run is caught too. (``serve/`` never importing torch is checked at run time by
-``tests/test_serve_api.py::test_serve_never_imports_torch``.)"""
+import on a path no test happens to run is caught too. (``serve/`` never importing torch is also checked at run
+time by ``tests/test_serve_api.py::test_serve_never_imports_torch``.)
+
+No import cycles: the modules of the Python packages (``contract/``, ``train/``, ``serve/``, ``export/`` and
+``rust_runtime/*.py``) and their imports — the same ones, lazy and ``TYPE_CHECKING`` ones included — form a graph
+without a cycle; a cycle is reported module by module. (A type that would close a cycle is a ``typing.Protocol`` of
+what the lower module uses.)"""
 
 from __future__ import annotations
 
@@ -15,7 +22,12 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-FORBIDDEN = {"train": ("serve", "export")}
+# package → the packages (and their modules) it may not import.
+FORBIDDEN = {
+    "contract": ("train", "serve", "export", "rust_runtime", "torch", "onnxruntime"),
+    "train": ("serve", "export"),
+    "serve": ("train", "export", "torch"),
+}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -64,22 +76,122 @@ def violations(root: Path, package: str, forbidden: tuple[str, ...]) -> list[str
     return sorted(out)
 
 
+def test_contract_imports_nothing_of_the_project():
+    bad = violations(ROOT, "contract", FORBIDDEN["contract"])
+    assert not bad, ("docs/design.md: contract/ imports nothing of the project and no torch (every stage reads it); "
+                     "move the piece it needs into contract/: " + "; ".join(bad))
+
+
 def test_train_imports_neither_serve_nor_export():
     bad = violations(ROOT, "train", FORBIDDEN["train"])
     assert not bad, ("docs/design.md: train/ never imports serve/ or export/ (export may use train, not the other "
-                     "way round); move the shared piece into train/ or a leaf module: " + "; ".join(bad))
+                     "way round); move the shared piece into contract/: " + "; ".join(bad))
 
 
-def test_serve_reaches_train_only_through_leaf_modules():
-    """serve/ may use a train/ module only when that module imports nothing of the project and no torch (so serving
-    never loads the trainer, the corpus reader or torch); serve.bundle re-exports train's sha256 and special tokens."""
-    reached = {name for f in sorted((ROOT / "serve").rglob("*.py")) for _, name in imports(f, ROOT)
-               if name.startswith("train.") and (ROOT / (name.replace(".", "/") + ".py")).is_file()}
-    assert {"train.atomic", "train.byte_level"} <= reached, reached
-    bad = {f"{leaf} imports {name}" for leaf in sorted(reached)
-           for _, name in imports(ROOT / (leaf.replace(".", "/") + ".py"), ROOT)
-           if name.split(".")[0] in ("train", "serve", "export", "torch")}
-    assert not bad, "serve/ reaches train/ through a module that is not a leaf: " + "; ".join(sorted(bad))
+def test_serve_imports_neither_train_nor_export():
+    """Serving never loads the trainer, the corpus reader, the exporter or torch: what it shares with them is in
+    contract/."""
+    bad = violations(ROOT, "serve", FORBIDDEN["serve"])
+    assert not bad, "docs/design.md: serve/ reaches the other stages only through contract/: " + "; ".join(bad)
+    reached = {name for f in sorted((ROOT / "serve").rglob("*.py")) for _, name in imports(f, ROOT)}
+    assert {"contract.bundle", "contract.quant", "contract.byte_level"} <= reached  # the rule is about real imports
+
+
+PACKAGES = ("contract", "train", "serve", "export", "rust_runtime")
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module → the modules of ``packages`` it imports (every import :func:`imports` sees, resolved to the longest
+    module name that is a file of the tree: ``from serve import load`` is an edge to ``serve``'s ``__init__``).
+    ``rust_runtime`` counts only its top-level Python files (``rust_runtime/*.py``; the rest is the Rust crate)."""
+    files = {}
+    for pkg in packages:
+        found = (root / pkg).glob("*.py") if pkg == "rust_runtime" else (root / pkg).rglob("*.py")
+        files |= {_module_name(f, root): f for f in sorted(found)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {mod: {r for _, name in imports(f, root) if (r := resolve(name)) and r != mod} for mod, f in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan), each as the shortest path
+    from the component's first module (sorted) back to itself: ``["a", "b", "a"]``. Sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(v: str) -> None:  # recursive: the graph is a few hundred modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for comp in components:
+        start = min(comp)
+        paths, queue = {start: [start]}, [start]
+        while queue:  # breadth first inside the component, back to start
+            v = queue.pop(0)
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    found.append([*paths[v], start])
+                    queue = []
+                    break
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    queue.append(w)
+    return sorted(found)
+
+
+def test_no_import_cycles_in_the_python_packages():
+    graph = import_graph(ROOT)
+    assert {"contract.bundle", "serve.lm", "train.run", "export.pipeline", "rust_runtime"} <= set(graph)
+    assert "serve.generation" in graph["serve.lm"]  # the graph sees real imports
+    found = cycles(graph)
+    assert not found, ("import cycles (move the shared piece into the lower module, or type the higher one with a "
+                       "typing.Protocol): " + "; ".join(" -> ".join(c) for c in found))
+
+
+def test_the_cycle_check_sees_lazy_and_type_checking_cycles(tmp_path):
+    files = {
+        "serve/__init__.py": "from serve.a import A\n",
+        "serve/a.py": "from serve.b import B\n",
+        "serve/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from serve.a import A\n",
+        "serve/c.py": "def f():\n    from serve import d\n",
+        "serve/d.py": "import serve.c\n",
+        "serve/e.py": "import serve.a\nimport json\n",
+    }
+    for name, text in files.items():
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+    graph = import_graph(tmp_path, ("serve",))
+    assert graph["serve.e"] == {"serve.a"} and graph["serve"] == {"serve.a"}
+    assert cycles(graph) == [["serve.a", "serve.b", "serve.a"], ["serve.c", "serve.d", "serve.c"]]
 
 
 def test_the_check_finds_every_kind_of_import(tmp_path):

@@ -251,7 +251,7 @@ def test_llama_cpp_ids_equal_tokenizer_json_on_nfc_text(bundle, mini_corpus, tmp
     _llama_cpp()
     from export.llamacpp_check import token_agreement
     from tests.conftest import SHARED
-    from train.fertility import split_docs
+    from train.tokenizer.fertility import split_docs
 
     path = G.export_gguf(bundle, tmp_path / "m.gguf", log=lambda m: None)
     texts = _mini_texts(mini_corpus) + list(SCRIPT_EDGES.values())

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from train.checkpoint import hf_state_dict, load_weights, save_weights
+from train.components.checkpoint import hf_state_dict, load_weights, save_weights
 from train.model import (
     CausalLMLoss,
     LlamaForCausalLM,

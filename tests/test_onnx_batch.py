@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from contract.quant import parse
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
 
@@ -22,13 +23,13 @@ PROMPTS = ([0], [0, 5, 9], [0, 17, 33, 4, 81, 250, 7], [0] + list(range(40, 52))
 
 @pytest.fixture(scope="module", params=[None, "int8"])
 def backend(request, bundle) -> OnnxBackend:
-    return OnnxBackend(bundle, quantize=request.param, threads=1)
+    return OnnxBackend(bundle, quantize=parse(request.param), threads=1)
 
 
 @pytest.fixture(scope="module")
 def int8_gap(bundle) -> float:
     """Largest |int8 − fp32| logit over 16 greedy single-sequence decode steps of :data:`PROMPTS`."""
-    q, f = OnnxBackend(bundle, quantize="int8", threads=1), OnnxBackend(bundle, quantize=None, threads=1)
+    q, f = OnnxBackend(bundle, quantize=parse("int8"), threads=1), OnnxBackend(bundle, quantize=None, threads=1)
     qs, toks = prefilled(q)
     fs, _ = prefilled(f)
     gap = 0.0

@@ -24,10 +24,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import CHECKS  # noqa: E402
 
+from contract.chat_format import render  # noqa: E402
 from serve.http.app import create_app  # noqa: E402
 from serve.http.settings import Settings  # noqa: E402
 from tests.scripted import scripted_lm  # noqa: E402
-from train.chat_format import render  # noqa: E402
 
 CONTEXT = 32  # small: schema-valid requests (up to 64 choices of many prompts) stay cheap
 TIMEOUT_S = 60  # per request: generous for a loaded 2-core machine (schemathesis' default is 10 s)
@@ -47,7 +47,7 @@ POSITIVE_DATA_ACCEPTANCE, = CHECKS.get_by_names(["positive_data_acceptance"])
 
 
 def overflows_chat(lm, body) -> bool:
-    """Whether a chat body's conversation, rendered with the chat template (train.chat_format, encoded by the
+    """Whether a chat body's conversation, rendered with the chat template (contract.chat_format, encoded by the
     tokenizer itself), + the leading <|endoftext|> leaves no room for a reply, or with max_completion_tokens
     (else max_tokens) exceeds the context."""
     messages = [{"role": m["role"], "content": m["content"]} for m in body["messages"]]

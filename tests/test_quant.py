@@ -1,11 +1,11 @@
-"""serve.quant, the one owner of the quantization schemes: its names are the ones rust_runtime, serve.load, the
+"""contract.quant, the one owner of the quantization schemes: its names are the ones rust_runtime, serve.load, the
 server's SHALIK_QUANTIZE and the export command lines accept; bad names, backends and shapes are clear errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve import quant as Q
+from contract import quant as Q
 
 # Spellings that are not names: each must be refused by Python, and if rust_runtime accepts one it must come back
 # as one of Python's names (never as a name of its own).
@@ -22,7 +22,7 @@ def test_one_list_of_names_and_what_each_backend_offers():
     from export.gguf_quant import TYPES  # GGUF types are llama.cpp's names
 
     assert TYPES == ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
-    from serve.bundle import ONNX_GRAPHS  # the file names are the bundle contract's
+    from contract.bundle import ONNX_GRAPHS  # the file names are the bundle contract's
 
     assert ONNX_GRAPHS == {None: "model.onnx", "int8": "model.int8.onnx", "q4_0": "model.q4_0.onnx",
                            "q4_mix": "model.q4_mix.onnx"}
@@ -44,14 +44,16 @@ def test_one_list_of_names_and_what_each_backend_offers():
 
 @pytest.mark.parametrize("value,want", [(None, None), ("none", None), ("NONE", None), (" int8 ", "int8"),
                                         ("Q4_0", "q4_0"), ("q4_MIX", "q4_mix")])
-def test_parse_quantize(value, want):
-    assert Q.parse_quantize(value) == want
+def test_parse_gives_the_scheme_and_passes_a_parsed_one_through(value, want):
+    s = Q.parse(value)
+    assert s is (None if want is None else Q.SCHEMES[want]) and Q.name_of(s) == (want or "none")
+    assert Q.parse(s) is s
 
 
 @pytest.mark.parametrize("value", [*PROBES, 8, b"int8"])
-def test_parse_quantize_refuses_what_is_not_a_name(value):
+def test_parse_refuses_what_is_not_a_name(value):
     with pytest.raises(Q.QuantizeError, match=r"SHALIK_QUANTIZE is .*; expected None or one of none, int8, q4_0, q4_mix"):
-        Q.parse_quantize(value, "SHALIK_QUANTIZE")
+        Q.parse(value, "SHALIK_QUANTIZE")
 
 
 def test_check_backend_names_what_is_offered_and_where(monkeypatch):
@@ -59,15 +61,15 @@ def test_check_backend_names_what_is_offered_and_where(monkeypatch):
     naming what it offers and which backend has the scheme."""
     monkeypatch.setitem(Q.BACKEND_NAMES, "rust", ("none", "int8"))
     Q.check_backend(None, "rust")
-    Q.check_backend("q4_mix", "onnx")
+    Q.check_backend(Q.SCHEMES["q4_mix"], "onnx")
     with pytest.raises(Q.QuantizeError, match=r"quantize is 'Q4_K_M'; expected None or one of none, int8, q4_0, q4_mix "
                                               r"\(q4_k_m is llama.cpp's GGUF mix: python -m export.gguf BUNDLE --type "
                                               r"q4_k_m\)"):
-        Q.parse_quantize("Q4_K_M")
+        Q.parse("Q4_K_M")
     for name in ("q4_0", "q4_mix"):
         with pytest.raises(Q.QuantizeError, match=rf"'{name}' is not offered by the rust backend \(it offers "
                                                   r"none, int8\); use backend 'onnx'"):
-            Q.check_backend(name, "rust")
+            Q.check_backend(Q.SCHEMES[name], "rust")
 
 
 def test_check_shape_refuses_rows_that_do_not_fill_blocks():
@@ -86,10 +88,10 @@ def test_check_shape_refuses_rows_that_do_not_fill_blocks():
 
 
 def test_rust_runtime_has_python_s_list_of_names(bundle):
-    """Rust's list of quantization names is serve.quant's: rust_runtime.QUANTIZE_NAMES and QUANTIZE_PLAN equal
+    """Rust's list of quantization names is contract.quant's: rust_runtime.QUANTIZE_NAMES and QUANTIZE_PLAN equal
     NAMES and plan(); Model.load(quantize=...)
     takes exactly the names of BACKEND_NAMES["rust"] and reports each back, refuses every other name of NAMES naming
-    it (so serve.quant says rust=True exactly where Rust has the scheme), and answers no spelling with a name of its
+    it (so contract.quant says rust=True exactly where Rust has the scheme), and answers no spelling with a name of its
     own."""
     import rust_runtime  # built by `pip install -e ".[all]"` (README)
     assert tuple(rust_runtime.QUANTIZE_NAMES) == Q.NAMES
@@ -127,4 +129,4 @@ def test_serve_load_and_settings_refuse_a_scheme_the_backend_lacks(bundle, monke
         load(bundle, backend="onnx", quantize="q4_0", verify=False)   # the fixture bundle has int8 only
     with pytest.raises(SettingsError, match=r"SHALIK_QUANTIZE='q4_k_m': expected one of none, int8, q4_0, q4_mix"):
         Settings.from_env({"SHALIK_QUANTIZE": "q4_k_m"})
-    assert Settings.from_env({"SHALIK_QUANTIZE": "Q4_0", "SHALIK_MODEL": str(bundle)}).quantize == "q4_0"
+    assert Settings.from_env({"SHALIK_QUANTIZE": "Q4_0", "SHALIK_MODEL": str(bundle)}).quantize is Q.SCHEMES["q4_0"]

@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from serve import quant as serve_quant  # noqa: E402  (after the path set-up above)
-from serve.bundle import QUANTIZE_CHOICES  # noqa: E402
+from contract import quant as serve_quant  # noqa: E402  (after the path set-up above)
+from contract.bundle import QUANTIZE_CHOICES  # noqa: E402
 
 ATOL = RTOL = 1e-4  # docs/design.md: fp32 parity
 NEAR_TIE = 1e-3  # docs/design.md: greedy mismatch allowed only where the reference top-2 gap is below this
@@ -208,7 +208,7 @@ def build_bundle(
 def sign(bundle: Path) -> None:
     """Give a hand-made bundle the manifest export/ writes (format, version, every file's sha256 and size), which
     rust_runtime.Model.load checks by default; again after a test changes a file on purpose."""
-    from serve.bundle import write_manifest
+    from contract.bundle import write_manifest
 
     write_manifest(bundle, complete=False)
 
@@ -954,7 +954,7 @@ def test_rust_backend_implements_the_protocol(tiny):
         e = expect_error(bad, BackendError)
         assert isinstance(e, ValueError)
     assert seq.position == 15
-    q = RustBackend(d, quantize="int8", threads=1, allow_ungated=True)  # a hand-made bundle: no gate
+    q = RustBackend(d, quantize=serve_quant.SCHEMES["int8"], threads=1, allow_ungated=True)  # a hand-made bundle: no gate
     assert q.quantize == "int8" and q.new_sequence().prefill(ids[:4]).shape == (512,)
     # generate / stream / generate_batch go through the batching engine and equal Model.generate bit for bit
     prompts = [prompt_ids(5 + j, seed=80 + j) for j in range(4)]

@@ -394,7 +394,7 @@ def _copy_with_one_byte_flipped(bundle: Path, dst: Path, name: str) -> Path:
 @pytest.mark.parametrize("backend,name", [("onnx", "model.onnx.data"), ("onnx", "tokenizer.json"),
                                           pytest.param("rust", "model.safetensors", marks=BACKENDS[1].marks)])
 def test_corrupt_bundle_file_is_refused_naming_it(bundle, tmp_path, backend, name):
-    from serve.bundle import BundleError
+    from contract.bundle import BundleError
 
     bad = _copy_with_one_byte_flipped(bundle, tmp_path / "b", name)
     with pytest.raises(BundleError, match=rf"{name} is corrupt: sha256"):
@@ -406,7 +406,7 @@ def test_corrupt_bundle_file_is_refused_naming_it(bundle, tmp_path, backend, nam
 def test_bundle_without_manifest_needs_verify_false(bundle, tmp_path):
     import shutil
 
-    from serve.bundle import BundleError
+    from contract.bundle import BundleError
 
     shutil.copytree(bundle, tmp_path / "b")
     (tmp_path / "b" / "manifest.json").unlink()

@@ -13,8 +13,8 @@ import shutil
 import numpy as np
 import pytest
 
+from contract.bundle import MANIFEST, BundleError, read_manifest, update_manifest
 from serve import load
-from serve.bundle import MANIFEST, BundleError, read_manifest, update_manifest
 from serve.http.lifecycle import ServerState
 from serve.http.settings import Settings, SettingsError
 from serve.verdict import UngatedError, check_form, fmt_figure, fmt_limit, verdict
@@ -197,9 +197,9 @@ class _Seq:
 
 
 def test_continuations_count_the_greedy_continuations_identical_to_float32():
+    from contract.quant import SCHEMES
     from export import gate as G
     from export.valdata import ValData
-    from serve.quant import SCHEMES
 
     val = ValData({"bn": [np.arange(200) % 16], "en": [np.arange(200) % 7]}, "test")
     ref = lambda: _Seq(lambda ids: (ids[-1] + 1) % 16)   # noqa: E731

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from contract.chat_format import IM_END, IM_START, render
 from train import windows as W
-from train.chat_format import IM_END, IM_START, render
 from train.corpus import DataError
 from train.sft.encode import encode_conversation, pad_windows, to_window
 from train.sft.formats import ReadStats, read_conversations, to_messages
@@ -117,7 +117,7 @@ def test_windows_carry_the_mask_through_padding(chat_tok):
 
 
 def test_the_embedding_grows_by_the_mean_row(trained_run):
-    from train.checkpoint import find_checkpoint, load_model
+    from train.components.checkpoint import find_checkpoint, load_model
     from train.model import LlamaForCausalLM, ModelConfig
     from train.sft.init import load_base
 
@@ -168,7 +168,7 @@ def base_without_chat_tokens(trained_run, tmp_path_factory) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from train.checkpoint import find_checkpoint, write_sums
+    from train.components.checkpoint import find_checkpoint, write_sums
 
     src = find_checkpoint(trained_run)
     run = tmp_path_factory.mktemp("old") / "old"

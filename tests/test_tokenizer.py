@@ -10,14 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, pre_tokenizers
 
+from contract.byte_level import bytes_to_unicode
 from tests.conftest import shared_path
-from train.byte_level import bytes_to_unicode
 from train.corpus import Document, iter_documents, list_input_files
-from train.fertility import TokenizerAdapter, fertility, load_any_tokenizer
 from train.tokenizer import PRETOKENIZER, load_tokenizer, new_tokenizer, token_char_counts
 from train.tokenizer.cli import main
+from train.tokenizer.fertility import TokenizerAdapter, fertility, load_any_tokenizer
 from train.tokenizer.pretokenizers import pre_tokenizer_json
-from train.tokenizer_sample import sample_quotas
+from train.tokenizer.sample import sample_quotas
 
 PROBES = {
     "বাংলা": ["বাংলা"],
@@ -255,7 +255,7 @@ def test_chat_tokens_keep_every_other_id_and_merge():
     trained without them at two fewer entries, and add_chat_tokens gives such an older tokenizer the same two."""
     from tokenizers import Tokenizer, trainers
 
-    from train.chat_format import CHAT_TOKENS, render
+    from contract.chat_format import CHAT_TOKENS, render
     from train.tokenizer import add_chat_tokens, has_chat_tokens, train_tokenizer
 
     texts = ["আমি বাংলায় গান গাই। " * 30, "The river flows to the sea. " * 30]

@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 
 from tests.conftest import MINI, ROOT, fast_config, fast_overrides
-from train.checkpoint import find_checkpoint, read_latest_name, verify_sums
+from train.components.checkpoint import find_checkpoint, read_latest_name, verify_sums
 from train.run import NonFiniteStop, Trainer, TrainError
 
 QUIET = {"log": lambda m: None}
@@ -71,7 +71,7 @@ def test_run_folder_layout(tmp_path, session_cache):
         "model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
         "optimizer.pt", "trainer_state.json", "data_summary.json", "SHA256SUMS"])
     verify_sums(ck)
-    from train.atomic import DIR_MODE, FILE_MODE
+    from contract.atomic import DIR_MODE, FILE_MODE
 
     assert (ck.stat().st_mode & 0o777) == DIR_MODE and ((run / "summary.json").stat().st_mode & 0o777) == FILE_MODE
     torch.load(ck / "optimizer.pt", weights_only=True)

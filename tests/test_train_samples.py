@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.evaluate import _process_logits, sampled_continuation, user_samples
+from train.components.evaluation import _process_logits, sampled_continuation, user_samples
 from train.hf_files import SAMPLING
 from train.model import LlamaForCausalLM, ModelConfig
 

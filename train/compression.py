@@ -11,7 +11,7 @@ equivalent of a model trained on the training split — divided by the validatio
 (``held``: the source's validation documents joined by blank lines, in reading order.) The split is the shards'
 (the cleaning stage's validation split of whole works, ``train.clean.split``; documents it removes are on
 neither side), so the characters are those the trainer's per-source evaluation scores
-(:func:`train.evaluate.evaluate_sources`). A language's floor is the sum of its sources' bits over the sum of
+(:func:`train.components.evaluation.evaluate_sources`). A language's floor is the sum of its sources' bits over the sum of
 their characters (the way the model's bits per character are aggregated).
 
 Both compressors are primed once per language and then forked once per source file (PPMd's and xz's streaming state
@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-from train.atomic import atomic_write_json
+from contract.atomic import atomic_write_json
+from contract.text import split_value
 from train.clean import stage as clean_stage
 from train.clean.decide import TRAIN, VAL
 from train.clean.split import iter_split
 from train.config import DEFAULT_PRESET, Config, ConfigError, load_config, resolve_path
 from train.corpus import DataError, is_hf_spec, list_input_files
 from train.inputs import scan_inputs
-from train.textutil import split_value
 
 FORMAT_VERSION = 2  # 2: the shards' split (whole works, cleaned)
 PPMD_ORDER = 16

@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.text import bengali_letter_share, language_of_share, nfc
 from train.config import resolve_path
-from train.textutil import bengali_letter_share, language_of_share, nfc
 
 LANG_NAMES = {"bn": "Bangla", "en": "English"}
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
@@ -44,7 +44,7 @@ class DataError(ValueError):
 class Document:
     """One NFC-normalised document.
 
-    ``lang`` is decided by script (``train.textutil.detect_language``), whatever the input's ``lang`` field
+    ``lang`` is decided by script (``contract.text.detect_language``), whatever the input's ``lang`` field
     says; ``origin`` is the file path or ``hf:`` spec it came from.
     """
 

@@ -22,7 +22,7 @@ is reused and says so; a miss is built in a temporary folder and renamed into pl
 in the tokenizer's key: a tokenizer serves any ``max_position_embeddings``.
 
 Scale: each input is hashed once (``train.inputs``, cached by path, size and mtime); the tokenizer's sample is
-chosen in one streaming pass (``train.tokenizer_sample``); the shards are built by :class:`ShardBuild` in named
+chosen in one streaming pass (``train.tokenizer.sample``); the shards are built by :class:`ShardBuild` in named
 phases, its tokenizing pass spread over ``data.num_workers`` processes (``train.parallel``) with bounded memory:
 chunks of the inputs go out, token ids (and the shuffle keys of each document's copies) come back in reading
 order and stream into per-language raw files; the workers tokenize the NFC text with the tokenizer's own NFC
@@ -49,7 +49,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from train.atomic import atomic_dir, atomic_write_json, atomic_write_text
+from contract.atomic import atomic_dir, atomic_write_json, atomic_write_text
+from contract.text import letter_kinds
 from train.clean import stage as clean_stage
 from train.clean.decide import TRAIN, VAL, Cleaner
 from train.clean.scan import CleanPart, Settings, scan_documents
@@ -68,7 +69,6 @@ from train.corpus import (
 from train.inputs import InputFile, scan_inputs
 from train.parallel import ordered_map, resolve_workers
 from train.shards import ShardWriter, dtype_for_vocab, open_shard
-from train.textutil import letter_kinds
 from train.tokenizer import (
     EOT,
     PRETOKENIZER,
@@ -78,12 +78,12 @@ from train.tokenizer import (
     tokenizer_sha256,
     train_tokenizer,
 )
-from train.tokenizer_sample import choose_sample
+from train.tokenizer.sample import choose_sample
 
 # 2: pre-tokens bounded to MAX_PRETOKEN_CHARS (the split pattern changed, so every tokenizer and shard key did)
 # and the context length out of the tokenizer's key
 # 3: the split is llama.cpp's deepseek-v3 (train.tokenizer.PRETOKENIZER): GGUF exports tokenize as trained
-# 4: tokenizers reserve the chat turn tokens <|im_start|> / <|im_end|> as their last two ids (train.chat_format)
+# 4: tokenizers reserve the chat turn tokens <|im_start|> / <|im_end|> as their last two ids (contract.chat_format)
 # 5: the cleaning stage (train.clean) and the validation split of whole works
 FORMAT_VERSION = 5
 MAX_REPEAT = 4.0  # "Scaling Data-Constrained Language Models" (Muennighoff et al. 2023): ~4 epochs ≈ fresh data

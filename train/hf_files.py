@@ -1,6 +1,6 @@
 """The Hugging Face sidecar files: ``config.json``, ``generation_config.json`` and ``tokenizer_config.json``.
 
-One builder for every folder that carries them — a checkpoint (``train.checkpoint.save_checkpoint``) and a
+One builder for every folder that carries them — a checkpoint (``train.components.checkpoint.save_checkpoint``) and a
 bundle (``export.bundle``) — so ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` read the same keys from
 both (docs/design.md, "The bundle"). It lives in ``train/`` because checkpoints carry the files and ``train/``
 may not import ``export/``.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.atomic import atomic_write_json
-from train.chat_format import IM_END, missing_chat_tokens
+from contract.atomic import atomic_write_json
+from contract.chat_format import IM_END, missing_chat_tokens
 from train.model import ModelConfig
 from train.tokenizer import tokenizer_config
 

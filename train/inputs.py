@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.atomic import atomic_write_json, sha256_file
+from contract.atomic import atomic_write_json, sha256_file
 from train.corpus import is_hf_spec, parse_hf_spec, unreadable_reason
 from train.parallel import ordered_map
 

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from train.atomic import atomic_write_json
+from contract.atomic import atomic_write_json
 from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
 from train.device import PEAK_FLOPS, autocast_ctx, resolve_device, resolve_dtype
 from train.model import (

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from train.atomic import FILE_MODE, TMP_PREFIX
+from contract.atomic import FILE_MODE, TMP_PREFIX
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -19,7 +19,7 @@ metrics keys and the checkpoint layout are docs/design.md's. The loop:
   rank), not by the number of micro-batches (case TR1);
 * evaluation every ``eval_every`` steps (val NLL and bits per character per language; at step 0 also the
   random-init twin) and greedy samples of fixed Bangla and English prompts;
-* checkpoints every ``ckpt_every`` steps and at the end (``train.checkpoint``), ``--resume`` continues exactly
+* checkpoints every ``ckpt_every`` steps and at the end (``train.components.checkpoint``), ``--resume`` continues exactly
   (same weights, optimizer, data position, schedule and RNG), a changed model config is refused;
 * SIGTERM / SIGINT save a checkpoint and exit 0; a non-finite loss or gradient skips the step, and
   ``max_nonfinite`` in a row stop the run (exit 1) naming the last good checkpoint;
@@ -50,11 +50,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from train import distributed as D
 from train import windows as W
-from train.components.checkpointer import Checkpointer
+from train.components.checkpoint import Checkpointer
 from train.components.evaluation import Evaluator
-from train.components.placement import Placement
+from train.components.placement import Placement, all_reduce_sum, any_rank, barrier, shutdown
 from train.components.run_data import RunData
 from train.components.run_log import RunLog, Throughput
 from train.components.signals import StopRequest
@@ -236,7 +235,7 @@ class Trainer:
             checks = {c.name: c for c in report.checks}
             gain = checks["throughput"].values.get("bfloat16_gain") if "throughput" in checks else None
             p.decide_auto(checks["precision"].ok if "precision" in checks else None, gain, self.log)
-        return D.any_rank(not report.ok, p.dist, p.device) is False
+        return any_rank(not report.ok, p.dist, p.device) is False
 
     # --------------------------------------------------------------------------------------- the loop
     def save(self, serializer=None) -> Path | None:
@@ -295,7 +294,7 @@ class Trainer:
                 bar.update(1)
                 if state.step % t.eval_every == 0 or state.step == t.max_steps:
                     self.evaluator(self.model, state)
-                    D.barrier(self.dist)
+                    barrier(self.dist)
                     meter.exclude_pause()
                 if state.step % t.ckpt_every == 0 and state.step < t.max_steps:
                     if state.nonfinite:
@@ -332,7 +331,7 @@ class Trainer:
             loss_sum += loss.detach().float()
         if p.dist.enabled:
             packed = torch.stack([loss_sum, torch.tensor(float(self.stop.requested), device=p.device)])
-            D.all_reduce_sum(packed, p.dist)
+            all_reduce_sum(packed, p.dist)
             loss_sum, stop = packed[0], bool(packed[1] > 0)
         else:
             stop = self.stop.requested
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         if trainer is not None:
-            D.shutdown(trainer.dist)
+            shutdown(trainer.dist)
     return 0
 
 

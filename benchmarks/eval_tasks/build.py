@@ -5,7 +5,7 @@ filters, counts).
 An item: ``context`` = one or two consecutive sentences of a validation document; ``choices`` = the sentence
 that really follows them, and three sentences of the same language taken from OTHER validation documents, of
 similar length (within 0.8–1.25× in characters where the pool allows, else the nearest lengths), in a seeded
-random order; ``gold`` = the index of the true one. Only validation documents are read (``train.textutil.is_val``
+random order; ``gold`` = the index of the true one. Only validation documents are read (``contract.text.is_val``
 on the NFC text, ``val_fraction`` 0.01 as the models were trained with), so no item text was trained on.
 
 Sentences. A document is cut into paragraphs at blank lines; inside a paragraph every run of whitespace
@@ -54,9 +54,9 @@ ROOT = HERE.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from train.atomic import atomic_write_json, atomic_write_text, sha256_file  # noqa: E402
+from contract.atomic import atomic_write_json, atomic_write_text, sha256_file  # noqa: E402
+from contract.text import bengali_letter_share, is_val  # noqa: E402
 from train.corpus import iter_documents, list_input_files  # noqa: E402
-from train.textutil import bengali_letter_share, is_val  # noqa: E402
 
 SEED = 13
 VAL_FRACTION = 0.01

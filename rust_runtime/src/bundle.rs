@@ -1,5 +1,5 @@
 //! The bundle contract, Rust side: the names of the files this runtime reads, the manifest's
-//! format and major version, and the end-of-text token. The owner is Python's `serve/bundle.py`
+//! format and major version, and the end-of-text token. The owner is Python's `contract/bundle.py`
 //! (docs/design.md "The bundle"); these constants mirror it, and tests/test_bundle_contract.py
 //! checks that they are equal and that no other Rust source spells a bundle file name.
 

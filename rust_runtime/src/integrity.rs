@@ -2,7 +2,7 @@
 //! model.safetensors, tokenizer.json) are checked against the sha256 and byte count that the
 //! exporter wrote into `manifest.json` (`files: {name: {sha256, bytes}}`, docs/design.md "The
 //! bundle"). Each file is hashed in one streaming pass (1 MiB reads), which also warms the page
-//! cache for the memory-mapped load that follows. The rule is Python's (`serve.bundle`): a bundle
+//! cache for the memory-mapped load that follows. The rule is Python's (`contract/bundle.py`): a bundle
 //! without a manifest is refused — the exporter writes it last, so a folder without one is not a
 //! finished export — unless the caller opts out (`verify=False`); a manifest that is unreadable,
 //! not a Shalik manifest, of a newer `format_version`, lacking an entry for one of these files, or
@@ -275,7 +275,7 @@ mod tests {
         for name in CHECKED_FILES {
             std::fs::write(dir.join(name), format!("contents of {name}")).unwrap();
         }
-        // no manifest: refused (as serve.bundle does), naming the manifest and the opt-out
+        // no manifest: refused (as contract.bundle does), naming the manifest and the opt-out
         let e = verify_bundle(&dir).unwrap_err().to_string();
         assert!(e.contains("manifest.json is missing") && e.contains("verify=False"), "{e}");
         let (empty, _) = {

@@ -1,6 +1,6 @@
 //! The quantization kinds a model can be loaded with (the names Python passes as `quantize=`),
 //! and which storage each weight matrix gets under each kind: one table (`KINDS`, `Quantize::storage`),
-//! which Python's list of schemes (`serve.quant`: its names, and the roles each keeps at 8 bits) must
+//! which Python's list of schemes (`contract/quant.py`: its names, and the roles each keeps at 8 bits) must
 //! equal (`rust_runtime.QUANTIZE_NAMES`, `rust_runtime.QUANTIZE_PLAN`, tests/test_rust_runtime.py).
 //!
 //! * `none`: every matrix f32 (packed, `kernels::PackedF32`).
@@ -12,7 +12,7 @@
 //!   q4_0 and q8_0, so ONNX's `MatMulNBits` form computes from the same numbers.
 //!
 //! GGML's q4_K (`BlockKind::Q4K`, super-blocks of 256) has kernels too (`kernels_int`, `qblocks`)
-//! but no name: serve.quant has no Rust scheme that uses it.
+//! but no name: contract.quant has no Rust scheme that uses it.
 
 use crate::error::{Error, Result};
 use crate::kernels_int::{bits_per_weight, BlockKind};
@@ -45,7 +45,7 @@ pub enum Role {
     LmHead,
 }
 
-/// Every role, in Python's order (`serve.quant.ROLES`).
+/// Every role, in Python's order (`contract.quant.ROLES`).
 pub const ROLES: [Role; 9] = [
     Role::EmbedTokens,
     Role::QProj,

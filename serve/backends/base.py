@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from contract.quant import Scheme
 from serve.checks import check_fits, check_token_ids
 
 
@@ -54,6 +55,16 @@ class Backend(Protocol):
     def new_sequence(self) -> Sequence:
         """An empty KV cache at position 0."""
         ...
+
+
+def check_scheme(quantize: object) -> Scheme | None:
+    """A backend's ``quantize``: a :class:`contract.quant.Scheme` parsed at the boundary (``serve.load``, the
+    server's settings) or None (float32). TypeError for anything else, a name included: a backend never parses
+    one (``contract.quant.parse`` does)."""
+    if quantize is None or isinstance(quantize, Scheme):
+        return quantize
+    raise TypeError(f"quantize is {quantize!r}; expected a contract.quant.Scheme or None (contract.quant.parse "
+                    "reads a name)")
 
 
 def check_ids(ids: Seq[int], vocab_size: int, position: int, context: int) -> list[int]:

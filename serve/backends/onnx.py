@@ -1,8 +1,8 @@
-"""The ONNX backend: a Shalik bundle's ``model.onnx`` (or the graph of a quantization scheme, :mod:`serve.quant`:
+"""The ONNX backend: a Shalik bundle's ``model.onnx`` (or the graph of a quantization scheme, :mod:`contract.quant`:
 ``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) run by onnxruntime on CPU.
 
 numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming,
-:func:`serve.bundle.onnx_input_names` / :func:`serve.bundle.onnx_output_names`):
+:func:`contract.bundle.onnx_input_names` / :func:`contract.bundle.onnx_output_names`):
 ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
 ``[batch, kv_heads, past, head_dim]`` → ``logits`` ``[batch, seq, vocab]`` and ``present.{i}.key/.value``
 ``[batch, kv_heads, past + seq, head_dim]``. One graph serves prefill (past length 0) and decode.
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from serve.backends.base import BackendError, check_ids
-from serve.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names
-from serve.quant import check_backend, parse_quantize
+from contract.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names
+from contract.quant import Scheme
+from serve.backends.base import BackendError, check_ids, check_scheme
 
 BATCH_PAYS_FROM = 2  # smallest batch at which decode_batch beats one-at-a-time decode (benchmarks/onnx_batching.py)
 
@@ -137,23 +137,24 @@ class OnnxSequence:
 class OnnxBackend:
     """A bundle's ONNX graph in an onnxruntime session, plus a factory of KV caches.
 
-    ``OnnxBackend(bundle_dir, quantize=None | "int8" | "q4_0" | "q4_mix", threads=None)``: reads ``config.json``
-    (vocab size, context, layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, the scheme's graph,
-    ``serve.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the folder). Raises BackendError for a
-    quantization without an ONNX form, or when the folder, the config or the graph is missing or the graph's inputs
-    are not the bundle's.
+    ``OnnxBackend(bundle_dir, quantize=None | Scheme, threads=None)``: reads ``config.json`` (vocab size, context,
+    layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, a :class:`contract.quant.Scheme` parsed by
+    the caller, the scheme's graph, ``contract.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the
+    folder). ``self.quantize`` is the scheme's name (None: float32). Raises TypeError for a ``quantize`` that is not
+    a Scheme, BackendError for a scheme without an ONNX form, or when the folder, the config or the graph is missing
+    or the graph's inputs are not the bundle's.
     """
 
     name = "onnx"
 
-    def __init__(self, bundle_dir: str | Path, quantize: str | None = None, threads: int | None = None,
+    def __init__(self, bundle_dir: str | Path, quantize: Scheme | None = None, threads: int | None = None,
                  model_file: str | None = None):
         self.path = Path(bundle_dir)
-        try:
-            self.quantize = parse_quantize(quantize)
-            check_backend(self.quantize, "onnx")
-        except ValueError as e:
-            raise BackendError(str(e)) from None
+        scheme = check_scheme(quantize)
+        if scheme is not None and not scheme.onnx:
+            raise BackendError(f"quantize {scheme.name!r} has no ONNX form (the onnx backend offers "
+                               f"{', '.join(n for n in ONNX_GRAPHS if n)})")
+        self.quantize = scheme.name if scheme else None
         cfg_path = self.path / CONFIG
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -194,7 +195,7 @@ class OnnxBackend:
 
     @functools.cached_property
     def eot_id(self) -> int:
-        """``<|endoftext|>``'s id, from the bundle's tokenizer.json (:func:`serve.bundle.eot_id`)."""
+        """``<|endoftext|>``'s id, from the bundle's tokenizer.json (:func:`contract.bundle.eot_id`)."""
         from tokenizers import Tokenizer  # only for callers of this property (serve.lm holds its own tokenizer)
 
         return eot_id(Tokenizer.from_file(str(self.path / TOKENIZER)))

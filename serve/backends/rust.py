@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.backends.base import BackendError, check_ids
+from contract.quant import Scheme
+from serve.backends.base import BackendError, check_ids, check_scheme
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET
-from serve.quant import check_backend, parse_quantize
 
 try:  # the extension is optional: serve works with the onnx backend without it
     import rust_runtime as _rr
@@ -68,8 +68,9 @@ class RustSequence:
 
 
 class RustBackend:
-    """Weights in Rust (f32, or quantized at load: q8_0 with ``quantize="int8"``; the schemes rust_runtime offers
-    are :data:`serve.quant.BACKEND_NAMES` ``["rust"]``) plus a factory of KV caches. A quantized form loads only
+    """Weights in Rust (f32, or quantized at load: ``quantize`` a :class:`contract.quant.Scheme` parsed by the
+    caller, q8_0 for ``int8``; the schemes rust_runtime offers are :data:`contract.quant.BACKEND_NAMES` ``["rust"]``;
+    ``rust_runtime.Model.load`` reads the scheme's name once more, at its own boundary) plus a factory of KV caches. A quantized form loads only
     when the export's quality gate passed it (``rust_runtime.Model.load``, :mod:`serve.verdict`), unless
     ``allow_ungated``."""
 
@@ -78,7 +79,7 @@ class RustBackend:
     def __init__(
         self,
         path: str | Path,
-        quantize: str | None = None,
+        quantize: Scheme | None = None,
         threads: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
@@ -86,13 +87,12 @@ class RustBackend:
     ):
         if _rr is None:
             raise ImportError(BUILD_HINT.format(err=_IMPORT_ERROR)) from _IMPORT_ERROR
-        quantize = parse_quantize(quantize)
-        check_backend(quantize, "rust")
+        scheme = check_scheme(quantize)
         self.path = Path(path)
-        # serve.load checks the manifest's sha256 sums itself (serve.bundle, with its verify setting), so the
+        # serve.load checks the manifest's sha256 sums itself (contract.bundle, with its verify setting), so the
         # extension's own check (rust_runtime.Model.load(verify=True)) would hash every file a second time; the
         # manifest's format_version and the gate's verdict on the quantized form are checked by the extension.
-        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=quantize, verify=False,
+        self.model = _rr.Model.load(str(self.path), threads=threads, quantize=scheme.name if scheme else None, verify=False,
                                     allow_ungated=allow_ungated)
         self.vocab_size: int = self.model.vocab_size
         self.max_position_embeddings: int = self.model.max_position_embeddings

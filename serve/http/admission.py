@@ -13,13 +13,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from serve.http.errors import HTTPError, timeout_error
 from serve.http.metrics import Metrics
-
-if TYPE_CHECKING:
-    from serve.http.lifecycle import ServerState
 
 
 class Overloaded(Exception):
@@ -87,35 +83,36 @@ def overloaded(e: Overloaded) -> HTTPError:
     return HTTPError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)})
 
 
-def refuse_early(state: ServerState) -> None:
+def refuse_early(slots: Admission) -> None:
     """429 before any work (tokenizing, validating ids) when the server is already full."""
     try:
-        state.admission.check()
+        slots.check()
     except Overloaded as e:
         raise overloaded(e) from None
 
 
-async def admit(state: ServerState, deadline: float) -> None:
-    """Take a generation slot: 429 when slots and queue are full, 504 when the wait outlasts the deadline."""
+async def admit(slots: Admission, deadline: float, timeout_s: float) -> None:
+    """Take a generation slot: 429 when slots and queue are full, 504 (naming the request timeout ``timeout_s``)
+    when the wait outlasts the deadline (``time.perf_counter()`` seconds)."""
     try:
-        await state.admission.acquire(deadline - time.perf_counter())
+        await slots.acquire(deadline - time.perf_counter())
     except Overloaded as e:
         raise overloaded(e) from None
     except asyncio.TimeoutError:  # (an alias of TimeoutError from Python 3.11)
-        raise timeout_error(state.settings.request_timeout_s) from None
+        raise timeout_error(timeout_s) from None
 
 
-def in_slot_thread(state: ServerState, fn: Callable, *args) -> asyncio.Future:
+def in_slot_thread(slots: Admission, fn: Callable, *args) -> asyncio.Future:
     """Run ``fn(*args)`` in a worker thread that holds the caller's generation slot and gives it back when
     ``fn`` returns — even if the caller stopped waiting (timeout, disconnect)."""
     def work():
         try:
             return fn(*args)
         finally:
-            state.admission.release()
+            slots.release()
 
     try:
         return asyncio.get_running_loop().run_in_executor(None, work)
     except BaseException:
-        state.admission.release()
+        slots.release()
         raise

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 
-from serve.bundle import BundleError, read_manifest
+from contract.bundle import BundleError, read_manifest
 from serve.http.admission import Admission
 from serve.http.errors import HTTPError
 from serve.http.metrics import Metrics

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from serve.bundle import EOT
+from contract.bundle import EOT
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from serve.bundle import EOT, PAD
+from contract.bundle import EOT, PAD
 from serve.http import admission, runs
 from serve.http.chat import ChatFormat, start_chat_generations
 from serve.http.lifecycle import ServerState
@@ -124,9 +124,9 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         lm = state.require_lm()
         state.check_model(req.model)
         deadline = arrived + settings.request_timeout_s
-        admission.refuse_early(state)
-        await admission.admit(state, deadline)
-        s = await runs.wait(admission.in_slot_thread(state, lm.score, req.text), request, deadline,
+        admission.refuse_early(state.admission)
+        await admission.admit(state.admission, deadline, settings.request_timeout_s)
+        s = await runs.wait(admission.in_slot_thread(state.admission, lm.score, req.text), request, deadline,
                             on_abandon=lambda: None)
         state.metrics.prompt_tokens.inc(len(s.token_ids))
         return score_body(lm, state.name, s)
@@ -137,10 +137,10 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         arrived = time.perf_counter()
         lm = state.require_lm()
         state.check_model(req.model)
-        admission.refuse_early(state)
+        admission.refuse_early(state.admission)
         gens = await run_in_threadpool(start, lm)
         deadline = arrived + settings.request_timeout_s
-        await admission.admit(state, deadline)
+        await admission.admit(state.admission, deadline, settings.request_timeout_s)
         state.metrics.prompt_tokens.inc(prompt_usage(gens, req.n))
         try:
             run = runs.ThreadedRun(gens, on_end=state.admission.release, metrics=state.metrics, arrived_at=arrived)

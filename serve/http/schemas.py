@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from serve.bundle import EOT
+from contract.bundle import EOT
 
 MAX_N = 64
 MAX_LOGPROBS = 20

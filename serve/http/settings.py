@@ -6,8 +6,8 @@ variable                    default                   meaning
 SHALIK_MODEL                newest ``runs/*/bundle``  bundle directory
 SHALIK_MODEL_NAME           bundle folder's parent    id in /v1/models
 SHALIK_BACKEND              ``onnx``                  ``onnx`` or ``rust``
-SHALIK_QUANTIZE             ``none``                  a name of serve.quant.NAMES the backend offers
-                                                      (serve.quant.BACKEND_NAMES; docs/design.md)
+SHALIK_QUANTIZE             ``none``                  a name of contract.quant.NAMES the backend offers
+                                                      (contract.quant.BACKEND_NAMES; docs/design.md)
 SHALIK_THREADS              all cores                 compute threads
 SHALIK_API_KEY              unset (no auth)           ``Authorization: Bearer KEY`` on all but /, /health,
                                                       /static/*
@@ -31,11 +31,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
-from serve.bundle import MANIFEST
+from contract.bundle import MANIFEST
+from contract.quant import NAMES, QuantizeError, Scheme, check_backend, parse
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.loader import BACKENDS
 from serve.policy import DEFAULT_MAX_BATCH, MAX_BATCH_LIMIT
-from serve.quant import NAMES, QuantizeError, check_backend, parse_quantize
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ class Settings:
     model: Path | None = None
     model_name: str | None = None
     backend: str = "onnx"
-    quantize: str | None = None
+    quantize: Scheme | None = None  # parsed here, once (contract.quant.parse); serve.load takes it as it is
     threads: int | None = None
     api_key: str | None = None
     max_concurrency: int = DEFAULT_MAX_BATCH  # the engine's batch (serve.policy)
@@ -120,7 +120,7 @@ class Settings:
             return v > 0
 
         backend = get("backend", str.lower, lambda v: v in BACKENDS, " or ".join(BACKENDS))
-        quantize = get("quantize", parse_quantize, lambda v: True, "one of " + ", ".join(NAMES))
+        quantize = get("quantize", parse, lambda v: True, "one of " + ", ".join(NAMES))
         try:
             check_backend(quantize, backend, "SHALIK_QUANTIZE")
         except QuantizeError as e:

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from serve.bundle import EOT
+from contract.bundle import EOT
 from serve.errors import RequestError
 from serve.generation import Generation
 from serve.http.schemas import CompletionRequest, ScoreResponse

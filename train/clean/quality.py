@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.text import letter_kinds, nfc
 from train.clean.text import NgramHashes
 from train.config import ConfigError
-from train.textutil import letter_kinds, nfc
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.atomic import atomic_path
+from contract.atomic import atomic_path
 from train.clean import stage
 from train.clean.decide import Cleaner
 from train.clean.scan import Settings, scan_documents

@@ -54,7 +54,7 @@ def settings_from(cfg: Config, eval_folder: Path = EVAL_DIR) -> Settings:
     rules = quality.load_rules([x for x in d.clean_off if x not in STEPS], d.clean_set)
     if not d.clean:
         return Settings(False, rules, tuple(d.clean_off))
-    from train.textutil import nfc  # noqa: PLC0415
+    from contract.text import nfc  # noqa: PLC0415
 
     texts = [nfc(t) for t in eval_texts(eval_folder)] if "decontam" not in steps else []
     return Settings(True, rules, tuple(d.clean_off), eval_ngrams(texts))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train import distributed as D
+from train.components.placement import DistInfo, publish, wait_for
 from train.config import Config, ConfigError
 from train.corpus import DataError
 from train.data import Prepared, prepare
@@ -22,7 +22,7 @@ from train.tokenizer import EOT, PAD, load_tokenizer, token_char_counts
 DATA_WAIT_S = 6 * 3600  # how long ranks > 0 wait for rank 0 to prepare the data under torchrun
 
 
-def prepare_on_rank0(cfg: Config, dist: D.DistInfo, log: Callable[[str], None]) -> Prepared:
+def prepare_on_rank0(cfg: Config, dist: DistInfo, log: Callable[[str], None]) -> Prepared:
     """prepare() on rank 0; under torchrun the other ranks wait for rank 0's word on the store (never in a
     collective with a timeout), then open the cache it built. Bad input (DataError, ConfigError) and a wait past
     :data:`DATA_WAIT_S` raise TrainError naming it."""
@@ -33,11 +33,11 @@ def prepare_on_rank0(cfg: Config, dist: D.DistInfo, log: Callable[[str], None]) 
             try:
                 prepared = prepare(cfg, log=log)
             except (DataError, ConfigError) as e:
-                D.publish(dist, "data", {"error": str(e)})
+                publish(dist, "data", {"error": str(e)})
                 raise
-            D.publish(dist, "data", {"ok": True})
+            publish(dist, "data", {"ok": True})
             return prepared
-        word = D.wait_for(dist, "data", "data preparation (to skip the wait, run `python -m train.data "
+        word = wait_for(dist, "data", "data preparation (to skip the wait, run `python -m train.data "
                           "prepare` with the same config before torchrun)", DATA_WAIT_S, print)
         if "error" in word:
             raise TrainError(f"rank 0 could not prepare the data: {word['error']}")
@@ -62,7 +62,7 @@ class RunData:
     val: dict[str, list[np.ndarray]]
 
     @classmethod
-    def load(cls, cfg: Config, dist: D.DistInfo, log: Callable[[str], None]) -> RunData:
+    def load(cls, cfg: Config, dist: DistInfo, log: Callable[[str], None]) -> RunData:
         """Prepare (see :func:`prepare_on_rank0`) and open everything; raises TrainError on bad input."""
         prepared = prepare_on_rank0(cfg, dist, log)
         tokenizer = load_tokenizer(prepared.tokenizer_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from train.atomic import atomic_write_json, atomic_write_text
+from contract.atomic import atomic_write_json, atomic_write_text
 from train.config import Config, to_toml
 from train.plots import plot_loss, read_metrics
 

@@ -37,9 +37,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.atomic import atomic_write_bytes
+from contract.atomic import atomic_write_bytes
+from contract.text import detect_language, nfc
 from train.corpus import DataError, list_input_files
-from train.textutil import detect_language, nfc
 
 DEFAULT_OUT = "data/sft/shalik-sft.jsonl.gz"
 VAL_SHARE = 0.08  # share of each source's documents whose works go to validation

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from train import distributed as D
+from train.components.placement import shutdown
 from train.config import ConfigError, HelpFormatter, load_config
 from train.errors import TrainError
 from train.run import _already_done
@@ -104,5 +104,5 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         if trainer is not None:
-            D.shutdown(trainer.dist)
+            shutdown(trainer.dist)
     return 0

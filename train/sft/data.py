@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.chat_format import CHAT_TOKENS, missing_chat_tokens
 from train import windows as W
-from train.chat_format import CHAT_TOKENS, missing_chat_tokens
-from train.checkpoint import CheckpointError, find_checkpoint
+from train.components.checkpoint import CheckpointError, find_checkpoint
 from train.config import Config
 from train.corpus import DataError, is_hf_spec, list_input_files
 from train.errors import TrainError

@@ -1,9 +1,9 @@
 """A conversation as token ids with its loss mask, and padded windows of conversations.
 
-Ids are ``[<|endoftext|>] + encode(render(messages))`` (:mod:`train.chat_format`: the ids the server and every
+Ids are ``[<|endoftext|>] + encode(render(messages))`` (:mod:`contract.chat_format`: the ids the server and every
 other runtime give the same conversation). The loss mask comes from the tokenizer's character offsets of that
 whole rendered text: a token carries loss when it starts inside an assistant span (the reply and the
-``<|im_end|>`` that closes it, :func:`train.chat_format.assistant_spans`). Pieces are never encoded separately,
+``<|im_end|>`` that closes it, :func:`contract.chat_format.assistant_spans`). Pieces are never encoded separately,
 so the ids are exactly those a runtime sees. (A tokenizer without the chat tokens gets them from
 ``train.tokenizer.add_chat_tokens``.)
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from contract.chat_format import assistant_spans
 from train import windows as W
-from train.chat_format import assistant_spans
 
 
 def encode_conversation(tok, messages: list[dict], eot_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.chat_format import ChatFormatError, normalize_messages
+from contract.chat_format import ChatFormatError, normalize_messages
+from contract.text import detect_language, is_val
 from train.corpus import DataError, is_hf_spec, list_input_files, parse_hf_spec, unreadable_reason
-from train.textutil import detect_language, is_val
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 VAL_NAMES = ("validation", "val", "valid", "test")
@@ -60,7 +60,7 @@ class ReadStats:
 
 def to_messages(row) -> list[dict]:
     """The ``messages`` of a row in any of the three forms (see the module doc), checked and NFC-normalised by
-    :func:`train.chat_format.normalize_messages`. Raises ChatFormatError (or ValueError) saying what is wrong."""
+    :func:`contract.chat_format.normalize_messages`. Raises ChatFormatError (or ValueError) saying what is wrong."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     if "messages" in row:

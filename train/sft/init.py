@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import CheckpointError, load_weights
+from train.components.checkpoint import CheckpointError, load_weights
 from train.errors import TrainError
 from train.model import LlamaForCausalLM, ModelConfig
 

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.chat_format import IM_END, render
 from train import windows as W
-from train.chat_format import IM_END, render
-from train.components.evaluation import Evaluator
+from train.components.evaluation import Evaluator, user_samples
 from train.config import Config
-from train.evaluate import user_samples
 from train.hf_files import SAMPLING
 from train.run import Trainer
 from train.sft.data import SFTData
@@ -32,7 +31,7 @@ CHAT_PROMPTS = [
 
 class SFTEvaluator(Evaluator):
     """Validation NLL on assistant tokens per language (the masked windows go through the same
-    :func:`train.evaluate.evaluate`), greedy replies to :data:`CHAT_PROMPTS`; at the end the sampled and greedy
+    :func:`train.components.evaluation.evaluate`), greedy replies to :data:`CHAT_PROMPTS`; at the end the sampled and greedy
     replies and the base model's figures (the step-0 evaluation: the pretrained weights with the template)."""
 
     def __init__(self, *args, **kwargs):

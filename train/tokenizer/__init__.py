@@ -10,7 +10,7 @@ The tokenizer (Hugging Face ``tokenizers``):
   ব · াং · ল · া), with at most one leading non-letter; numbers go in pieces of up to three digits;
   punctuation runs take the newlines after them. Then ``ByteLevel(add_prefix_space=False, use_regex=False)``;
 * model BPE over the 256 byte symbols, specials ``<|endoftext|>`` (id 0) and ``<|pad|>`` (id 1), and the chat
-  turn tokens ``<|im_start|>`` / ``<|im_end|>`` (``train.chat_format``) as the last two ids (since tokenizer
+  turn tokens ``<|im_start|>`` / ``<|im_end|>`` (``contract.chat_format``) as the last two ids (since tokenizer
   format 4): the BPE is trained with ``vocab_size - 2`` entries, so every other id and merge is what a format-3
   tokenizer of the same data has (its last two merges are not learned), and :func:`add_chat_tokens` appends the
   two to an older tokenizer the same way (fine-tuning a run whose tokenizer lacks them). Training cuts
@@ -21,8 +21,8 @@ The tokenizer (Hugging Face ``tokenizers``):
 Tokenizers of format 2 (``pretokenizers.LEGACY``: ZWJ/ZWNJ inside words, pre-tokens of at most 128 code points)
 still load, train and serve; only their GGUF is an approximation (``export.gguf --approximate-pretokenizer``).
 
-Sampling the training text is ``train.tokenizer_sample``; fertility against other tokenizers is
-``train.fertility``; the command lines (``python -m train.tokenizer train|fertility``) are
+Sampling the training text is ``train.tokenizer.sample``; fertility against other tokenizers is
+``train.tokenizer.fertility``; the command lines (``python -m train.tokenizer train|fertility``) are
 ``train.tokenizer.cli`` (run as ``python -m train.tokenizer``).
 """
 
@@ -34,9 +34,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from train.atomic import atomic_dir, sha256_file
-from train.byte_level import EOT, PAD, SPECIAL_TOKENS, bytes_to_unicode  # noqa: F401 - re-exported
-from train.chat_format import CHAT_TEMPLATE, CHAT_TOKENS, missing_chat_tokens
+from contract.atomic import atomic_dir, sha256_file
+from contract.byte_level import EOT, PAD, SPECIAL_TOKENS, bytes_to_unicode  # noqa: F401 - re-exported
+from contract.chat_format import CHAT_TEMPLATE, CHAT_TOKENS, missing_chat_tokens
 from train.tokenizer.pretokenizers import PRETOKENIZERS, Pretokenizer, training_pre_tokenizer
 
 PRETOKENIZER: Pretokenizer = PRETOKENIZERS["deepseek-v3"]   # Shalik's split since tokenizer format 3
@@ -85,7 +85,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequency
 
 
 def add_chat_tokens(tok: Tokenizer) -> list[int]:
-    """Give ``tok`` the chat turn tokens (``train.chat_format.CHAT_TOKENS``) it lacks, as special added tokens
+    """Give ``tok`` the chat turn tokens (``contract.chat_format.CHAT_TOKENS``) it lacks, as special added tokens
     after its last id (in place: no merge or other id changes; each is always one token, never split or
     normalised). Returns the ids of ``<|im_start|>`` and ``<|im_end|>``."""
     missing = missing_chat_tokens(tok.get_vocab(with_added_tokens=True))
@@ -102,7 +102,7 @@ def has_chat_tokens(tok: Tokenizer) -> bool:
 def tokenizer_config(model_max_length: int | None = 2048, chat: bool = False) -> dict:
     """``tokenizer_config.json`` for ``transformers.AutoTokenizer`` (PreTrainedTokenizerFast over tokenizer.json).
 
-    ``chat``: the tokenizer has the chat turn tokens, so ``chat_template`` is ``train.chat_format.CHAT_TEMPLATE``
+    ``chat``: the tokenizer has the chat turn tokens, so ``chat_template`` is ``contract.chat_format.CHAT_TEMPLATE``
     (``apply_chat_template``; gguf-py's ``SpecialVocab`` copies it into a GGUF); without them no template is
     written (a base model's tokenizer cannot encode the format).
 
@@ -165,7 +165,7 @@ def for_nfc_text(tok: Tokenizer) -> bool:
 
     NFC is idempotent, so the ids are the same, and the text is not normalised twice (on already-NFC text the
     saving is small: within noise in an interleaved in-process test). Returns True when it was switched off; another normalizer (a ``tokenizer.path`` with NFKC, lower-casing
-    …) is left in place (False). The caller must only feed text that is NFC (``train.textutil.nfc``).
+    …) is left in place (False). The caller must only feed text that is NFC (``contract.text.nfc``).
     """
     if isinstance(tok.normalizer, normalizers.NFC):
         tok.normalizer = None

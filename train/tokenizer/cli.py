@@ -12,9 +12,9 @@ import sys
 
 from train.config import DEFAULT_PRESET, ConfigError, HelpFormatter, add_config_args, config_from_args, load_config
 from train.corpus import DataError, list_input_files
-from train.fertility import fertility, load_any_tokenizer, print_table, split_docs
 from train.tokenizer import TokenizerError, save_tokenizer, tokenizer_sha256, train_tokenizer
-from train.tokenizer_sample import choose_sample
+from train.tokenizer.fertility import fertility, load_any_tokenizer, print_table, split_docs
+from train.tokenizer.sample import choose_sample
 
 
 def _cmd_train(args) -> int:

@@ -89,7 +89,7 @@ class Scheme:
     """One quantization scheme: ``name`` (the one spelling every runtime accepts), ``weight_type`` (the ggml block
     type of its bulk matrices, a key of :data:`BLOCK_TYPES`, as ``rust_runtime.QUANTIZE_PLAN`` spells it),
     ``keep_8bit`` (roles of :data:`ROLES` stored at q8_0 instead), ``onnx`` (the bundle holds an ONNX graph of it:
-    its file name is ``serve.bundle.ONNX_GRAPHS[name]``), ``rust`` (``rust_runtime`` quantizes to it at load),
+    its file name is ``contract.bundle.ONNX_GRAPHS[name]``), ``rust`` (``rust_runtime`` quantizes to it at load),
     ``gguf`` (the ``export.gguf --type`` that writes it, or None) and ``gguf_by`` (who quantizes the GGUF:
     "gguf-py" or "llama.cpp")."""
 
@@ -155,42 +155,49 @@ BACKEND_NAMES = {          # what each serving backend offers
 def plan(name: str) -> dict[str, str | None]:
     """``{role: ggml block type or None (float32)}`` for every role of :data:`ROLES` under quantization ``name``
     (a name of :data:`NAMES`): the form of ``rust_runtime.QUANTIZE_PLAN[name]``."""
-    s = None if parse_quantize(name) is None else SCHEMES[parse_quantize(name)]
+    s = parse(name)
     return {r: (s.storage(r) if s else None) for r in ROLES}
 
 
-def parse_quantize(value: Any, name: str = "quantize") -> str | None:
-    """``None`` / ``"none"`` → None; a name of :data:`NAMES` (any case, surrounding blanks ignored) → that name.
-    QuantizeError (a ValueError) naming ``name`` (the argument, option or variable) and the allowed names for
-    anything else."""
-    if value is None:
-        return None
+def parse(value: Any, name: str = "quantize") -> Scheme | None:
+    """The one parser of a quantization, at each boundary that takes one (``serve.load``, ``SHALIK_QUANTIZE``,
+    ``export``'s ``--quantize``): ``None`` / ``"none"`` → None (float32); a name of :data:`NAMES` (any case,
+    surrounding blanks ignored) → its :class:`Scheme`, which is what flows further down (the backends take a
+    Scheme); a Scheme is returned as it is (parsed already). QuantizeError (a ValueError) naming ``name`` (the
+    argument, option or variable) and the allowed names for anything else."""
+    if value is None or isinstance(value, Scheme):
+        return value
     v = value.strip().lower() if isinstance(value, str) else None
     if v not in NAMES:
         hint = (f" ({v} is llama.cpp's GGUF mix: python -m export.gguf BUNDLE --type {v})" if v in GGUF_ONLY else "")
         raise QuantizeError(f"{name} is {value!r}; expected None or one of {', '.join(NAMES)}{hint}")
-    return None if v == NONE else v
+    return None if v == NONE else SCHEMES[v]
+
+
+def name_of(s: Scheme | None) -> str:
+    """The name of a parsed quantization: the scheme's, ``"none"`` for None (float32)."""
+    return NONE if s is None else s.name
 
 
 def scheme(value: Any, name: str = "quantize") -> Scheme:
-    """The :class:`Scheme` of a quantization name (not ``none``). QuantizeError as :func:`parse_quantize`."""
-    q = parse_quantize(value, name)
-    if q is None:
+    """The :class:`Scheme` of a quantization name (not ``none``). QuantizeError as :func:`parse`."""
+    s = parse(value, name)
+    if s is None:
         raise QuantizeError(f"{name} is {value!r}; expected a quantization, one of {', '.join(SCHEMES)}")
-    return SCHEMES[q]
+    return s
 
 
-def check_backend(quantize: str | None, backend: str, name: str = "quantize") -> None:
-    """QuantizeError when ``backend`` ("onnx" or "rust") has no form of ``quantize`` (a parsed name or None),
-    naming what it offers and which backend offers it."""
+def check_backend(s: Scheme | None, backend: str, name: str = "quantize") -> None:
+    """QuantizeError when ``backend`` ("onnx" or "rust") has no form of the parsed quantization ``s`` (None:
+    float32, which every backend has), naming what it offers and which backend offers it."""
     offered = BACKEND_NAMES.get(backend)
-    if offered is None or (quantize or NONE) in offered:
+    if offered is None or name_of(s) in offered:
         return
-    others = [b for b, names in BACKEND_NAMES.items() if quantize in names]
-    raise QuantizeError(f"{name} {quantize!r} is not offered by the {backend} backend (it offers "
+    others = [b for b, names in BACKEND_NAMES.items() if s.name in names]
+    raise QuantizeError(f"{name} {s.name!r} is not offered by the {backend} backend (it offers "
                         f"{', '.join(offered)}); " + (f"use backend {others[0]!r}" if others else
                                                       "no serving backend offers it yet (python -m export.gguf "
-                                                      f"--type {SCHEMES[quantize].gguf} writes it for llama.cpp)"))
+                                                      f"--type {s.gguf} writes it for llama.cpp)"))
 
 
 def role_of(tensor: str) -> str:

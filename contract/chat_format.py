@@ -21,8 +21,8 @@ the other runtimes; never encode pieces separately.
 
 Generation ends at ``<|im_end|>`` (a chat reply) or ``<|endoftext|>``: :data:`END_OF_GENERATION`.
 
-A leaf module (standard library only, nothing of the project) so that ``serve/`` may import it. NFC is
-``unicodedata.normalize("NFC", ...)``, the same normalisation as ``train.textutil.nfc`` and the tokenizer's own.
+Part of ``contract/`` (standard library only, nothing outside ``contract/``) so that every stage may import it. NFC is
+``unicodedata.normalize("NFC", ...)``, the same normalisation as ``contract.text.nfc`` and the tokenizer's own.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Sequence
 
+from contract.byte_level import EOT
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 CHAT_TOKENS = (IM_START, IM_END)  # in id order; a tokenizer keeps them as its last two ids (train.tokenizer)
-END_OF_GENERATION = ("<|endoftext|>", IM_END)  # train.byte_level.EOT and the end of a turn
+END_OF_GENERATION = (EOT, IM_END)  # the end of a text and the end of a turn
 ROLES = ("system", "user", "assistant")
 
 # transformers' apply_chat_template form (messages, bos_token, add_generation_prompt); rendered by jinja2 it is

@@ -16,8 +16,8 @@ import sentencepiece as spm
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.implementations import BertWordPieceTokenizer
 
+from contract.text import is_val
 from train.corpus import Document, iter_documents
-from train.textutil import is_val
 from train.tokenizer import TokenizerError
 
 

@@ -1,8 +1,8 @@
 """The facts of Shalik's byte-level BPE that readers of its tokens need: GPT-2's byte ↔ printable-character table
 that the vocabulary spells its tokens with, and the special tokens.
 
-A leaf module (standard library only) so that ``serve/`` can decode tokens without loading the corpus reader or
-the BPE trainer; ``train.tokenizer`` builds tokenizers from these facts and ``serve.bundle`` re-exports the
+Part of ``contract/`` (standard library only) so that ``serve/`` can decode tokens without loading the corpus
+reader or the BPE trainer; ``train.tokenizer`` builds tokenizers from these facts and ``contract.bundle`` re-exports the
 special tokens as part of the bundle contract.
 """
 

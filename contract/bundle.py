@@ -5,7 +5,7 @@ spelled here once and imported from here (``rust_runtime/src/bundle.rs`` mirrors
 tests/test_bundle_contract.py checks that the two agree and that nobody else spells them):
 
 * **file names**: :data:`CONFIG`, :data:`WEIGHTS`, :data:`TOKENIZER`, ..., the ONNX graph of each quantization
-  (:data:`ONNX_GRAPHS`: ``model.<scheme>.onnx`` for every scheme of :mod:`serve.quant` with an ONNX form), its
+  (:data:`ONNX_GRAPHS`: ``model.<scheme>.onnx`` for every scheme of :mod:`contract.quant` with an ONNX form), its
   external data (:func:`external_data`), the GGUF files (:func:`gguf_file`), and the files each serving backend
   reads (:func:`backend_files`);
 * **the manifest** (:data:`MANIFEST`, written last by the exporter): :data:`MANIFEST_FIELDS` is its schema,
@@ -17,13 +17,11 @@ tests/test_bundle_contract.py checks that the two agree and that nobody else spe
 * **the special tokens** :data:`EOT` and :data:`PAD` and :func:`eot_id`;
 * **hashing**: :func:`sha256_file`;
 * the bundle's default sampling (:func:`sampling_defaults`, from ``generation_config.json``). The quantization
-  names, ``parse_quantize`` and the quality gate's thresholds are :mod:`serve.quant`'s.
+  names, their one parser (``parse``) and the quality gate's thresholds are :mod:`contract.quant`'s.
 
-Layering (docs/design.md): ``train/`` never imports ``serve/``, and ``serve/`` reaches ``train/`` only through
-leaf modules (nothing else of the project, no torch). So the two facts that training owns first — the special
-tokens it trains the tokenizer with, and the sha256 of a file that checkpoints, data caches and bundles all
-record — are defined in train's standard-library leaves (``train/byte_level.py``, ``train/atomic.py``) and
-re-exported here; everything else is defined here. This module imports no torch, no onnxruntime and nothing of ``export/``.
+Layering (docs/design.md): every stage may import ``contract/``, which imports nothing else of the project. The
+special tokens (``contract/byte_level.py``) and the sha256 of a file (``contract/atomic.py``), which checkpoints and
+data caches record too, are re-exported here as part of the bundle contract; everything else is defined here. This module imports no torch, no onnxruntime and nothing of ``export/``.
 """
 
 from __future__ import annotations
@@ -33,9 +31,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from serve import quant
-from train.atomic import atomic_write_json, sha256_file
-from train.byte_level import EOT, PAD, SPECIAL_TOKENS
+from contract import quant
+from contract.atomic import atomic_write_json, sha256_file
+from contract.byte_level import EOT, PAD, SPECIAL_TOKENS
 
 __all__ = ["BACKEND_FILES", "CARD", "CONFIG", "EOT", "FORMAT", "FORMAT_VERSION", "GENERATION_CONFIG", "MANIFEST",
            "MANIFEST_FIELDS", "MODELFILE", "ONNX", "ONNX_GRAPHS", "ONNX_INT8", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
@@ -53,8 +51,8 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 CARD = "README.md"  # the model card
 MANIFEST = "manifest.json"  # written last: its files table vouches for every other file
-#: The ONNX graph of each quantization (``None``: the float graph; a scheme of serve.quant with ``onnx=True``:
-#: ``model.<scheme>.onnx``, so a new quantized graph is one entry of serve.quant.SCHEMES).
+#: The ONNX graph of each quantization (``None``: the float graph; a scheme of contract.quant with ``onnx=True``:
+#: ``model.<scheme>.onnx``, so a new quantized graph is one entry of contract.quant.SCHEMES).
 ONNX_GRAPHS: dict[str | None, str] = {None: "model.onnx", **{q: f"model.{q}.onnx" for q, s in quant.SCHEMES.items()
                                                              if s.onnx}}
 ONNX = ONNX_GRAPHS[None]
@@ -66,7 +64,7 @@ MODELFILE = "Modelfile"  # Ollama's, written by export.gguf beside the GGUF (not
 #: ``rust_runtime`` checks (its ``CHECKED_FILES``). The rust backend quantizes at load from the float weights.
 BACKEND_FILES: dict[str, tuple[str, ...]] = {"onnx": (CONFIG, TOKENIZER), "rust": (CONFIG, TOKENIZER, WEIGHTS)}
 
-QUANTIZE_CHOICES = quant.NAMES  # the quantization names are serve.quant's; this name is kept for its importers
+QUANTIZE_CHOICES = quant.NAMES  # the quantization names are contract.quant's; this name is kept for its importers
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")  # generation_config.json's sampling
 
 
@@ -224,7 +222,7 @@ def write_manifest(folder: str | Path, complete: bool = True, **fields: Any) -> 
     (:func:`check_manifest`) before writing anything for a missing, unknown or mistyped field."""
     path = Path(folder) / MANIFEST
     if unknown := sorted(set(fields) - set(MANIFEST_FIELDS)):
-        raise BundleError(f"{path}: unknown keys {unknown}; add them to serve.bundle.MANIFEST_FIELDS first")
+        raise BundleError(f"{path}: unknown keys {unknown}; add them to contract.bundle.MANIFEST_FIELDS first")
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": file_table(folder), **fields}
     check_manifest(manifest, path, complete=complete)
     atomic_write_json(path, manifest)
@@ -250,7 +248,7 @@ def update_manifest(bundle: str | Path, files: Iterable[str] = (), **fields: Any
     :func:`read_manifest`, and for an unknown or mistyped field (checked before anything is written)."""
     path = Path(bundle) / MANIFEST
     if unknown := sorted(set(fields) - set(MANIFEST_FIELDS)):
-        raise BundleError(f"{path}: unknown keys {unknown}; add them to serve.bundle.MANIFEST_FIELDS first")
+        raise BundleError(f"{path}: unknown keys {unknown}; add them to contract.bundle.MANIFEST_FIELDS first")
     manifest = read_manifest(bundle)
     manifest["files"] = dict(sorted({**manifest["files"], **{n: file_entry(Path(bundle) / n) for n in files}}.items()))
     manifest.update(fields)

@@ -1,7 +1,7 @@
 """The tokenizer's training sample: train-split text balanced by language, chosen in one streaming pass.
 
 Which documents: per language, the train documents (split hash ≥ ``val_fraction``) with the lowest split hashes
-(``train.textutil.split_value``), up to the language's quota of characters (:func:`sample_quotas`), taken in
+(``contract.text.split_value``), up to the language's quota of characters (:func:`sample_quotas`), taken in
 reading order. One pass over the corpus, parsed in parallel (``train.parallel``), with bounded memory: a
 :class:`SampleSelector` keeps, per language, only the lowest-hash documents that can still be in the sample
 (their characters are bounded by the largest possible quota), and tells the workers the hash above which a
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from contract.text import split_value
 from train.corpus import Chunk, ReadReport, Skip, check_languages_present, iter_chunks, parse_chunk
 from train.parallel import ordered_map
-from train.textutil import split_value
 
 
 def sample_quotas(available: dict[str, int], weights: dict[str, float], sample_chars: int) -> dict[str, int]:

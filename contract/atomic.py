@@ -349,7 +349,7 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
 
 def sha256_file(path: str | Path) -> str:
     """sha256 hex digest of a file's bytes, read in 1 MiB blocks (memory stays flat for multi-GB weights). The one
-    implementation: checkpoints' SHA256SUMS, data caches and bundle manifests (``serve.bundle`` re-exports it)."""
+    implementation: checkpoints' SHA256SUMS, data caches and bundle manifests (``contract.bundle`` re-exports it)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
