@@ -107,7 +107,7 @@ def packed_loss(lm: LlamaForCausalLM, batch: torch.Tensor, seg: torch.Tensor) ->
 def layout(model: LlamaForCausalLM, data: SFTData, micro: int, seq_len: int, rounds: int, ctx) -> dict:
     """Conversation tokens per second of forward + backward (in the run's autocast ``ctx``), padded vs packed, over
     the same conversations."""
-    convs = [data.loader.windows[i] for i in data.loader._epoch_order(0)[:micro * 4]]
+    convs = [data.loader.windows[i] for i in data.loader.order(0)[:micro * 4]]
     real = sum(len(w) for w in convs)
     padded = [pad_windows(convs[i:i + micro], data.pad_id, 8, seq_len + 1) for i in range(0, len(convs), micro)]
     rows, seg = packed_rows(convs, seq_len, data.pad_id)
