@@ -313,6 +313,7 @@ def reading(r: dict) -> list[str]:
             if miss:
                 out.append(f"- {key}, {lang}: the replies without `<|im_end|>` within {MAX_NEW} tokens are "
                            + ", ".join(f"{n} {t}" for t, n in miss.most_common()) + " prompts.")
+    out += [f"- {n}" for n in r.get("notes", [])]
     return ["What the figures say:", "", *out]
 
 
@@ -326,7 +327,7 @@ def _layout_verdict(ratio: float) -> str:
 
 
 def _pct(x) -> str:
-    return "–" if x is None else f"{100 * x:.0f} %"
+    return "–" if x is None else f"{100 * x:.1f} %"
 
 
 def report(r: dict) -> str:
@@ -360,7 +361,8 @@ def report(r: dict) -> str:
               + (f" ({r['finetune_wall_s'] / 60:.1f} min for the whole command)" if "finetune_wall_s" in r else
                  f" ({r['log_span_s'] / 60:.1f} min from the data read to the final report in its train.log)"
                  if "log_span_s" in r else "")
-              + f", {s['tokens_per_s']:,.0f} target tokens/s.", ""]
+              + f", {s['tokens_per_s']:,.0f} target tokens/s."
+              + (f" {r['finetune_note']}" if r.get("finetune_note") else ""), ""]
     vn = r["val_nll"]
     lines += ["## Results", "", f"Validation NLL on assistant tokens (nats/token; {r['val_scope']}; works held out of "
               "training):", "", "| model | bn | en | all |", "|---|---:|---:|---:|"]
