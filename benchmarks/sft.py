@@ -107,7 +107,7 @@ def packed_loss(lm: LlamaForCausalLM, batch: torch.Tensor, seg: torch.Tensor) ->
 def layout(model: LlamaForCausalLM, data: SFTData, micro: int, seq_len: int, rounds: int, ctx) -> dict:
     """Conversation tokens per second of forward + backward (in the run's autocast ``ctx``), padded vs packed, over
     the same conversations."""
-    convs = [data.loader.windows[i] for i in data.loader._epoch_order(0)[:micro * 4]]
+    convs = [data.loader.windows[i] for i in data.loader.order(0)[:micro * 4]]
     real = sum(len(w) for w in convs)
     padded = [pad_windows(convs[i:i + micro], data.pad_id, 8, seq_len + 1) for i in range(0, len(convs), micro)]
     rows, seg = packed_rows(convs, seq_len, data.pad_id)
@@ -154,8 +154,8 @@ def norm(s: str) -> str:
 
 
 def prompts_of(convs, per_lang: int, seed: int) -> list:
-    """Up to ``per_lang`` validation conversations per language, drawn at random (seeded): the split's own mix of
-    tasks."""
+    """Up to ``per_lang`` of ``convs`` per language, drawn at random (seeded), in their order: the split's own mix
+    of tasks (or, drawn from a drawn set, a subset of it)."""
     rng = np.random.default_rng(seed)
     out = []
     for lang in ("bn", "en"):
@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="the fine-tuning run's name (default: <base>-sft)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="passed to train.sft")
     p.add_argument("--retrain", action="store_true", help="fine-tune again even if the run exists")
-    p.add_argument("--prompts", type=int, default=40, help="validation prompts per language")
+    p.add_argument("--prompts", type=int, default=200, help="validation prompts per language")
+    p.add_argument("--base-prompts", type=int, default=None,
+                   help="validation prompts per language for the base model (default: --prompts; its replies run "
+                        "to 128 tokens, so fewer keep the run short)")
     p.add_argument("--layout-rounds", type=int, default=2)
     p.add_argument("--full-val", action="store_true", help="validation NLL over the whole split (default: the "
                    "run's own evaluation rows: train.eval_tokens targets per language, spread over the split)")
@@ -266,13 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                                f"language)")
         result["val_nll"] = {"base": summary["base_val"], "fine-tuned": summary["val"]}
     chosen = prompts_of(convs, args.prompts, args.seed)
+    base_chosen = chosen if args.base_prompts is None else prompts_of(chosen, args.base_prompts, args.seed)
     result["prompt_tasks"] = {lang: dict(sorted(Counter(c.task for c in chosen if c.lang == lang).items()))
                               for lang in ("bn", "en")}
     result["replies"] = {}
     for name, m in models.items():
         for mode in ("greedy", "sampled"):
             t0 = time.time()
-            rows = [reply(m, data.tokenizer, c, eot, im_end, mode, args.seed + i) for i, c in enumerate(chosen)]
+            rows = [reply(m, data.tokenizer, c, eot, im_end, mode, args.seed + i)
+                    for i, c in enumerate(base_chosen if name == "base" else chosen)]
             result["replies"][f"{name} {mode}"] = {"scores": score(rows), "rows": rows, "seconds": time.time() - t0}
             print(name, mode, json.dumps(score(rows)))
     result["loadavg_end"] = timing.loadavg()
@@ -308,6 +313,7 @@ def reading(r: dict) -> list[str]:
             if miss:
                 out.append(f"- {key}, {lang}: the replies without `<|im_end|>` within {MAX_NEW} tokens are "
                            + ", ".join(f"{n} {t}" for t, n in miss.most_common()) + " prompts.")
+    out += [f"- {n}" for n in r.get("notes", [])]
     return ["What the figures say:", "", *out]
 
 
@@ -321,7 +327,7 @@ def _layout_verdict(ratio: float) -> str:
 
 
 def _pct(x) -> str:
-    return "–" if x is None else f"{100 * x:.0f} %"
+    return "–" if x is None else f"{100 * x:.1f} %"
 
 
 def report(r: dict) -> str:
@@ -355,7 +361,8 @@ def report(r: dict) -> str:
               + (f" ({r['finetune_wall_s'] / 60:.1f} min for the whole command)" if "finetune_wall_s" in r else
                  f" ({r['log_span_s'] / 60:.1f} min from the data read to the final report in its train.log)"
                  if "log_span_s" in r else "")
-              + f", {s['tokens_per_s']:,.0f} target tokens/s.", ""]
+              + f", {s['tokens_per_s']:,.0f} target tokens/s."
+              + (f" {r['finetune_note']}" if r.get("finetune_note") else ""), ""]
     vn = r["val_nll"]
     lines += ["## Results", "", f"Validation NLL on assistant tokens (nats/token; {r['val_scope']}; works held out of "
               "training):", "", "| model | bn | en | all |", "|---|---:|---:|---:|"]
@@ -374,20 +381,20 @@ def report(r: dict) -> str:
     lines += ["", *reading(r), "", "## Samples", "", "The first validation prompts of each language and task kind, greedy and "
               "sampled, base and fine-tuned (replies cut at 200 characters).", ""]
     keys = list(r["replies"])
-    first = r["replies"][keys[0]]["rows"]
+    by_q = {k: {(x["lang"], x["question"]): x for x in r["replies"][k]["rows"]} for k in keys}
     shown, seen = [], set()
-    for i, row in enumerate(first):
+    for row in r["replies"][keys[0]]["rows"]:  # the base's prompts: the other models answered them too
         if (row["lang"], row["task"]) not in seen:
             seen.add((row["lang"], row["task"]))
-            shown.append(i)
-    for i in shown:
-        row = first[i]
+            shown.append(row)
+    for row in shown:
         q = row["question"].replace("\n", " ⏎ ")
         lines += [f"**[{row['lang']}, {row['task']}]** {q[:160]}{'…' if len(q) > 160 else ''}", "",
                   f"- reference: {row['reference'][:200]!r}"]
         for k in keys:
-            rr = r["replies"][k]["rows"][i]
-            lines.append(f"- {k}: {rr['reply'][:200]!r}{'' if rr['ended'] else ' (no <|im_end|>)'}")
+            rr = by_q[k].get((row["lang"], row["question"]))
+            if rr is not None:
+                lines.append(f"- {k}: {rr['reply'][:200]!r}{'' if rr['ended'] else ' (no <|im_end|>)'}")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -5,8 +5,9 @@
 * the OpenAI Python SDK, unchanged, against a real ``uvicorn serve.app:app``: ``chat.completions.create`` plain,
   streamed (concatenates to the plain reply), ``n=2`` with a seed, with logprobs, and a bad request as the SDK's
   own error — each compared with ``serve.load(bundle)``'s ``LM.chat``;
-* llama.cpp (``slow``: llama-cpp-python, the ``bench`` extra): ``create_chat_completion`` on the bundle's GGUF with
-  the GGUF's own template gives the same greedy reply as the server for 10 conversations per language; the GGUF
+* llama.cpp (``slow``: llama-cpp-python, the ``bench`` extra): the tiny run fine-tuned by ``train.sft`` and
+  exported; ``create_chat_completion`` on its GGUF with the GGUF's own template evaluates the server's template
+  ids and gives the server's greedy reply, ending at ``<|im_end|>``, for 10 conversations per language; the GGUF
   and the Modelfile carry the template and the end-of-turn token.
 """
 
@@ -204,47 +205,112 @@ LLAMA_CPP_CONVERSATIONS = [("bn", [_user(q)]) for q in BN_QUESTIONS[:7]] + \
     [("en", [_user(q)]) for q in EN_QUESTIONS[:7]] + \
     [("en", _turns(EN_QUESTIONS[7], "Rice.", q)) for q in EN_QUESTIONS[8:]] + \
     [("en", [{"role": "system", "content": SYSTEM_EN}, _user(EN_QUESTIONS[0])])]
+BN_ANSWERS = ["বাংলা একটি ভাষা।", "ঢাকা।", "একজন কবি।", "একদা এক রাজা ছিলেন।", "ভালো লাগে।", "স্বাধীনতা যুদ্ধ।",
+              "পদ্মা।", "ভাত।", "শান্ত।", "জানার জন্য।"]
+EN_ANSWERS = ["It is a language.", "Dhaka.", "A poet.", "Once upon a time.", "It is wet.", "A war.", "The Padma.",
+              "Rice.", "Quiet.", "To learn."]
+
+
+def _chat_rows() -> list[dict]:
+    """Short-answer conversations on the test's questions (with and without a system message, and the multi-turn
+    ones) for the train split, two for validation: enough for the tiny model to learn to close its turn."""
+    rows = []
+    for qs, answers, system in ((BN_QUESTIONS, BN_ANSWERS, SYSTEM_BN), (EN_QUESTIONS, EN_ANSWERS, SYSTEM_EN)):
+        for q, a in zip(qs, answers, strict=True):
+            reply = {"role": "assistant", "content": a}
+            rows.append({"messages": [_user(q), reply], "split": "train"})
+            rows.append({"messages": [{"role": "system", "content": system}, _user(q), reply], "split": "train"})
+        rows.append({"messages": _turns(qs[0], answers[0], qs[1], answers[1]), "split": "validation"})
+    rows += [{"messages": _turns(EN_QUESTIONS[7], "Rice.", q, a), "split": "train"}
+             for q, a in zip(EN_QUESTIONS[8:], EN_ANSWERS[8:], strict=True)]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def chat_bundle(trained_run, tmp_path_factory):
+    """The tiny trained run fine-tuned by ``train.sft`` (SFTTrainer, as ``python -m train.sft`` runs it) on
+    :func:`_chat_rows`, exported to a bundle: a chat model whose greedy replies end with ``<|im_end|>``."""
+    export_onnx = pytest.importorskip("export.onnx")
+    from train.sft.cli import sft_config
+    from train.sft.data import base_checkpoint
+    from train.sft.trainer import SFTTrainer
+
+    tmp = tmp_path_factory.mktemp("chat")
+    data = tmp / "chat.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in _chat_rows()), encoding="utf-8")
+    sets = {"run.out_dir": str(tmp / "runs"), "train.seq_len": 127, "train.micro_batch_size": 8,
+            "train.max_steps": 80, "train.lr": 1e-2, "train.warmup_steps": 5, "train.eval_every": 80,
+            "train.ckpt_every": 80, "train.log_every": 10, "train.preflight": False, "train.final_eval": False}
+    ckpt = base_checkpoint(trained_run)
+    cfg = sft_config(str(trained_run), ckpt, [str(data)], [f"{k}={json.dumps(v)}" for k, v in sets.items()],
+                     False, "tiny-chat")
+    SFTTrainer(cfg, base=ckpt, use_preflight=False, log=lambda m: None).train()
+    out = tmp / "bundle"
+    export_onnx.export_bundle(tmp / "runs" / "tiny-chat", out, parity=False, quantize="int8", log=lambda m: None)
+    return out
 
 
 @pytest.mark.slow
-def test_llama_cpp_chat_completion_with_the_ggufs_template_equals_the_server(bundle, lm, tmp_path):
-    """llama-cpp-python's create_chat_completion with the GGUF's own tokenizer.chat_template (its Jinja2 formatter,
-    the handler it picks for a GGUF with a template) gives the server's greedy reply for 10 conversations per
-    language (a difference only at a near-tie, as test_llamacpp_tokenizer's text check allows); the reply stops
-    at <|im_end|>, the GGUF's end-of-turn token."""
+def test_llama_cpp_chat_completion_with_the_ggufs_template_equals_the_server(chat_bundle, tmp_path):
+    """The fine-tuned bundle's GGUF in llama-cpp-python, ``create_chat_completion`` with no ``chat_format`` (so the
+    GGUF's own tokenizer.chat_template through its Jinja2 formatter): for 10 conversations per language the ids
+    llama.cpp evaluates as the prompt are the server's template ids (``<|endoftext|>`` + chat_prompt_ids), and the
+    greedy reply and its finish reason equal the server's ``/v1/chat/completions`` (a difference only at a
+    near-tie, as test_llamacpp_tokenizer's text check allows); the replies stop at ``<|im_end|>``, the GGUF's
+    end-of-turn token, on both sides."""
     _llama_cpp()
+    from fastapi.testclient import TestClient
+
     import export.gguf as G
     from export.llamacpp_check import GreedyResult
+    from serve import load
     from serve.backends.llamacpp import LlamaCppBackend
+    from serve.chat import chat_prompt_ids
+    from serve.http.app import create_app
+    from serve.http.settings import Settings
 
-    path = G.export_gguf(bundle, tmp_path / "m.gguf", log=lambda m: None)
+    path = G.export_gguf(chat_bundle, tmp_path / "m.gguf", log=lambda m: None)
+    lm = load(chat_bundle, threads=1)
     lc = LlamaCppBackend(path, threads=1)
+    results, ends = [], []
     try:
         meta = lc.llm.metadata
         assert meta["tokenizer.chat_template"] == CHAT_TEMPLATE
         assert int(meta["tokenizer.ggml.eot_token_id"]) == lm.tokenizer.token_to_id(IM_END)
         assert lc.llm.chat_format == "chat_template.default"  # the GGUF's own template, not a built-in guess
-        results = []
         assert len(LLAMA_CPP_CONVERSATIONS) == 20
-        for lang, conv in LLAMA_CPP_CONVERSATIONS:
-            ours = lm.chat(conv, 24, temperature=0, top_logprobs=2)
-            r = lc.llm.create_chat_completion(messages=conv, max_tokens=24, temperature=0.0)
-            theirs = r["choices"][0]["message"]["content"]
-            res = GreedyResult(lang, conv[-1]["content"], ours.text, theirs,
-                               ours.text.rstrip("\ufffd") == theirs.rstrip("\ufffd"))
-            if not res.equal and ours.top_logprobs:
-                common = len(os.path.commonprefix([ours.text, theirs]))
-                at = max((i for i, off in enumerate(ours.text_offset) if off <= common), default=0)
-                top = sorted(ours.top_logprobs[at].values(), reverse=True)
-                res.near_tie = top[0] - top[1] if len(top) > 1 and top[0] - top[1] < 1e-3 else None
-            results.append(res)
-            assert IM_END not in theirs
-            if ours.finish_reason == "stop":
-                assert r["choices"][0]["finish_reason"] == "stop"
+        with TestClient(create_app(Settings(model=chat_bundle, model_name="tiny-chat"))) as c:
+            deadline = time.monotonic() + 120
+            while c.get("/health").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for lang, conv in LLAMA_CPP_CONVERSATIONS:
+                ids = [lm.eot_id, *chat_prompt_ids(lm, conv)]
+                resp = c.post("/v1/chat/completions", json={"messages": conv, "max_tokens": 32, "temperature": 0})
+                assert resp.status_code == 200, resp.text
+                ours = resp.json()["choices"][0]
+                r = lc.llm.create_chat_completion(messages=conv, max_tokens=32, temperature=0.0)
+                theirs = r["choices"][0]
+                assert r["usage"]["prompt_tokens"] == len(ids) and list(lc.llm.input_ids[:len(ids)]) == ids, conv
+                res = GreedyResult(lang, conv[-1]["content"], ours["message"]["content"],
+                                   theirs["message"]["content"], ours["message"]["content"].rstrip("\ufffd")
+                                   == theirs["message"]["content"].rstrip("\ufffd"))
+                if not res.equal:
+                    direct = lm.chat(conv, 32, temperature=0, top_logprobs=2)
+                    common = len(os.path.commonprefix([direct.text, res.theirs]))
+                    at = max((i for i, off in enumerate(direct.text_offset) if off <= common), default=0)
+                    top = sorted(direct.top_logprobs[at].values(), reverse=True)
+                    res.near_tie = top[0] - top[1] if len(top) > 1 and top[0] - top[1] < 1e-3 else None
+                results.append(res)
+                assert IM_END not in theirs["message"]["content"]
+                if res.equal:
+                    assert theirs["finish_reason"] == ours["finish_reason"], conv
+                ends.append(ours["finish_reason"] == "stop")
     finally:
         lc.close()
+        lm.close()
     assert [(r.prompt, r.ours, r.theirs) for r in results if not r.ok] == []
     assert sum(r.equal for r in results) >= 18
+    assert sum(ends) >= 16  # the fine-tuned model closes its turns, and llama.cpp stops at <|im_end|> as the server
 
 
 def test_gguf_and_modelfile_carry_the_chat_format(bundle, tmp_path):

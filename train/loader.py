@@ -19,25 +19,19 @@ import numpy as np
 from train.shards import open_shard
 
 
-class TrainLoader:
-    """Deterministic, resumable windows over the train shards of a prepared shard folder."""
+class EpochLoader:
+    """A resumable walk over ``n_windows`` items in one order per epoch (module doc): the data position
+    ``{"epoch", "offset"}``, :meth:`next_windows` crossing epochs and :meth:`peek_windows`. Subclasses give
+    :meth:`window` (item ``i`` as int64 tokens) and may replace :meth:`epoch_order` (default: a permutation drawn
+    from ``numpy.random.default_rng([seed, epoch])``) and :meth:`collate` (default: stack equal-length rows)."""
 
-    def __init__(self, shard_dir: str | Path, index: dict, seq_len: int, seed: int):
-        self.seq_len = seq_len
+    def __init__(self, n_windows: int, seed: int):
+        self.n_windows = n_windows
         self.seed = seed
-        self.shards = [open_shard(Path(shard_dir) / name) for name in index["splits"]["train"]["shards"]]
-        counts = [max((len(s) - 1) // seq_len, 0) for s in self.shards]
-        self.n_windows = int(sum(counts))
-        if self.n_windows == 0:
-            total = sum(len(s) for s in self.shards)
-            raise ValueError(f"the train shards hold {total} tokens: fewer than one window of seq_len + 1 = "
-                             f"{seq_len + 1}; add data or lower train.seq_len")
-        self._shard_of = np.repeat(np.arange(len(counts)), counts)
-        self._first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.epoch = 0
         self.offset = 0
-        self._perm_epoch = -1
-        self._perm = None
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
 
     @property
     def position(self) -> dict:
@@ -48,27 +42,34 @@ class TrainLoader:
         """Continue from a position saved by :attr:`position`."""
         self.epoch, self.offset = int(position["epoch"]), int(position["offset"])
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._perm_epoch != epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return self._perm
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The item indices of ``epoch`` in visiting order (a permutation of ``range(n_windows)``)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
-    def _window(self, w: int) -> np.ndarray:
-        s = int(self._shard_of[w])
-        start = int(w - self._first[s]) * self.seq_len
-        return np.asarray(self.shards[s][start:start + self.seq_len + 1], dtype=np.int64)
+    def order(self, epoch: int) -> np.ndarray:
+        """:meth:`epoch_order`, kept for the epoch being read."""
+        if self._order_epoch != epoch:
+            self._order, self._order_epoch = self.epoch_order(epoch), epoch
+        return self._order
+
+    def window(self, i: int) -> np.ndarray:
+        """Item ``i`` as int64 tokens (a :mod:`train.windows` row)."""
+        raise NotImplementedError
+
+    def collate(self, rows: list[np.ndarray]) -> np.ndarray:
+        """One ``[n, L]`` int64 array of ``rows``."""
+        return np.stack(rows)
 
     def next_windows(self, n: int) -> np.ndarray:
-        """The next ``n`` windows of the global order as int64 ``[n, seq_len + 1]``; crosses epochs as needed."""
-        out = np.empty((n, self.seq_len + 1), dtype=np.int64)
-        for i in range(n):
+        """The next ``n`` windows of the global order as one int64 array (:meth:`collate`); crosses epochs."""
+        rows = []
+        for _ in range(n):
             if self.offset >= self.n_windows:
                 self.epoch += 1
                 self.offset = 0
-            out[i] = self._window(int(self._order(self.epoch)[self.offset]))
+            rows.append(self.window(int(self.order(self.epoch)[self.offset])))
             self.offset += 1
-        return out
+        return self.collate(rows)
 
     def peek_windows(self, n: int) -> np.ndarray:
         """The next ``n`` windows without moving the position (preflight uses this: it never moves the data)."""
@@ -77,6 +78,27 @@ class TrainLoader:
             return self.next_windows(n)
         finally:
             self.set_position(saved)
+
+
+class TrainLoader(EpochLoader):
+    """Deterministic, resumable windows ``[n, seq_len + 1]`` over the train shards of a prepared shard folder."""
+
+    def __init__(self, shard_dir: str | Path, index: dict, seq_len: int, seed: int):
+        self.seq_len = seq_len
+        self.shards = [open_shard(Path(shard_dir) / name) for name in index["splits"]["train"]["shards"]]
+        counts = [max((len(s) - 1) // seq_len, 0) for s in self.shards]
+        super().__init__(int(sum(counts)), seed)
+        if self.n_windows == 0:
+            total = sum(len(s) for s in self.shards)
+            raise ValueError(f"the train shards hold {total} tokens: fewer than one window of seq_len + 1 = "
+                             f"{seq_len + 1}; add data or lower train.seq_len")
+        self._shard_of = np.repeat(np.arange(len(counts)), counts)
+        self._first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+    def window(self, i: int) -> np.ndarray:
+        s = int(self._shard_of[i])
+        start = int(i - self._first[s]) * self.seq_len
+        return np.asarray(self.shards[s][start:start + self.seq_len + 1], dtype=np.int64)
 
 
 def step_batches(windows: np.ndarray, micro_batch_size: int, grad_accum: int, rank: int = 0) -> list[np.ndarray]:

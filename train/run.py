@@ -44,6 +44,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -410,15 +411,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.init_from:
         print("error: --resume and --init-from exclude each other", file=sys.stderr)
         return 2
+    return run_trainer(lambda: Trainer.from_args(args), args.resume)
+
+
+def run_trainer(make: Callable[[], Trainer], resume: bool, done: str = "trained") -> int:
+    """Make a Trainer with ``make()`` and train it, as a CLI does (``train.run``, ``train.sft``): a run already
+    finished with the same config is a no-op unless ``resume``; a TrainError is one line on stderr and its exit
+    code (PreflightFailed and NonFiniteStop 1, the rest 2: train/errors.py); the process group is shut down in
+    every case. ``done`` words the no-op message. Returns the exit code."""
     trainer = None
     try:
-        trainer = Trainer.from_args(args)
-        if not args.resume and _already_done(trainer.cfg):
-            print(f"{trainer.run_dir} is already trained to step {trainer.cfg.train.max_steps} with this config; "
+        trainer = make()
+        if not resume and _already_done(trainer.cfg):
+            print(f"{trainer.run_dir} is already {done} to step {trainer.cfg.train.max_steps} with this config; "
                   f"nothing to do (use --name for a new run)", file=sys.stderr)
             return 0
         trainer.train()
-    except TrainError as e:  # PreflightFailed and NonFiniteStop exit 1, the rest 2 (train/errors.py)
+    except TrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     finally:
@@ -426,9 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             shutdown(trainer.dist)
     return 0
 
-
 if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["CompileInfo", "StepStats", "Trainer", "TrainError", "main", "model_config_for"]
+__all__ = ["CompileInfo", "StepStats", "Trainer", "TrainError", "main", "model_config_for", "run_trainer"]

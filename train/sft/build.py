@@ -10,7 +10,8 @@ nothing is invented), asked and answered in one language:
 * ``what_is``: "what is X?" → the first sentence of the Wikipedia article X;
 * ``lead``: "the main point of this passage in one sentence" → the article's first sentence (an extractive
   summary: the lead sentence, not a written abstract);
-* ``continue``: a passage → the text that follows it in the corpus, to the end of a sentence or line;
+* ``continue``: a passage → the short text that follows it in the corpus (:data:`CONTINUE_CHARS`), to the end of
+  a sentence or line: a reply that stops, as a chat reply should;
 * ``language``: "which language is this written in?" asked in the other language → answered in the language
   of the question (the cross-lingual case of "answer in the language asked").
 
@@ -43,6 +44,8 @@ from train.corpus import DataError, list_input_files
 
 DEFAULT_OUT = "data/sft/shalik-sft.jsonl.gz"
 VAL_SHARE = 0.08  # share of each source's documents whose works go to validation
+CONTINUE_CHARS = (80, 140)  # a continuation's window (characters), cut back to a sentence or line end
+LEAD_CHARS = 250  # the longest lead sentence taken as an answer (what_is, lead)
 NOVEL_SOURCES = ("100-english-novels", "majantali-bnarchive-wip")  # pieces are chapters of one work
 _PART = re.compile(r"\s*\((?:অংশ|part)\s*[0-9০-৯]+\)\s*$")
 _SPACES = re.compile(r"[ \t\u00a0]+")
@@ -159,13 +162,14 @@ def piece_title(doc) -> str | None:
 
 
 def first_sentence(text: str, lang: str) -> str | None:
-    """The first sentence of a paragraph (Bangla ends it at ।, ? or !), or None when it is too short or long."""
+    """The first sentence of a paragraph (Bangla ends it at ।, ? or !), or None when it is shorter than 20 or longer
+    than :data:`LEAD_CHARS` characters."""
     para = text.split("\n\n")[0].replace("\n", " ").strip()
     m = _SENTENCE_BN.match(para) if lang == "bn" else re.match(r"^(.+?[.?!])(?:\s|$)", para, re.S)
     if not m:
         return None
     s = m.group(1).strip()
-    return s if 20 <= len(s) <= 400 else None
+    return s if 20 <= len(s) <= LEAD_CHARS else None
 
 
 def _val_works(docs: list) -> set[tuple[str, str]]:
@@ -224,7 +228,7 @@ def conversations_of(doc, rng: random.Random, per_doc: int) -> list[tuple[str, l
         start = rng.randrange(0, len(text) - 350)
         start = text.find(" ", start) + 1 if start else 0
         prompt, end = cut(text, start, rng.choice((160, 240)))
-        answer = sentence_end(cut(text, end, rng.choice((160, 240)))[0])
+        answer = sentence_end(cut(text, end, rng.choice(CONTINUE_CHARS))[0], keep=40)
         if prompt and answer:
             out.append(("continue", _turns(f"{pick(ASK['continue'][lang])}\n\n{prompt}", answer)))
     if rng.random() < 0.12:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from train.components.placement import shutdown
 from train.config import ConfigError, HelpFormatter, load_config
 from train.errors import TrainError
-from train.run import _already_done
+from train.run import run_trainer
 from train.sft.data import base_checkpoint
 from train.sft.trainer import SFTTrainer
 
@@ -89,20 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strict", action="store_true", help="a row that is not a conversation is an error (exit 2)")
     p.add_argument("--no-preflight", action="store_true", help="skip preflight (not recommended)")
     args = p.parse_args(argv)
-    trainer = None
-    try:
+
+    def make() -> SFTTrainer:
         ckpt = base_checkpoint(args.run)
         cfg = sft_config(args.run, ckpt, args.data, args.overrides, args.strict, args.name)
-        trainer = SFTTrainer(cfg, base=ckpt, resume=args.resume, use_preflight=not args.no_preflight)
-        if not args.resume and _already_done(cfg):
-            print(f"{trainer.run_dir} is already fine-tuned to step {cfg.train.max_steps} with this config; nothing "
-                  f"to do (use --name for a new run)", file=sys.stderr)
-            return 0
-        trainer.train()
-    except TrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    finally:
-        if trainer is not None:
-            shutdown(trainer.dist)
-    return 0
+        return SFTTrainer(cfg, base=ckpt, resume=args.resume, use_preflight=not args.no_preflight)
+
+    return run_trainer(make, args.resume, done="fine-tuned")

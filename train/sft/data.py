@@ -29,6 +29,7 @@ from train.config import Config
 from train.corpus import DataError, is_hf_spec, list_input_files
 from train.errors import TrainError
 from train.inputs import scan_inputs
+from train.loader import EpochLoader
 from train.sft.encode import encode_conversations, pad_windows, to_window
 from train.sft.formats import ReadStats, read_conversations
 from train.tokenizer import EOT, PAD, TokenizerError, add_chat_tokens, load_tokenizer, token_char_counts
@@ -55,69 +56,43 @@ def _read_json(path: Path) -> dict:
     return d if isinstance(d, dict) else {}
 
 
-class ConversationLoader:
+class ConversationLoader(EpochLoader):
     """Deterministic, resumable steps of padded conversation windows (see the module doc). ``windows`` are
     :mod:`train.windows` rows of different lengths; ``step_size`` is the windows of one optimizer step (all
-    ranks), which the pools are cut into; ``position`` is ``{"epoch", "offset"}`` as :class:`train.loader.
-    TrainLoader`'s, so a resume continues exactly."""
+    ranks), which the pools are cut into; the position and its resume are :class:`train.loader.EpochLoader`'s."""
 
     def __init__(self, windows: list[np.ndarray], step_size: int, seq_len: int, seed: int, pad_id: int,
                  fixed_length: bool = False):
         if not windows:
             raise ValueError("no training conversations")
+        super().__init__(len(windows), seed)
         self.windows = windows
         self.lengths = np.asarray([len(w) for w in windows], dtype=np.int64)
         self.step_size = step_size
         self.seq_len = seq_len
-        self.seed = seed
         self.pad_id = pad_id
         self.fixed_length = fixed_length
-        self.n_windows = len(windows)
-        self.epoch = 0
-        self.offset = 0
-        self._order_epoch = -1
-        self._order: np.ndarray | None = None
 
-    @property
-    def position(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """A seeded permutation cut into pools of :data:`POOL_STEPS` steps, each sorted by length and cut into
+        steps, the steps shuffled."""
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(self.n_windows)
+        pool = self.step_size * POOL_STEPS
+        steps = []
+        for i in range(0, len(perm), pool):
+            part = perm[i:i + pool]
+            part = part[np.argsort(self.lengths[part], kind="stable")]
+            steps += [part[j:j + self.step_size] for j in range(0, len(part), self.step_size)]
+        return np.concatenate([steps[k] for k in rng.permutation(len(steps))])
 
-    def set_position(self, position: dict) -> None:
-        self.epoch, self.offset = int(position["epoch"]), int(position["offset"])
+    def window(self, i: int) -> np.ndarray:
+        return self.windows[i]
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            perm = rng.permutation(self.n_windows)
-            pool = self.step_size * POOL_STEPS
-            steps = []
-            for i in range(0, len(perm), pool):
-                part = perm[i:i + pool]
-                part = part[np.argsort(self.lengths[part], kind="stable")]
-                steps += [part[j:j + self.step_size] for j in range(0, len(part), self.step_size)]
-            order = [steps[k] for k in rng.permutation(len(steps))]
-            self._order, self._order_epoch = np.concatenate(order), epoch
-        return self._order
-
-    def next_windows(self, n: int) -> np.ndarray:
-        """The next ``n`` conversations as int64 ``[n, L]`` (L ≤ seq_len + 1, right-padded); crosses epochs."""
-        rows = []
-        for _ in range(n):
-            if self.offset >= self.n_windows:
-                self.epoch += 1
-                self.offset = 0
-            rows.append(self.windows[int(self._epoch_order(self.epoch)[self.offset])])
-            self.offset += 1
+    def collate(self, rows: list[np.ndarray]) -> np.ndarray:
+        """``rows`` as int64 ``[n, L]`` (L ≤ seq_len + 1), right-padded to the longest (rounded up)."""
         multiple = self.seq_len + 1 if self.fixed_length else PAD_MULTIPLE
         return pad_windows(rows, self.pad_id, multiple, self.seq_len + 1)
-
-    def peek_windows(self, n: int) -> np.ndarray:
-        """The next ``n`` without moving the position."""
-        saved = self.position
-        try:
-            return self.next_windows(n)
-        finally:
-            self.set_position(saved)
 
 
 def base_checkpoint(run: str | Path) -> Path:
