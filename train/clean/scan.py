@@ -115,11 +115,11 @@ def scan_documents(docs: list[Document], s: Settings) -> CleanPart:
                      time.perf_counter() - t0)
 
 
-_MASK = np.uint64((1 << 24) - 1)
+_MASK = np.uint64((1 << 20) - 1)  # a 1 MB bitmap (cache-sized) of the evaluation n-grams: a prefilter only
 
 
 def _bitmap(tables: dict) -> np.ndarray:
-    bits = np.zeros(1 << 24, dtype=bool)
+    bits = np.zeros(int(_MASK) + 1, dtype=bool)
     for t in tables.values():
         bits[(t & _MASK).astype(np.int64)] = True
     return bits

@@ -76,13 +76,18 @@ def word_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     one length (in code points) per word, in order; the normalised code points (lowercased, joiners removed)."""
     word, low = _tables()
     cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
-    cps = low[cps[(cps != 0x200C) & (cps != 0x200D)]]
+    if "\u200c" in text or "\u200d" in text:
+        cps = cps[(cps != 0x200C) & (cps != 0x200D)]
+    cps = low[cps]
     isw = word[cps]
     if not isw.any():
         return np.zeros(0, np.uint64), np.zeros(0, np.int64), cps
-    edge = np.diff(np.concatenate([[False], isw, [False]]).astype(np.int8))
-    starts = np.flatnonzero(edge == 1)
-    ends = np.flatnonzero(edge == -1)
+    starts = np.flatnonzero(isw[1:] > isw[:-1]) + 1  # a word code point after a boundary
+    ends = np.flatnonzero(isw[:-1] > isw[1:]) + 1
+    if isw[0]:
+        starts = np.concatenate(([0], starts))
+    if isw[-1]:
+        ends = np.concatenate((ends, [len(isw)]))
     p, q = _powers(len(cps))
     with np.errstate(over="ignore"):
         s = np.concatenate([[np.uint64(0)], np.cumsum(cps.astype(np.uint64) * p[:len(cps)], dtype=np.uint64)])
