@@ -17,7 +17,7 @@ from tests.conftest import fast_overrides
 from train.clean import minhash, quality, stage
 from train.clean.decide import CODE, VAL
 from train.clean.split import scan_and_decide
-from train.clean.text import NgramHashes, ngram_hashes, text_hash, word_spans, words
+from train.clean.text import ChunkNgrams, NgramHashes, ngram_hashes, text_hash, word_spans, word_spans_many, words
 from train.clean.works import work_key, work_order, work_title
 from train.config import ConfigError, load_config
 from train.corpus import iter_documents, list_input_files
@@ -40,6 +40,23 @@ def test_ngram_hashes_incremental_equal_direct():
     for n in (1, 2, 5, 13, 20):
         assert np.array_equal(ng.get(n), ngram_hashes(wh, n))
     assert len(ng.get(13)) == 2 and len(ng.get(20)) == 1
+
+
+def test_many_texts_at_once_equal_one_at_a_time():
+    texts = ["এক দুই তিন চার পাঁচ ছয় সাত আট নয় দশ এগারো বারো তেরো চোদ্দ", "", "র\u200d্য আর\u200c কি", "।", "one",
+             "Hello, WORLD! আমার সোনার বাংলা", "\u200c", "a b c d e f g h i j k l m n o p"]
+    wh, wl, off = word_spans_many(texts)
+    assert off.tolist()[:3] == [0, 14, 14] and off[-1] == len(wh) == len(wl)
+    chunk = ChunkNgrams(wh, off, 13, premix=(3,))
+    g13, doc13 = chunk.windows(13)
+    assert doc13.tolist() == [0, 0] + [7] * 4
+    for i, t in enumerate(texts):
+        h, lengths, _ = word_spans(t)
+        assert np.array_equal(wh[off[i]:off[i + 1]], h) and np.array_equal(wl[off[i]:off[i + 1]], lengths)
+        one, view = NgramHashes(h, 13), chunk.doc(i)
+        for n in (1, 2, 3, 5, 13, 20):
+            assert np.array_equal(view.keys(n), one.keys(n)) and np.array_equal(view.get(n), one.get(n)), (i, n)
+        assert np.array_equal(g13[doc13 == i], ngram_hashes(h, 13) if len(h) >= 13 else np.zeros(0, np.uint64))
 
 
 def test_batched_signatures_equal_one_document_at_a_time():

@@ -54,8 +54,10 @@ def settings_from(cfg: Config, eval_folder: Path = EVAL_DIR) -> Settings:
     rules = quality.load_rules([x for x in d.clean_off if x not in STEPS], d.clean_set)
     if not d.clean:
         return Settings(False, rules, tuple(d.clean_off))
+    from train.clean.text import prepare_tables  # noqa: PLC0415
     from train.textutil import nfc  # noqa: PLC0415
 
+    prepare_tables(1 << 20)  # a data chunk's code points (the workers scan a chunk at once), before they fork
     texts = [nfc(t) for t in eval_texts(eval_folder)] if "decontam" not in steps else []
     return Settings(True, rules, tuple(d.clean_off), eval_ngrams(texts))
 
