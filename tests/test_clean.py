@@ -45,11 +45,12 @@ def test_ngram_hashes_incremental_equal_direct():
 def test_many_texts_at_once_equal_one_at_a_time():
     texts = ["এক দুই তিন চার পাঁচ ছয় সাত আট নয় দশ এগারো বারো তেরো চোদ্দ", "", "র\u200d্য আর\u200c কি", "।", "one",
              "Hello, WORLD! আমার সোনার বাংলা", "\u200c", "a b c d e f g h i j k l m n o p"]
+    texts += [texts[0], "x y z w v " * 3]  # an n-gram of another document is no repeat
     wh, wl, off = word_spans_many(texts)
     assert off.tolist()[:3] == [0, 14, 14] and off[-1] == len(wh) == len(wl)
     chunk = ChunkNgrams(wh, off, 13, premix=(3,))
     g13, doc13 = chunk.windows(13)
-    assert doc13.tolist() == [0, 0] + [7] * 4
+    assert doc13.tolist() == [0, 0] + [7] * 4 + [8, 8] + [9] * 3
     for i, t in enumerate(texts):
         h, lengths, _ = word_spans(t)
         assert np.array_equal(wh[off[i]:off[i + 1]], h) and np.array_equal(wl[off[i]:off[i + 1]], lengths)
@@ -57,6 +58,12 @@ def test_many_texts_at_once_equal_one_at_a_time():
         for n in (1, 2, 3, 5, 13, 20):
             assert np.array_equal(view.keys(n), one.keys(n)) and np.array_equal(view.get(n), one.get(n)), (i, n)
         assert np.array_equal(g13[doc13 == i], ngram_hashes(h, 13) if len(h) >= 13 else np.zeros(0, np.uint64))
+    shares = quality.ngram_chars(ChunkNgrams(wh, off, 10), wl)
+    for i in range(len(texts)):
+        h, lengths, _ = word_spans(texts[i])
+        alone = quality.ngram_chars(ChunkNgrams(h, np.array([0, len(h)]), 10), lengths)
+        assert {k: int(v[i]) for k, v in shares.items()} == {k: int(v[0]) for k, v in alone.items()}, i
+    assert shares["top_2gram"][0] == 0 and shares["dup_5gram"][-1] == 15 and shares["top_2gram"][-1] == 3 * 2
 
 
 def test_batched_signatures_equal_one_document_at_a_time():

@@ -91,14 +91,16 @@ def scan_documents(docs: list[Document], s: Settings) -> CleanPart:
     if s.enabled:
         wh_all, wl_all, off = word_spans_many([d.text for d in docs])
         chunk = ChunkNgrams(wh_all, off, DECONTAM_N, premix=(s.ngram,))
+        shares = quality.ngram_chars(chunk, wl_all)
         shingles = []
         for i, d in enumerate(docs):
             a, b = off[i], off[i + 1]
-            wh, ng = wh_all[a:b], chunk.doc(i)
-            fails[i] = quality.failure_mask(quality.features(d.text, wh, wl_all[a:b], s.rules, d.lang, ng), s.rules,
+            wh = wh_all[a:b]
+            mine = {k: int(v[i]) for k, v in shares.items()}
+            fails[i] = quality.failure_mask(quality.features(d.text, wh, wl_all[a:b], s.rules, d.lang, mine), s.rules,
                                             d.lang)
             th[i] = words_hash(wh)
-            shingles.append(ng.get(s.ngram))
+            shingles.append(chunk.doc(i).get(s.ngram))
         grams, gram_doc = chunk.windows(DECONTAM_N)
         counts = np.bincount(gram_doc, minlength=n).astype(np.int64)
         for k, table in s.eval_grams.items():
