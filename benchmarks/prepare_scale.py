@@ -28,7 +28,11 @@ Reports MB of text per second (median over rounds), prepare / limit (median of t
 by side), and the speed-up from 1 to N processes (median of the rounds' ratios, the limit's beside it), then extrapolates 2B tokens on 16 cores from the per-process
 rate at the largest N. Writes benchmarks/results/prepare_scale.md, .json and .png.
 
-    python benchmarks/prepare_scale.py [--mb 100] [--workers 1 2] [--rounds 2]
+``--clean-cost-only`` runs prepare and no clean only (the cleaning stage's cost, wall and CPU, and the speed-up of
+each from the fewest to the most processes) and writes benchmarks/results/prepare_scale_clean.{md,json}
+instead.
+
+    python benchmarks/prepare_scale.py [--mb 100] [--workers 1 2] [--rounds 2] [--clean-cost-only]
 """
 
 from __future__ import annotations
@@ -164,6 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="process counts to measure")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--clean-cost-only", action="store_true",
+                   help="only prepare and no clean (the cleaning stage's cost and scaling), written as "
+                        "prepare_scale_clean.{md,json}")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="prepare-scale-"))
     load_before = timing.loadavg()
@@ -203,7 +210,9 @@ def main(argv=None) -> int:
                 runs = [("limit", lambda n=n: limit_run(n)),
                         ("prepare", lambda n=n: prepare_run(cfg, files, inputs, tok_dir, n)),
                         ("no clean", lambda n=n: prepare_run(cfg_off, files, inputs, tok_dir, n))]
-                if n == min(args.workers) and r == 0:  # a reference figure: once is enough
+                if args.clean_cost_only:
+                    runs = runs[1:]
+                elif n == min(args.workers) and r == 0:  # a reference figure: once is enough
                     runs.append(("shipped", lambda n=n: limit_run(n, "shipped")))
                 for name, fn in timing.rotated(runs, r + k):
                     loads.append({"round": r, "run": name, "processes": n, "load": timing.loadavg()[0]})
@@ -223,6 +232,9 @@ def main(argv=None) -> int:
     load_after = timing.loadavg()
     mbs = {name: {n: nfc_bytes / 1e6 / timing.median(v) for n, v in d.items()} for name, d in times.items()}
     ns = args.workers
+    if args.clean_cost_only:
+        return clean_cost_report(args, nfc_bytes, tokens, times, cpus, mbs, digests, cleaning, loads,
+                                 (load_before, load_after), Path(args.out))
     n_max = max(ns)
     ratios = {n: timing.ratios(times["limit"][n], times["prepare"][n]) for n in ns}  # side by side
     ratio = {n: timing.median(v) for n, v in ratios.items()}
@@ -308,6 +320,54 @@ def main(argv=None) -> int:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "prepare_scale.png", dpi=120)
+    return 0
+
+
+def clean_cost_report(args, nfc_bytes: float, tokens: int, times: dict, cpus: dict, mbs: dict, digests: dict,
+                      cleaning: dict, loads: list[dict], load: tuple, out: Path) -> int:
+    """``prepare_scale_clean.{md,json}``: prepare over no clean per process count (wall and CPU seconds, runs
+    side by side), the speed-up of each from the fewest to the most processes, the cleaning's phases."""
+    ns, n_max, n_min = args.workers, max(args.workers), min(args.workers)
+    wall = {n: timing.ratios(times["prepare"][n], times["no clean"][n]) for n in ns}  # prepare / no clean
+    cpu = {n: timing.ratios(cpus["prepare"][n], cpus["no clean"][n]) for n in ns}
+    speedups = {name: timing.ratios(times[name][n_min], times[name][n_max]) for name in ("prepare", "no clean")}
+    same = {name: len(set().union(*d.values())) == 1 for name, d in digests.items()}
+    result = {"text_mb": nfc_bytes / 1e6, "documents": len(_TEXTS), "tokens": tokens, "cpu": timing.cpu_name(),
+              "cores": os.cpu_count(), "load_average_before": load[0], "load_average_after": load[1],
+              "load_average_at_each_run": loads, "seconds": times, "cpu_seconds": cpus, "mb_per_s": mbs,
+              "prepare_over_no_clean_wall_by_round": wall, "prepare_over_no_clean_cpu_by_round": cpu,
+              "speedup_by_round": speedups, "same_shards_for_every_process_count": same,
+              "cleaning": {k: cleaning[k] for k in ("in", "kept", "removed", "clusters", "seconds")}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prepare_scale_clean.json").write_text(json.dumps(result, indent=2) + "\n")
+    flags = f"--mb {args.mb:g} --workers {' '.join(map(str, ns))} --rounds {args.rounds} --clean-cost-only"
+    lines = ["# Data preparation with and without the cleaning stage", "",
+             f"`python benchmarks/prepare_scale.py {flags}`: {nfc_bytes / 1e6:.1f} MB of NFC text ({len(_TEXTS):,} "
+             f"documents, {tokens:,} tokens, vocabulary 32,000) generated from data/sample; CPU {timing.cpu_name()}, "
+             f"{os.cpu_count()} cores; load average {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
+             f"{min(x['load'] for x in loads):.2f} to {max(x['load'] for x in loads):.2f} as each run started.", "",
+             "Prepare (cleaning on, the default) against prepare with `data.clean = false` (the split of whole works "
+             "only), each round's runs one after the other, their order rotated from one round and process count "
+             "to the next:", "",
+             "| processes | no clean MB/s | prepare MB/s | prepare / no clean, wall (median) | by round | "
+             "CPU s: prepare / no clean (median) | by round |", "|---:|---:|---:|---:|---|---:|---|"]
+    for n in ns:
+        lines.append(f"| {n} | {mbs['no clean'][n]:.2f} | {mbs['prepare'][n]:.2f} | "
+                     f"**{timing.median(wall[n]):.2f}×** | " + ", ".join(f"{x:.2f}×" for x in wall[n])
+                     + f" | {timing.median(cpu[n]):.2f}× | " + ", ".join(f"{x:.2f}×" for x in cpu[n]) + " |")
+    lines += ["", f"Speed-up from {n_min} to {n_max} processes (median of the rounds' ratios): prepare "
+              f"**{timing.median(speedups['prepare']):.2f}×** (by round: "
+              + ", ".join(f"{x:.2f}×" for x in speedups["prepare"]) + "), no clean (the tokenizing pass without the "
+              f"stage) {timing.median(speedups['no clean']):.2f}× (by round: "
+              + ", ".join(f"{x:.2f}×" for x in speedups["no clean"]) + ").", "",
+              f"Same shard files (sha256 of every .bin) for {', '.join(map(str, ns))} processes: cleaning on "
+              f"{'yes' if same['prepare'] else 'NO'}, off {'yes' if same['no clean'] else 'NO'}. The cleaning "
+              f"removed (of {cleaning['in']['docs']:,} documents): "
+              + (", ".join(f"{k} {v['docs']:,}" for k, v in cleaning["removed"].items()) or "nothing") + ".", "",
+              "The cleaning's phases in the last prepare run (seconds; the scan is summed over the workers): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in cleaning["seconds"].items()) + ".", ""]
+    (out / "prepare_scale_clean.md").write_text("\n".join(lines))
+    print("\n".join(lines))
     return 0
 
 

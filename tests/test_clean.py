@@ -14,10 +14,10 @@ import pytest
 from benchmarks.clean_planted import score
 from benchmarks.planted_corpus import make_planted
 from tests.conftest import fast_overrides
-from train.clean import quality, stage
+from train.clean import minhash, quality, stage
 from train.clean.decide import CODE, VAL
 from train.clean.split import scan_and_decide
-from train.clean.text import NgramHashes, ngram_hashes, text_hash, word_spans, words
+from train.clean.text import ChunkNgrams, NgramHashes, ngram_hashes, text_hash, word_spans, word_spans_many, words
 from train.clean.works import work_key, work_order, work_title
 from train.config import ConfigError, load_config
 from train.corpus import iter_documents, list_input_files
@@ -40,6 +40,77 @@ def test_ngram_hashes_incremental_equal_direct():
     for n in (1, 2, 5, 13, 20):
         assert np.array_equal(ng.get(n), ngram_hashes(wh, n))
     assert len(ng.get(13)) == 2 and len(ng.get(20)) == 1
+
+
+def test_many_texts_at_once_equal_one_at_a_time():
+    texts = ["এক দুই তিন চার পাঁচ ছয় সাত আট নয় দশ এগারো বারো তেরো চোদ্দ", "", "র\u200d্য আর\u200c কি", "।", "one",
+             "Hello, WORLD! আমার সোনার বাংলা", "\u200c", "a b c d e f g h i j k l m n o p"]
+    texts += [texts[0], "x y z w v " * 3]  # an n-gram of another document is no repeat
+    wh, wl, off = word_spans_many(texts)
+    assert off.tolist()[:3] == [0, 14, 14] and off[-1] == len(wh) == len(wl)
+    chunk = ChunkNgrams(wh, off, 13, premix=(3,))
+    g13, doc13 = chunk.windows(13)
+    assert doc13.tolist() == [0, 0] + [7] * 4 + [8, 8] + [9] * 3
+    for i, t in enumerate(texts):
+        h, lengths, _ = word_spans(t)
+        assert np.array_equal(wh[off[i]:off[i + 1]], h) and np.array_equal(wl[off[i]:off[i + 1]], lengths)
+        one, view = NgramHashes(h, 13), chunk.doc(i)
+        for n in (1, 2, 3, 5, 13, 20):
+            assert np.array_equal(view.keys(n), one.keys(n)) and np.array_equal(view.get(n), one.get(n)), (i, n)
+        assert np.array_equal(g13[doc13 == i], ngram_hashes(h, 13) if len(h) >= 13 else np.zeros(0, np.uint64))
+    shares = quality.ngram_chars(ChunkNgrams(wh, off, 10), wl)
+    for i in range(len(texts)):
+        h, lengths, _ = word_spans(texts[i])
+        alone = quality.ngram_chars(ChunkNgrams(h, np.array([0, len(h)]), 10), lengths)
+        assert {k: int(v[i]) for k, v in shares.items()} == {k: int(v[0]) for k, v in alone.items()}, i
+    assert shares["top_2gram"][0] == 0 and shares["dup_5gram"][-1] == 15 and shares["top_2gram"][-1] == 3 * 2
+
+
+def test_batched_signatures_equal_one_document_at_a_time():
+    rng = np.random.default_rng(3)
+    a = minhash.permutations(112)
+    docs = [rng.integers(0, 2**63, size=int(k), dtype=np.uint64) for k in (5, 0, 1, 13, 0, 40, 7, 2, 0)]
+    want = np.stack([minhash.signature(d, a) for d in docs])
+    assert want[1].tolist() == [0xFFFFFFFF] * 112 and len(set(want[3].tolist())) > 100
+    for block in (1, 4, 7, 8192):  # documents cut across blocks, whole blocks of one document
+        got = minhash.signatures(docs, a, block=block)
+        assert got.dtype == np.uint32 and got.shape == (len(docs), 112) and np.array_equal(got, want)
+
+
+def _plain_ngram_features(ws: list[str]) -> tuple[dict[str, float], dict[str, set]]:
+    """Gopher's duplicate n-gram shares counted on word tuples (the reference for quality.features), and the
+    top n-gram share's possible values (one per most frequent n-gram: a tie goes to the lowest hash)."""
+    from collections import Counter  # noqa: PLC0415
+
+    total = sum(map(len, ws))
+    out, top = {}, {}
+    for k in (2, 3, 4):
+        grams = Counter(tuple(ws[i:i + k]) for i in range(len(ws) - k + 1))
+        c = max(grams.values())
+        top[f"top_{k}gram"] = {(c * sum(map(len, g)) if c > 1 else 0) / total for g, x in grams.items() if x == c}
+    for k in range(5, 11):
+        grams = Counter(tuple(ws[i:i + k]) for i in range(len(ws) - k + 1))
+        cover = [False] * len(ws)
+        for i in range(len(ws) - k + 1):
+            if grams[tuple(ws[i:i + k])] > 1:
+                cover[i:i + k] = [True] * k
+        out[f"dup_{k}gram"] = sum(len(w) for w, c in zip(ws, cover) if c) / total
+    return out, top
+
+
+@pytest.mark.parametrize("text", [
+    "আমি তোমায় ভালোবাসি আমি তোমায় ভালোবাসি আমি তোমায় খুব ভালোবাসি নদী বয়ে যায় সাগরে",
+    "এক দুই তিন চার পাঁচ ছয় সাত আট নয় দশ এগারো বারো এক দুই তিন চার পাঁচ ছয় সাত আট নয় দশ তেরো চোদ্দ পনেরো",
+    "cheap phones best price buy now cheap phones best price buy now deal free shipping cheap phones best buy",
+])
+def test_top_and_repeated_ngram_shares_equal_a_plain_count(text):
+    wh, wl, _ = word_spans(text)
+    f = quality.features(text, wh, wl, quality.load_rules(), "bn")
+    want, top = _plain_ngram_features(words(text))
+    assert {k: f[k] for k in want} == pytest.approx(want)
+    assert max(want.values()) > 0.3  # the texts do repeat
+    for k, values in top.items():
+        assert any(f[k] == pytest.approx(v) for v in values) and max(values) > 0.1, k
 
 
 def test_work_key_groups_parts_and_books():

@@ -37,25 +37,27 @@ def signature(shingles: np.ndarray, a: np.ndarray) -> np.ndarray:
     return (sig >> np.uint64(32)).astype(np.uint32)
 
 
-def signatures(shingles: list[np.ndarray], a: np.ndarray, block: int = 1 << 15) -> np.ndarray:
+def signatures(shingles: list[np.ndarray], a: np.ndarray, block: int = 8192) -> np.ndarray:
     """uint32 ``[documents, num_perm]``: :func:`signature` of each document's n-gram hashes, computed for many
-    documents at once (the products of about ``block`` n-grams at a time, reduced per document)."""
-    out = np.full((len(shingles), len(a)), np.iinfo(np.uint64).max, dtype=np.uint64)
-    lens = np.array([len(s) for s in shingles], dtype=np.int64)
-    i = 0
-    with np.errstate(over="ignore"):
-        while i < len(shingles):
-            j, rows = i, 0
-            while j < len(shingles) and (rows == 0 or rows + lens[j] <= block):
-                rows += lens[j]
-                j += 1
-            docs = [d for d in range(i, j) if lens[d]]
-            if docs:
-                prod = np.concatenate([shingles[d] for d in docs])[:, None] * a[None, :]
-                starts = np.concatenate([[0], np.cumsum(lens[docs])[:-1]])
-                out[docs] = np.minimum.reduceat(prod, starts, axis=0)
-            i = j
-    return (out >> np.uint64(32)).astype(np.uint32)
+    documents at once: the n-grams of all documents back to back, ``block`` at a time, multiplied into one
+    reused ``[num_perm, block]`` buffer (each row one multiplier times contiguous n-grams, so each document's
+    minimum is a reduction along contiguous memory), reduced per document and folded into the result."""
+    n, p = len(shingles), len(a)
+    out = np.full((p, n), np.iinfo(np.uint64).max, dtype=np.uint64)
+    lens = np.fromiter((len(s) for s in shingles), dtype=np.int64, count=n)
+    if lens.sum():
+        flat = np.concatenate(shingles).astype(np.uint64, copy=False)
+        doc = np.repeat(np.arange(n, dtype=np.int64), lens)
+        buf = np.empty((p, min(block, len(flat))), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for i in range(0, len(flat), block):
+                x, d = flat[i:i + block], doc[i:i + block]
+                prod = buf[:, :len(x)]
+                np.multiply(a[:, None], x[None, :], out=prod)
+                starts = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))
+                ids = d[starts]  # distinct: a document's n-grams are consecutive
+                out[:, ids] = np.minimum(out[:, ids], np.minimum.reduceat(prod, starts, axis=1))
+    return np.ascontiguousarray((out >> np.uint64(32)).astype(np.uint32).T)
 
 
 def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from contract.text import letter_kinds, nfc
-from train.clean.text import NgramHashes
+from train.clean.text import ChunkNgrams
 from train.config import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -34,6 +34,7 @@ LANGUAGES = ("bn", "en")
 _MOJIBAKE = re.compile("[\u00c2\u00c3\u00e0\u00e2][\u0080-\u00bf\u0152\u0153\u0160\u0161\u0178\u017d\u017e\u0192"
                        "\u02c6\u02dc\u2013\u2014\u2018\u2019\u201a\u201c\u201d\u201e\u2020\u2021\u2022\u2026"
                        "\u2030\u2039\u203a\u20ac\u2122]|\ufffd")
+_MOJIBAKE_LEAD = ("\u00c2", "\u00c3", "\u00e0", "\u00e2", "\ufffd")
 _BLANK = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
@@ -96,11 +97,18 @@ def load_rules(off: list[str] = (), overrides: dict[str, float] | None = None) -
                  {lang: [nfc(x).casefold() for x in m[lang]] for lang in LANGUAGES})
 
 
+NGRAM_SHARES = ("top_2gram", "top_3gram", "top_4gram", "dup_5gram", "dup_6gram", "dup_7gram", "dup_8gram",
+                "dup_9gram", "dup_10gram")
+
+
 def features(text: str, wh: np.ndarray, wl: np.ndarray, rules: Rules, lang: str,
-             ng: NgramHashes | None = None) -> dict[str, float]:
+             shares: dict[str, int] | None = None) -> dict[str, float]:
     """The measured features of one NFC document: ``text``, its normalised words' hashes ``wh`` and lengths
-    ``wl`` (:func:`train.clean.text.word_spans`); ``ng`` its n-gram hashes when the caller has them."""
-    ng = ng if ng is not None else NgramHashes(wh, 10)
+    ``wl`` (:func:`train.clean.text.word_spans`); ``shares`` its n-gram characters (:func:`ngram_chars`'s, for
+    this document) when the caller has them for many documents at once."""
+    if shares is None:
+        one = ngram_chars(ChunkNgrams(wh, np.array([0, len(wh)]), 10), wl)
+        shares = {k: int(v[0]) for k, v in one.items()}
     f: dict[str, float] = {}
     n = len(wh)
     f["words"] = n
@@ -116,12 +124,8 @@ def features(text: str, wh: np.ndarray, wl: np.ndarray, rules: Rules, lang: str,
     f["dup_lines"], f["dup_lines_chars"] = _dup_share(lines)
     paras = [p.strip() for p in _BLANK.split(text) if p.strip()]
     f["dup_paragraphs"], f["dup_paragraphs_chars"] = _dup_share(paras)
-    csum = np.concatenate([[0], np.cumsum(wl)])
-    for k in (2, 3, 4):
-        f[f"top_{k}gram"] = _top_ngram(ng.keys(k), csum, k) / max(total, 1) if n >= k else 0.0
-    dup5 = _repeated(ng.keys(5)) if n >= 5 else np.zeros(0, bool)
-    for k in (5, 6, 7, 8, 9, 10):
-        f[f"dup_{k}gram"] = _dup_ngram(ng.keys(k), wl, k, dup5) / max(total, 1) if n >= k else 0.0
+    for name in NGRAM_SHARES:
+        f[name] = shares[name] / max(total, 1)
     cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
     kinds = letter_kinds()[cps]
     letters = int(np.count_nonzero(kinds))
@@ -130,16 +134,20 @@ def features(text: str, wh: np.ndarray, wl: np.ndarray, rules: Rules, lang: str,
     own = bengali if lang == "bn" else latin
     f["own_script"] = own / letters if letters else 1.0
     f["other_script"] = (letters - bengali - latin) / letters if letters else 0.0
-    f["boilerplate"] = _marked_lines(text, rules.marker_re.get(lang)) / nl
-    f["mojibake"] = len(_MOJIBAKE.findall(text)) / max(n, 1)
+    f["boilerplate"] = _marked_lines(text, rules.marker_re.get(lang), rules.markers.get(lang, ())) / nl
+    moji = any(c in text for c in _MOJIBAKE_LEAD)  # every match holds one of these: most texts need no regex
+    f["mojibake"] = len(_MOJIBAKE.findall(text)) / max(n, 1) if moji else 0.0
     return f
 
 
-def _marked_lines(text: str, pattern: re.Pattern | None) -> int:
-    """Non-empty lines of ``text`` holding a marker (``pattern`` matches casefolded text)."""
+def _marked_lines(text: str, pattern: re.Pattern | None, markers=()) -> int:
+    """Non-empty lines of ``text`` holding a marker (``pattern`` matches casefolded text; ``markers``, its
+    alternatives, are looked for first with ``str.__contains__``, much faster than the alternation)."""
     if pattern is None:
         return 0
     low = text.casefold()
+    if markers and not any(m in low for m in markers):
+        return 0
     pos = [m.start() for m in pattern.finditer(low)]
     if not pos:
         return 0
@@ -162,48 +170,57 @@ def _dup_share(items: list[str]) -> tuple[float, float]:
     return dup / max(len(items), 1), dup_chars / max(chars, 1)
 
 
-def _top_ngram(h: np.ndarray, csum: np.ndarray, k: int) -> int:
-    hs = np.sort(h)
-    cut = np.flatnonzero(np.concatenate([[True], hs[1:] != hs[:-1], [True]]))
-    counts = np.diff(cut)
-    j = int(np.argmax(counts))
-    if counts[j] < 2:
-        return 0
-    i = int(np.argmax(h == hs[cut[j]]))
-    return int(counts[j]) * int(csum[i + k] - csum[i])
+def ngram_chars(chunk: ChunkNgrams, wl: np.ndarray) -> dict[str, np.ndarray]:
+    """Gopher's repetition counts for every document of ``chunk`` at once (``wl``: the word lengths, back to
+    back), int64 per document, in characters of words (divided by the document's word characters they are the
+    features):
 
+    * ``top_{k}gram`` (k = 2, 3, 4): the most frequent k-gram's count × its characters (ties to the lowest key;
+      0 when no k-gram repeats);
+    * ``dup_{k}gram`` (k = 5 … 10): the characters of the words inside a k-gram that occurs more than once.
 
-def _repeated(h: np.ndarray) -> np.ndarray:
-    """bool per value: it occurs more than once."""
-    o = np.argsort(h, kind="stable")
-    hs = h[o]
-    eq = hs[1:] == hs[:-1]
-    dup = np.zeros(len(h), dtype=bool)
-    dup[o[1:][eq]] = True
-    dup[o[:-1][eq]] = True
-    return dup
-
-
-def _dup_ngram(h: np.ndarray, wl: np.ndarray, k: int, dup5: np.ndarray) -> int:
-    """Characters of the words inside a repeated ``k``-gram (``h``: their keys; ``dup5``: which 5-grams repeat).
-    A repeated k-gram starts where a repeated 5-gram starts and a repeated 5-gram starts k − 5 words later, so
-    only those places are compared."""
-    if k == 5:
-        dup = dup5
-    else:
-        cand = np.flatnonzero(dup5[:len(h)] & dup5[k - 5:k - 5 + len(h)])
-        dup = np.zeros(len(h), dtype=bool)
-        if len(cand) > 1:
-            dup[cand[_repeated(h[cand])]] = True
-    starts = np.flatnonzero(dup)
-    if len(starts) == 0:
-        return 0
-    if len(starts) == 0:
-        return 0
-    cover = np.zeros(len(wl) + 1, dtype=np.int64)
-    np.add.at(cover, starts, 1)
-    np.add.at(cover, starts + k, -1)
-    return int(wl[np.cumsum(cover)[:-1] > 0].sum())
+    The n-grams are grouped by (key, document) in one stable sort per n. A repeated k-gram starts where a repeated
+    (k-1)-gram starts and the next one does too, so from k = 3 on only those places are sorted; likewise a
+    repeated k-gram (k > 5) starts where a repeated 5-gram starts and a repeated 5-gram starts k − 5 words
+    later."""
+    counts = np.diff(chunk.offsets)
+    ndocs, m = len(counts), chunk.all.m
+    word_doc = np.repeat(np.arange(ndocs, dtype=np.int64), counts)
+    csum = np.concatenate(([0], np.cumsum(wl))).astype(np.int64)
+    out = {name: np.zeros(ndocs, dtype=np.int64) for name in NGRAM_SHARES}
+    rep, dup5 = None, np.zeros(0, dtype=bool)  # per k-gram place: it repeats inside its document
+    for k in range(2, 11):
+        if m < k:
+            break
+        keys = chunk.all.keys(k)
+        inside = word_doc[:m - k + 1] == word_doc[k - 1:]
+        if k <= 5:
+            cand = inside if rep is None else inside & rep[:m - k + 1] & rep[1:m - k + 2]
+        else:
+            cand = inside & dup5[:m - k + 1] & dup5[k - 5:m - 4]
+        pos = np.flatnonzero(cand)
+        ps = pos[np.argsort(keys[pos], kind="stable")]  # by key, then place: a key's places in one document adjoin
+        ks, ds = keys[ps], word_doc[ps]
+        eq = (ks[1:] == ks[:-1]) & (ds[1:] == ds[:-1])
+        rep = np.zeros(m - k + 1, dtype=bool)
+        rep[ps[1:][eq]] = True
+        rep[ps[:-1][eq]] = True
+        if k <= 4 and eq.any():
+            cut = np.flatnonzero(np.concatenate(([True], ~eq, [True])))
+            runs, rdoc, rpos = np.diff(cut), ds[cut[:-1]], ps[cut[:-1]]  # per (key, doc): count, first place
+            most = np.zeros(ndocs, dtype=np.int64)
+            np.maximum.at(most, rdoc, runs)
+            top = np.flatnonzero((runs == most[rdoc]) & (runs > 1))
+            _, first = np.unique(rdoc[top], return_index=True)  # in key order: the lowest key of each document
+            top = top[first]
+            out[f"top_{k}gram"][rdoc[top]] = runs[top] * (csum[rpos[top] + k] - csum[rpos[top]])
+        if k == 5:
+            dup5 = rep
+        if k >= 5:
+            starts = np.flatnonzero(rep)
+            cover = np.cumsum(np.bincount(starts, minlength=m + 1) - np.bincount(starts + k, minlength=m + 1))[:m] > 0
+            out[f"dup_{k}gram"] = np.bincount(word_doc[cover], weights=wl[cover], minlength=ndocs).astype(np.int64)
+    return out
 
 
 def verdicts(f: dict[str, float], p: dict) -> dict[str, bool]:

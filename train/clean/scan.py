@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from train.clean import minhash, quality
-from train.clean.text import NgramHashes, ngram_hashes, word_spans, words_hash
+from train.clean.text import ChunkNgrams, splitmix64, word_spans_many, words_hash
 from train.clean.works import work_key
 from train.corpus import Document
 
@@ -87,39 +87,39 @@ def scan_documents(docs: list[Document], s: Settings) -> CleanPart:
     sigs = np.zeros((n, s.num_perm), dtype=np.uint32)
     counts = np.zeros(n, dtype=np.int64)
     hit = np.zeros(n, dtype=bool)
-    grams: list[np.ndarray] = []
-    shingles: list[np.ndarray] = []
+    grams = np.zeros(0, np.uint64)
     if s.enabled:
+        wh_all, wl_all, off = word_spans_many([d.text for d in docs])
+        chunk = ChunkNgrams(wh_all, off, DECONTAM_N, premix=(s.ngram,))
+        shares = quality.ngram_chars(chunk, wl_all)
+        shingles = []
         for i, d in enumerate(docs):
-            wh, wl, _ = word_spans(d.text)
-            ng = NgramHashes(wh, DECONTAM_N)
-            fails[i] = quality.failure_mask(quality.features(d.text, wh, wl, s.rules, d.lang, ng), s.rules, d.lang)
+            a, b = off[i], off[i + 1]
+            wh = wh_all[a:b]
+            mine = {k: int(v[i]) for k, v in shares.items()}
+            fails[i] = quality.failure_mask(quality.features(d.text, wh, wl_all[a:b], s.rules, d.lang, mine), s.rules,
+                                            d.lang)
             th[i] = words_hash(wh)
-            shingles.append(ng.get(s.ngram))
-            g = ng.get(DECONTAM_N) if len(wh) >= DECONTAM_N else np.zeros(0, np.uint64)
-            grams.append(g)
-            counts[i] = len(g)
-            for k, table in s.eval_grams.items():
-                if len(wh) >= k and len(table):
-                    h = ng.get(k)
-                    h = h[s.eval_filter[h & _MASK]]  # a bitmap of the table's low bits first: few get past it
-                    if len(h):
-                        at = np.minimum(np.searchsorted(table, h), len(table) - 1)
-                        if (table[at] == h).any():
-                            hit[i] = True
-                            break
+            shingles.append(chunk.doc(i).get(s.ngram))
+        grams, gram_doc = chunk.windows(DECONTAM_N)
+        counts = np.bincount(gram_doc, minlength=n).astype(np.int64)
+        for k, table in s.eval_grams.items():
+            if not len(table):
+                continue
+            h, hd = chunk.windows(k) if k != DECONTAM_N else (grams, gram_doc)
+            cand = np.flatnonzero(s.eval_filter[h & _MASK])  # a bitmap of the table's low bits first: few get past
+            at = np.minimum(np.searchsorted(table, h[cand]), len(table) - 1)
+            hit[hd[cand[table[at] == h[cand]]]] = True
         sigs = minhash.signatures(shingles, s.a)
         bands = minhash.band_keys(sigs, s.bands, s.rows)
-    return CleanPart(works, heads, fails, th, bands, sigs,
-                     np.concatenate(grams) if grams else np.zeros(0, np.uint64), counts, hit,
-                     time.perf_counter() - t0)
+    return CleanPart(works, heads, fails, th, bands, sigs, grams, counts, hit, time.perf_counter() - t0)
 
 
-_MASK = np.uint64((1 << 24) - 1)
+_MASK = np.uint64((1 << 20) - 1)  # a 1 MB bitmap (cache-sized) of the evaluation n-grams: a prefilter only
 
 
 def _bitmap(tables: dict) -> np.ndarray:
-    bits = np.zeros(1 << 24, dtype=bool)
+    bits = np.zeros(int(_MASK) + 1, dtype=bool)
     for t in tables.values():
         bits[(t & _MASK).astype(np.int64)] = True
     return bits
@@ -128,11 +128,14 @@ def _bitmap(tables: dict) -> np.ndarray:
 def eval_ngrams(texts: list[str]) -> dict[int, np.ndarray]:
     """``{n: sorted distinct uint64}`` of evaluation texts: the 13-grams of each, and of a text of 8 to 12 words
     its first 8 words (a document holding the text holds them)."""
-    out: dict[int, list[np.ndarray]] = {}
-    for t in texts:
-        wh = word_spans(t)[0]
-        if len(wh) >= DECONTAM_N:
-            out.setdefault(DECONTAM_N, []).append(ngram_hashes(wh, DECONTAM_N))
-        elif len(wh) >= EVAL_MIN_WORDS:
-            out.setdefault(EVAL_MIN_WORDS, []).append(ngram_hashes(wh[:EVAL_MIN_WORDS], EVAL_MIN_WORDS))
-    return {k: np.unique(np.concatenate(v)) for k, v in sorted(out.items())}
+    wh, _, off = word_spans_many(texts)
+    chunk = ChunkNgrams(wh, off, DECONTAM_N)
+    out = {}
+    g, _ = chunk.windows(DECONTAM_N)
+    if len(g):
+        out[DECONTAM_N] = np.unique(g)
+    counts = np.diff(off)
+    short = off[:-1][(counts >= EVAL_MIN_WORDS) & (counts < DECONTAM_N)]
+    if len(short):
+        out[EVAL_MIN_WORDS] = np.unique(splitmix64(chunk.all.keys(EVAL_MIN_WORDS)[short]))
+    return dict(sorted(out.items()))

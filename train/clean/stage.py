@@ -55,7 +55,9 @@ def settings_from(cfg: Config, eval_folder: Path = EVAL_DIR) -> Settings:
     if not d.clean:
         return Settings(False, rules, tuple(d.clean_off))
     from contract.text import nfc  # noqa: PLC0415
+    from train.clean.text import prepare_tables  # noqa: PLC0415
 
+    prepare_tables(1 << 20)  # a data chunk's code points (the workers scan a chunk at once), before they fork
     texts = [nfc(t) for t in eval_texts(eval_folder)] if "decontam" not in steps else []
     return Settings(True, rules, tuple(d.clean_off), eval_ngrams(texts))
 

@@ -45,7 +45,7 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     have = _TABLES.get("pow")
     if have is None or len(have[0]) < n + 1:
-        m = max(n + 1, 1 << 16)
+        m = max(n + 1, 1 << 16, 2 * len(have[0]) if have is not None else 0)
         with np.errstate(over="ignore"):
             p = np.cumprod(np.full(m, _P, dtype=np.uint64))
             q = np.cumprod(np.full(m, _P_INV, dtype=np.uint64))
@@ -55,10 +55,11 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return have
 
 
-def prepare_tables() -> None:
-    """Build the lookup tables now (in the parent, so forked workers share them)."""
+def prepare_tables(n: int = 1 << 16) -> None:
+    """Build the lookup tables now, the powers for texts of ``n`` code points (in the parent, so forked workers
+    share them)."""
     _tables()
-    _powers(1 << 16)
+    _powers(n)
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -76,19 +77,48 @@ def word_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     one length (in code points) per word, in order; the normalised code points (lowercased, joiners removed)."""
     word, low = _tables()
     cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
-    cps = low[cps[(cps != 0x200C) & (cps != 0x200D)]]
-    isw = word[cps]
+    if "\u200c" in text or "\u200d" in text:
+        cps = cps[(cps != 0x200C) & (cps != 0x200D)]
+    cps = low[cps]
+    h, lengths, _ = _hash_words(cps, word[cps])
+    return h, lengths, cps
+
+
+def word_spans_many(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`word_spans` of many texts in one pass: ``(hashes uint64, lengths int64, offsets int64
+    [len(texts) + 1])``, text ``i``'s words being ``[offsets[i]:offsets[i + 1]]`` — the same values as one text
+    at a time (a word's hash does not depend on its place; the texts are joined by a line break, never part of a
+    word)."""
+    word, low = _tables()
+    joined = "\n".join(texts)
+    cps = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    seps = np.cumsum(np.fromiter((len(t) + 1 for t in texts[:-1]), dtype=np.int64, count=max(len(texts) - 1, 0))) - 1
+    if "\u200c" in joined or "\u200d" in joined:
+        keep = (cps != 0x200C) & (cps != 0x200D)
+        seps = np.cumsum(keep)[seps] - 1  # each separator's place once the joiners are gone
+        cps = cps[keep]
+    cps = low[cps]
+    h, lengths, starts = _hash_words(cps, word[cps])
+    offsets = np.concatenate(([0], np.searchsorted(starts, seps), [len(h)])).astype(np.int64)
+    return h, lengths, offsets[:len(texts) + 1] if texts else np.zeros(1, np.int64)
+
+
+def _hash_words(cps: np.ndarray, isw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(hashes, lengths, start positions) of the runs of word code points of normalised ``cps``."""
     if not isw.any():
-        return np.zeros(0, np.uint64), np.zeros(0, np.int64), cps
-    edge = np.diff(np.concatenate([[False], isw, [False]]).astype(np.int8))
-    starts = np.flatnonzero(edge == 1)
-    ends = np.flatnonzero(edge == -1)
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(isw[1:] > isw[:-1]) + 1  # a word code point after a boundary
+    ends = np.flatnonzero(isw[:-1] > isw[1:]) + 1
+    if isw[0]:
+        starts = np.concatenate(([0], starts))
+    if isw[-1]:
+        ends = np.concatenate((ends, [len(isw)]))
     p, q = _powers(len(cps))
     with np.errstate(over="ignore"):
         s = np.concatenate([[np.uint64(0)], np.cumsum(cps.astype(np.uint64) * p[:len(cps)], dtype=np.uint64)])
         h = (s[ends] - s[starts]) * q[starts]
         lengths = (ends - starts).astype(np.int64)
-        return splitmix64(h + lengths.astype(np.uint64)), lengths, cps
+        return splitmix64(h + lengths.astype(np.uint64)), lengths, starts
 
 
 def words(text: str) -> list[str]:
@@ -156,6 +186,38 @@ class NgramHashes:
         if n not in self.raw:
             self.raw[n] = _poly(self.wh, n)
         return self.raw[n]
+
+
+class ChunkNgrams:
+    """The n-gram keys of many documents' words at once (``wh``: their word hashes back to back, ``offsets``:
+    :func:`word_spans_many`'s), for every n up to ``max_n``; :meth:`doc` gives one document's n-grams as an
+    :class:`NgramHashes` would (views into the chunk's arrays), and :meth:`windows` the n-grams that lie inside
+    one document, for all documents."""
+
+    def __init__(self, wh: np.ndarray, offsets: np.ndarray, max_n: int, premix: tuple[int, ...] = ()):
+        self.all = NgramHashes(wh, max_n)
+        self.offsets = offsets
+        self.mixed = {n: splitmix64(self.all.keys(n)) for n in premix if n <= self.all.m}  # get(n), sliced
+
+    def doc(self, i: int) -> NgramHashes:
+        """Document ``i``'s :class:`NgramHashes` (the same values as built from its words alone)."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        out = NgramHashes.__new__(NgramHashes)
+        out.wh, out.m = self.all.wh[a:b], b - a
+        out.raw = {k: v[a:b - k + 1] for k, v in self.all.raw.items() if k <= b - a}
+        out.done = {k: v[a:b - k + 1] for k, v in self.mixed.items() if k <= b - a}
+        return out
+
+    def windows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(mixed hashes uint64, document int64)`` of every run of ``n`` words inside one document, in order
+        (a document shorter than ``n`` words has none)."""
+        m = self.all.m
+        if m < n:
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        counts = np.diff(self.offsets)
+        doc = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        inside = np.flatnonzero(doc[:m - n + 1] == doc[n - 1:])
+        return splitmix64(self.all.keys(n)[inside]), doc[inside]
 
 
 def _poly(wh: np.ndarray, n: int) -> np.ndarray:
