@@ -1,5 +1,6 @@
 //! The integer kernels' SIMD level on this CPU (AMX, AVX-512 VNNI, AVX2 or portable), detected once
-//! under `SHALIK_RUST_SIMD`, and the per-vendor choice of software prefetch in the decode kernels.
+//! under `SHALIK_RUST_SIMD`, and the per-vendor choices of the decode kernels (software prefetch,
+//! groups streamed at once).
 
 use crate::kernels::simd::{simd_cap, SimdCap};
 use std::sync::OnceLock;
@@ -17,6 +18,24 @@ pub fn gemv_prefetch() -> bool {
 /// The software-prefetch choice of `gemv_prefetch` for a CPUID vendor string.
 fn prefetch_for_vendor(vendor: &str) -> bool {
     vendor != "AuthenticAMD"
+}
+
+/// Whole groups (32 rows each) a one-token matmul (decode) streams at once on AVX-512 VNNI
+/// (`x86::gemv_vnni`), each with its own accumulators: 4 on Intel, where the decode kernels were
+/// tuned; 8 on AMD, where the longer run of independent `vpdpbusd` chains is faster (Zen 4,
+/// `bench_decode linear`; benchmarks/results/decode.md). Each output is the same chain either way.
+pub fn gemv_groups() -> usize {
+    static GROUPS: OnceLock<usize> = OnceLock::new();
+    *GROUPS.get_or_init(|| groups_for_vendor(&cpu_vendor()))
+}
+
+/// The choice of `gemv_groups` for a CPUID vendor string.
+fn groups_for_vendor(vendor: &str) -> usize {
+    if vendor == "AuthenticAMD" {
+        8
+    } else {
+        4
+    }
 }
 
 /// The CPUID vendor string ("GenuineIntel", "AuthenticAMD", …; "" off x86-64).
@@ -94,5 +113,14 @@ mod tests {
             assert_eq!(v.len(), 12, "{v:?}");
             assert_eq!(gemv_prefetch(), v != "AuthenticAMD");
         }
+    }
+
+    #[test]
+    fn the_decode_streams_eight_groups_on_amd_and_four_elsewhere() {
+        assert_eq!(groups_for_vendor("AuthenticAMD"), 8);
+        assert_eq!(groups_for_vendor("GenuineIntel"), 4);
+        assert_eq!(groups_for_vendor(""), 4);
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(gemv_groups(), if cpu_vendor() == "AuthenticAMD" { 8 } else { 4 });
     }
 }

@@ -58,7 +58,7 @@ use super::qblocks::QK_K;
 pub use super::qblocks::{BlockKind, QK};
 pub use layout::bits_per_weight;
 use layout::{nibble, put_nibbles, quant_at, Layout, Tile, GROUP, K_DMIN, K_HEADER, K_M, K_SC, Q4_BYTES, Q8_BYTES, SCALES};
-pub use level::{int_level, int_levels, IntLevel};
+pub use level::{gemv_groups, int_level, int_levels, IntLevel};
 pub use rows::{quantize_row, quantize_row_portable, QuantRows};
 use portable::tile_generic;
 use rows::Shared;
@@ -70,9 +70,6 @@ use std::ops::Range;
 pub const TILE: usize = 6;
 /// Weight bytes of one group × one k chunk that the token tiles share while it sits in L1.
 const CHUNK_BYTES: usize = 16 << 10;
-/// Groups a one-token matmul (decode) streams at once on AVX-512: that many sequential streams
-/// for the hardware prefetchers.
-const GEMV_GROUPS: usize = 4;
 /// Tokens from which a matmul at level Amx runs AMX tiles (fewer: the AVX-512 VNNI tiles, which
 /// were as fast or faster up to 16–24 tokens in `bench_decode linear`: AMX computes whole tiles of
 /// 16 tokens and unpacks q4_0 per group).
@@ -240,7 +237,7 @@ impl PackedQ {
     unsafe fn groups(&self, level: IntLevel, x: &QuantRows, range: Range<usize>, y: *mut f32, ys: usize) {
         #[cfg(target_arch = "x86_64")]
         if x.m == 1 && matches!(level, IntLevel::Avx512Vnni | IntLevel::Amx) {
-            // decode: up to GEMV_GROUPS whole groups at once, straight into y; a partial last
+            // decode: up to `gemv_groups()` whole groups at once, straight into y; a partial last
             // group goes through the tiles
             let units = self.nb / self.kind.unit_blocks();
             let gb = units * self.kind.unit_bytes();
@@ -248,7 +245,7 @@ impl PackedQ {
             let whole = (self.out / GROUP).min(range.end);
             let mut g = range.start;
             while g < whole {
-                let n = (whole - g).min(GEMV_GROUPS);
+                let n = (whole - g).min(gemv_groups());
                 let (w, yy) = (data.as_ptr().add(g * gb), y.add(g * GROUP));
                 macro_rules! gemv {
                     ($f:ident $(, $q4:literal)?) => {
@@ -256,7 +253,11 @@ impl PackedQ {
                             1 => x86::$f::<$($q4,)? 1>(w, gb, x, units, yy),
                             2 => x86::$f::<$($q4,)? 2>(w, gb, x, units, yy),
                             3 => x86::$f::<$($q4,)? 3>(w, gb, x, units, yy),
-                            _ => x86::$f::<$($q4,)? 4>(w, gb, x, units, yy),
+                            4 => x86::$f::<$($q4,)? 4>(w, gb, x, units, yy),
+                            5 => x86::$f::<$($q4,)? 5>(w, gb, x, units, yy),
+                            6 => x86::$f::<$($q4,)? 6>(w, gb, x, units, yy),
+                            7 => x86::$f::<$($q4,)? 7>(w, gb, x, units, yy),
+                            _ => x86::$f::<$($q4,)? 8>(w, gb, x, units, yy),
                         }
                     };
                 }
@@ -656,9 +657,10 @@ mod tests {
         let serial = Par::new(1).unwrap();
         let par = Par::new(2).unwrap();
         let mmax = 40;
-        // out: partial group, partial panel, exact, one row; k: one unit, several, across k chunks
-        // (q8_0: 15 blocks a chunk, q4_0: 28, q4_K: 3 super-blocks), rows not a multiple of 64 bytes
-        for &(rows, k) in &[(200, 1280), (77, 256), (64, 768), (1, 1792), (45, 2048)] {
+        // out: partial group, partial panel (and more whole groups than a decode streams at once),
+        // exact, one row; k: one unit, several, across k chunks (q8_0: 15 blocks a chunk, q4_0: 28,
+        // q4_K: 3 super-blocks), rows not a multiple of 64 bytes
+        for &(rows, k) in &[(300, 1280), (77, 256), (64, 768), (1, 1792), (45, 2048)] {
             let w = weights(rows, k, rows);
             let x = acts(mmax, k);
             let mut xa = QuantRows::default();
