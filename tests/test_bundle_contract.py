@@ -68,7 +68,7 @@ def rust_literals(path: Path) -> list[tuple[int, str]]:
 def sources(root: Path, folders=("contract", "serve", "export", "benchmarks")) -> list[Path]:
     """The Python files of ``folders`` and the Rust sources under ``root``."""
     py = [p for f in folders for p in sorted((root / f).rglob("*.py"))]
-    return py + sorted((root / "rust_runtime" / "src").glob("*.rs"))
+    return py + sorted((root / "rust_runtime" / "src").rglob("*.rs"))
 
 
 def literals(path: Path, docstrings: bool = True) -> list[tuple[int, str]]:

@@ -15,6 +15,7 @@ README = ROOT / "README.md"
 README_MAX_LINES = 250
 # Folders whose every file of the given kind docs/design.md's layout names (``__init__.py`` may go unnamed).
 LAYOUT_CHECKED = {"contract": ".py", "train": ".py", "export": ".py", "serve": ".py", "rust_runtime/src": ".rs",
+                  "rust_runtime/src/kernels": ".rs", "rust_runtime/src/kernels/int": ".rs",
                   "rust_runtime/examples": ".rs", "docs": ".md"}
 # The Markdown pages a newcomer reads; their relative links must resolve (anchors included).
 PAGES = ["README.md", "benchmarks/README.md", "rust_runtime/README.md", "data/sample/README.md",
@@ -164,7 +165,7 @@ def test_the_layout_parser_reads_labels_descriptions_and_subfolders():
     listing = _layout()
     assert "config" in listing["train"] and "data:" not in listing["train"]
     assert "placement" in listing["train/components"] and "device," not in listing["train/components"]
-    assert "kernels_int" in listing["rust_runtime/src"] and "amx" in listing["rust_runtime/src"]
+    assert "gemm" in listing["rust_runtime/src/kernels"] and "amx" in listing["rust_runtime/src/kernels/int"]
     assert "static/" in listing["serve"] and "admission" in listing["serve/http"]
     assert "README.md" not in LAYOUT_CHECKED and "design.md" in listing["docs"]
 

@@ -3,8 +3,6 @@
 //! `engine`, `policy`, `sampling`, `generate`, `tokenizer`) is usable on its own; the Python module `rust_runtime`
 //! (feature `python`, turned on by maturin) wraps it.
 
-#[cfg(target_arch = "x86_64")]
-pub mod amx;
 pub mod bundle;
 pub mod cache;
 pub mod config;
@@ -13,12 +11,10 @@ pub mod error;
 pub mod generate;
 pub mod integrity;
 pub mod kernels;
-pub mod kernels_int;
 pub mod linear;
 pub mod loader;
 pub mod model;
 pub mod policy;
-pub mod qblocks;
 pub mod quant;
 pub mod sampling;
 pub mod tokenizer;

@@ -1,13 +1,13 @@
 //! A weight matrix y = x·Wᵀ (W out × in, the nn.Linear layout), f32 or block-quantized.
 //!
 //! f32 weights are packed once at load (`kernels::PackedF32`); quantized ones are packed for the
-//! integer kernels (`kernels_int::PackedQ`: q8_0, q4_0 or q4_K), possibly in row ranges of different
+//! integer kernels (`kernels::int::PackedQ`: q8_0, q4_0 or q4_K), possibly in row ranges of different
 //! kinds (the fused q/k/v matrix keeps v at 8 bits under `q4_mix`). Either way each output
 //! element is one fixed chain, so results do not depend on the batch.
 
 use crate::error::{Error, Result};
 use crate::kernels::{with_scratch, PackedF32, Par};
-use crate::kernels_int::{BlockKind, PackedQ, QuantRows};
+use crate::kernels::int::{BlockKind, PackedQ, QuantRows};
 use std::cell::RefCell;
 
 pub use crate::quant::Quantize;
@@ -114,7 +114,7 @@ impl Linear {
     }
 
     /// y (m × out) = x (m × in) · Wᵀ. Quantized: x is quantized per row and 32-block to int8
-    /// first (`kernels_int::QuantRows`), once for all parts.
+    /// first (`kernels::int::QuantRows`), once for all parts.
     pub fn forward(&self, par: &Par, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         let (out, inp) = match self {
             Linear::F32(p) => (p.out, p.inp),

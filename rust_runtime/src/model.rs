@@ -15,7 +15,7 @@ use crate::cache::{KvCache, CHUNK};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::{self, Panels, Par, SyncPtr};
-use crate::kernels_int::{BlockKind, PackedQ};
+use crate::kernels::int::{BlockKind, PackedQ};
 use crate::linear::{Linear, Part};
 use crate::loader::{layer_tensor, Loader};
 pub use crate::quant::Quantize;

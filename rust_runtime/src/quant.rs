@@ -11,11 +11,11 @@
 //!   (llama.cpp gives its output, and half of attn_v and ffn_down, 6 bits). The same blocks of 32 as
 //!   q4_0 and q8_0, so ONNX's `MatMulNBits` form computes from the same numbers.
 //!
-//! GGML's q4_K (`BlockKind::Q4K`, super-blocks of 256) has kernels too (`kernels_int`, `qblocks`)
+//! GGML's q4_K (`BlockKind::Q4K`, super-blocks of 256) has kernels too (`kernels::int`, `kernels::qblocks`)
 //! but no name: contract.quant has no Rust scheme that uses it.
 
 use crate::error::{Error, Result};
-use crate::kernels_int::{bits_per_weight, BlockKind};
+use crate::kernels::int::{bits_per_weight, BlockKind};
 
 /// How the weights of a model are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,7 +147,7 @@ mod tests {
 
 /// The module attributes that let Python hold its list of schemes to this one:
 /// `QUANTIZE_NAMES` (a tuple, `KINDS`' order) and `QUANTIZE_PLAN` ({name: {role: "q8_0" | "q4_0" | None}}),
-/// plus `int_simd_level` (the integer kernels' level, `kernels_int::int_level`).
+/// plus `int_simd_level` (the integer kernels' level, `kernels::int::int_level`).
 #[cfg(feature = "python")]
 pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     use pyo3::prelude::*;
@@ -163,6 +163,6 @@ pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()
         plan.set_item(name, roles)?;
     }
     m.add("QUANTIZE_PLAN", plan)?;
-    m.add("int_simd_level", format!("{:?}", crate::kernels_int::int_level()))?;
+    m.add("int_simd_level", format!("{:?}", crate::kernels::int::int_level()))?;
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! How one block of weights is quantized: GGML's q8_0, q4_0 and q4_K rounding rules, as
 //! llama.cpp's `quantize_row_*_ref` and gguf-py's `quants.quantize` apply them, so that a matrix
 //! quantized here holds the numbers a GGUF of that type holds. The packed layouts that the
-//! kernels read are `kernels_int`'s; this module only decides the numbers.
+//! kernels read are `kernels::int`'s; this module only decides the numbers.
 
 use half::f16;
 

@@ -1,4 +1,4 @@
-//! Intel AMX-INT8 tiles for the integer matmul's token tiles (`kernels_int`, level `Amx`).
+//! Intel AMX-INT8 tiles for the integer matmul's token tiles (`kernels::int`, level `Amx`).
 //!
 //! AMX (Advanced Matrix Extensions, Sapphire Rapids on) multiplies tiles held in eight 1 KB tile
 //! registers: `tdpbsud` adds to C (16 × 16 int32) the products of A (16 rows × K signed bytes) and
@@ -8,7 +8,7 @@
 //!
 //! Here one `tdpbsud` is one 32-block of 16 tokens × one 16-row panel: A is the tokens' int8
 //! activations (16 rows of 32 bytes, `QuantRows`' row stride), B the panel's quants exactly as
-//! `kernels_int` packs them for `vpdpbusd` (block step s, the panel's 16 rows × 4 bytes at
+//! `kernels::int` packs them for `vpdpbusd` (block step s, the panel's 16 rows × 4 bytes at
 //! `s·128 + panel·64`: B's rows at a 128-byte stride), and C the block's integer dot products,
 //! which the AVX-512 epilogue turns into the module's chain: acc = fma(f32(isum − offset·Σx),
 //! dw·dx, acc). The integers are exact, so the outputs are the bits of every other level. q4_0's
@@ -20,7 +20,7 @@
 //! kernel 5.16+, Documentation/arch/x86/xstate.rst); `available` asks once. Rust has no stable AMX
 //! intrinsics, so the tile instructions are inline assembly.
 
-use crate::kernels_int::{Tile, GROUP, Q8_BYTES, QK, SCALES};
+use super::layout::{Tile, GROUP, Q8_BYTES, QK, SCALES};
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
