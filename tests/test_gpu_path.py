@@ -222,35 +222,44 @@ def test_sdpa_choice_takes_the_first_backend_that_runs_and_agrees():
 # ------------------------------------------------------------------------------------------- train.compile modes
 
 
-def _fail_compile(self, static_batch, backend="inductor"):
-    raise RuntimeError("backend exploded (planted)")
+def _trained(tmp_path, session_cache, name: str, log=QUIET["log"], **keys) -> dict:
+    """Train run ``name`` of the fast config with these keys (2 steps unless ``train.max_steps`` is given); returns
+    its summary.json."""
+    cfg = fast_config(tmp_path, session_cache, **{"run.name": name, "train.max_steps": 2, **keys})
+    Trainer(cfg, log=log).train()
+    return json.loads((tmp_path / f"runs/{name}/summary.json").read_text())
+
+
+def _planted_failure(what: str):
+    def fail(self, *args, **kwargs):
+        raise RuntimeError(f"{what} (planted)")
+    return fail
 
 
 def test_compile_true_failure_is_an_error(tmp_path, session_cache, monkeypatch):
-    monkeypatch.setattr(CausalLMLoss, "compile_blocks", _fail_compile)
-    cfg = fast_config(tmp_path, session_cache, **{"run.name": "c-true", "train.compile": True, "train.max_steps": 2})
+    monkeypatch.setattr(CausalLMLoss, "compile_blocks", _planted_failure("backend exploded"))
     with pytest.raises(TrainError, match=r"torch.compile failed \(RuntimeError: backend exploded.*\"auto\""):
-        Trainer(cfg, **QUIET).train()
+        _trained(tmp_path, session_cache, "c-true", **{"train.compile": True})
 
 
-def test_compile_auto_falls_back_loudly_and_says_so(tmp_path, session_cache, monkeypatch):
-    monkeypatch.setattr(CausalLMLoss, "compile_blocks", _fail_compile)
+@pytest.mark.parametrize("mode,method,why,reason", [
+    ("auto", "compile_blocks", "backend exploded", "backend exploded"),
+    ("head", "compile_head", "no C++ compiler", 'train.compile = "head" fell back')])
+def test_compile_failure_falls_back_loudly_and_says_so(tmp_path, session_cache, monkeypatch, mode, method, why,
+                                                       reason):
+    monkeypatch.setattr(CausalLMLoss, method, _planted_failure(why))
     logs = []
-    cfg = fast_config(tmp_path, session_cache, **{"run.name": "c-auto", "train.compile": "auto", "train.max_steps": 2})
-    Trainer(cfg, log=logs.append).train()
-    s = json.loads((tmp_path / "runs/c-auto/summary.json").read_text())
-    assert s["compile"]["path"] == "eager" and "backend exploded" in s["compile"]["reason"]
-    assert any(m.startswith("WARNING: training EAGERLY") for m in logs)
-    assert "training EAGERLY" in (tmp_path / "runs/c-auto/train.log").read_text()
+    s = _trained(tmp_path, session_cache, f"c-{mode}", log=logs.append, **{"train.compile": mode})
+    assert s["compile"]["path"] == "eager" and reason in s["compile"]["reason"] and why in s["compile"]["reason"]
+    assert any(why in m and m.startswith("WARNING: training EAGERLY") for m in logs)
+    assert "training EAGERLY" in (tmp_path / f"runs/c-{mode}/train.log").read_text()
 
 
 def test_compiled_run_records_path_and_zero_recompiles(tmp_path, session_cache, monkeypatch):
     real = CausalLMLoss.compile_blocks
     monkeypatch.setattr(CausalLMLoss, "compile_blocks", lambda self, b, backend="inductor": real(self, b, "aot_eager"))
     torch._dynamo.reset()
-    cfg = fast_config(tmp_path, session_cache, **{"run.name": "c-on", "train.compile": True, "train.max_steps": 3})
-    Trainer(cfg, **QUIET).train()
-    s = json.loads((tmp_path / "runs/c-on/summary.json").read_text())
+    s = _trained(tmp_path, session_cache, "c-on", **{"train.compile": True, "train.max_steps": 3})
     assert s["compile"]["path"] == "compiled" and s["compile"]["graphs"] == 2 and s["compile"]["recompiles"] == 0
     assert s["attention_backend"]["name"] == "default"
     assert s["peak_memory_scope"].startswith("training steps only")
@@ -269,26 +278,10 @@ def test_compile_head_compiles_the_head_alone_and_keeps_the_loss(tmp_path, sessi
     real = CausalLMLoss.compile_head
     monkeypatch.setattr(CausalLMLoss, "compile_head", lambda self, backend="inductor": real(self, "aot_eager"))
     torch._dynamo.reset()
-    runs = {}
-    for name, mode in (("h-on", "head"), ("h-off", False)):
-        cfg = fast_config(tmp_path, session_cache, **{"run.name": name, "train.compile": mode, "train.max_steps": 3,
-                                                      "train.dtype": "float32"})
-        Trainer(cfg, **QUIET).train()
-        runs[name] = json.loads((tmp_path / f"runs/{name}/summary.json").read_text())
+    runs = {name: _trained(tmp_path, session_cache, name, **{"train.compile": mode, "train.max_steps": 3,
+                                                            "train.dtype": "float32"})
+            for name, mode in (("h-on", "head"), ("h-off", False))}
     s = runs["h-on"]
     assert s["compile"]["path"] == "compiled" and s["compile"]["graphs"] == 1 and s["compile"]["recompiles"] == 0
     assert "the head + loss only" in s["compile"]["reason"]
     assert s["val"]["all"]["nll"] == pytest.approx(runs["h-off"]["val"]["all"]["nll"], rel=1e-5)
-
-
-def test_compile_head_failure_falls_back_loudly(tmp_path, session_cache, monkeypatch):
-    def fail(self, backend="inductor"):
-        raise RuntimeError("no C++ compiler (planted)")
-
-    monkeypatch.setattr(CausalLMLoss, "compile_head", fail)
-    logs = []
-    cfg = fast_config(tmp_path, session_cache, **{"run.name": "h-fail", "train.compile": "head", "train.max_steps": 2})
-    Trainer(cfg, log=logs.append).train()
-    s = json.loads((tmp_path / "runs/h-fail/summary.json").read_text())
-    assert s["compile"]["path"] == "eager" and 'train.compile = "head" fell back' in s["compile"]["reason"]
-    assert any("no C++ compiler" in m and m.startswith("WARNING: training EAGERLY") for m in logs)

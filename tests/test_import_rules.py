@@ -167,6 +167,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def plant(root: Path, files: dict[str, str]) -> None:
+    """Write a planted source tree under ``root``: relative path -> text (dedented)."""
+    for name, text in files.items():
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text), encoding="utf-8")
+
+
 def test_no_import_cycles_in_the_python_packages():
     graph = import_graph(ROOT)
     assert {"contract.bundle", "serve.lm", "train.run", "export.pipeline", "rust_runtime"} <= set(graph)
@@ -185,10 +193,7 @@ def test_the_cycle_check_sees_lazy_and_type_checking_cycles(tmp_path):
         "serve/d.py": "import serve.c\n",
         "serve/e.py": "import serve.a\nimport json\n",
     }
-    for name, text in files.items():
-        p = tmp_path / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text, encoding="utf-8")
+    plant(tmp_path, files)
     graph = import_graph(tmp_path, ("serve",))
     assert graph["serve.e"] == {"serve.a"} and graph["serve"] == {"serve.a"}
     assert cycles(graph) == [["serve.a", "serve.b", "serve.a"], ["serve.c", "serve.d", "serve.c"]]
@@ -206,10 +211,7 @@ def test_the_check_finds_every_kind_of_import(tmp_path):
         "train/sub/deep.py": "from serve import load\n",
         "train/dyn.py": "import importlib\nm = importlib.import_module('export.pipeline')\nn = __import__('serve')\n",
     }
-    for name, text in files.items():
-        p = tmp_path / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(textwrap.dedent(text), encoding="utf-8")
+    plant(tmp_path, files)
     assert violations(tmp_path, "train", FORBIDDEN["train"]) == [
         "train/dyn.py:2 imports export.pipeline",
         "train/dyn.py:3 imports serve",
