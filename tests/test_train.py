@@ -307,7 +307,12 @@ def test_run_with_preflight_is_bit_identical_to_one_without(tmp_path, session_ca
     base = {"train.max_steps": 5, "train.dtype": "float32"}
     a = Trainer(fast_config(tmp_path, session_cache, **base, **{"run.name": "pf", "train.preflight": True}), **QUIET)
     a.train()
-    assert json.loads((tmp_path / "runs/pf/preflight.json").read_text())["ok"] is True
+    report = json.loads((tmp_path / "runs/pf/preflight.json").read_text())
+    assert report["ok"] is True
+    log = (tmp_path / "runs/pf/train.log").read_text()
+    for check in report["checks"]:  # each check's line once, as it ran; then one summary line, not the table
+        assert log.count(f"preflight {check['name']} ") == 1 and f"PASS  {check['name']}" not in log
+    assert f"all {len(report['checks'])} checks passed in " in log
     b = Trainer(fast_config(tmp_path, session_cache, **base, **{"run.name": "nopf"}), **QUIET)
     b.train()
     assert not (tmp_path / "runs/nopf/preflight.json").exists()
@@ -324,6 +329,8 @@ def test_preflight_failure_blocks_the_run(tmp_path, session_cache, monkeypatch):
         Trainer(cfg, **QUIET).train()
     report = json.loads((tmp_path / "runs/blocked/preflight.json").read_text())
     assert report["ok"] is False and report["checks"][0]["name"] == "gradient_flow"
+    log = (tmp_path / "runs/blocked/train.log").read_text()
+    assert "  FAIL  gradient_flow" in log and "FAILED — the run will not start" in log  # the table, culprits and all
     assert not (tmp_path / "runs/blocked/checkpoints").exists()
 
 

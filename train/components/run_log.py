@@ -84,10 +84,11 @@ class RunLog:
             self._append(self.run_dir / "samples.jsonl", [{"step": step, **s} for s in samples])
 
     def write_preflight(self, report) -> None:
-        """preflight.json (``report.to_dict()``) and the report's table in the log."""
+        """preflight.json (``report.to_dict()``) and the report's summary in the log (the table when a check
+        failed)."""
         if self.is_main:
             atomic_write_json(self.run_dir / "preflight.json", report.to_dict())
-            self.log(report.table())
+            self.log(report.summary())
 
     def plot(self, title: str) -> None:
         """loss.png from metrics.jsonl."""

@@ -41,6 +41,15 @@ class PreflightReport:
         lines.append("preflight: " + ("all checks passed" if self.ok else "FAILED — the run will not start"))
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """What the run's log gets once the checks are done (each check already printed its line as it ran): one
+        line when every check passed, the whole :meth:`table` (culprits included) when one failed."""
+        if not self.ok:
+            return self.table()
+        seconds = sum(c.seconds for c in self.checks)
+        return (f"preflight on {self.device} ({self.dtype}, torch {self.torch_version}): all {len(self.checks)} checks "
+                f"passed in {seconds:.0f} s")
+
 
 class PreflightFailed(TrainError):
     """A check failed: the run does not start (exit code 1; the report names the culprits)."""
