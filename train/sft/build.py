@@ -12,7 +12,8 @@ nothing is invented), asked and answered in one language:
   summary: the lead sentence, not a written abstract);
 * ``continue``: a passage → the text that follows it in the corpus up to the first sentence or line end after
   :data:`CONTINUE_MIN` characters (within :data:`CONTINUE_MAX`; a passage with no such end gives no row): one
-  stopping rule a small model can learn, so a reply stops where a line or sentence does, as a chat reply should;
+  stopping rule a small model can learn, so a reply stops where a line or sentence does, as a chat reply should
+  (in the hard-wrapped prose of :data:`WRAPPED_SOURCES` a line break is a wrap, not an end);
 * ``language``: "which language is this written in?" asked in the other language → answered in the language
   of the question (the cross-lingual case of "answer in the language asked").
 
@@ -50,6 +51,7 @@ CONTINUE_MAX = 140  # …within this many
 PER_DOC = {"train": {"bn": 2, "en": 3}, "validation": {"bn": 1, "en": 3}}  # continuation passages per document
 LEAD_CHARS = 250  # the longest lead sentence taken as an answer (what_is, lead)
 NOVEL_SOURCES = ("100-english-novels", "majantali-bnarchive-wip")  # pieces are chapters of one work
+WRAPPED_SOURCES = ("100-english-novels",)  # hard-wrapped prose (lines of about 70 characters): a line break is no end
 _PART = re.compile(r"\s*\((?:অংশ|part)\s*[0-9০-৯]+\)\s*$")
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _SENTENCE_BN = re.compile(r"^(.+?[।?!])(?:\s|$)", re.S)
@@ -133,14 +135,17 @@ def cut(text: str, start: int, size: int) -> tuple[str, int]:
 
 
 _END = re.compile(r"[.?!।॥][\"'”’)]*(?=\s|$)|\n")
+_END_WRAPPED = re.compile(r"[.?!।॥][\"'”’)]*(?=\s|$)|\n\n")
 
 
-def continuation(text: str, start: int, least: int = CONTINUE_MIN, most: int = CONTINUE_MAX) -> str | None:
+def continuation(text: str, start: int, least: int = CONTINUE_MIN, most: int = CONTINUE_MAX,
+                 wrapped: bool = False) -> str | None:
     """The text after ``start`` up to the first sentence end (., ?, !, ।, ॥ and closing quotes) or line break that
     makes it at least ``least`` characters long (white space at either end stripped), within ``most``
-    characters; None when there is no such end."""
+    characters; None when there is no such end. ``wrapped``: hard-wrapped prose, where only a blank line (a
+    paragraph's end) counts as a line end."""
     window = text[start:start + most]
-    for m in _END.finditer(window):
+    for m in (_END_WRAPPED if wrapped else _END).finditer(window):
         piece = window[:m.end()].strip()
         if len(piece) >= least:
             return piece
@@ -230,15 +235,17 @@ def conversations_of(doc, rng: random.Random, per_doc: int) -> list[tuple[str, l
             para = text.split("\n\n")[0]
             if len(para) > len(lead) + 80:
                 out.append(("lead", _turns(f"{pick(ASK['lead'][lang])}\n\n{cut(para, 0, 500)[0]}", lead)))
-    for _ in range(per_doc):
-        if len(text) < 400:
+    made = 0
+    for _ in range(2 * per_doc):  # a passage with no end in reach is replaced by another draw, up to per_doc tries more
+        if len(text) < 400 or made == per_doc:
             break
         start = rng.randrange(0, len(text) - 350)
         start = text.find(" ", start) + 1 if start else 0
         prompt, end = cut(text, start, rng.choice((160, 240)))
-        answer = continuation(text, end)
+        answer = continuation(text, end, wrapped=doc.source in WRAPPED_SOURCES)
         if prompt and answer:
             out.append(("continue", _turns(f"{pick(ASK['continue'][lang])}\n\n{prompt}", answer)))
+            made += 1
     if rng.random() < 0.12:
         passage, _ = cut(text, 0, 200)
         out.append(("language", _turns(f"{pick(ASK['language'][other])}\n\n{passage}", LANGUAGE_NAME[(other, lang)])))
