@@ -51,7 +51,7 @@ from contract.text import detect_language  # noqa: E402
 from train import windows as W  # noqa: E402
 from train.components.checkpoint import find_checkpoint, load_model  # noqa: E402
 from train.components.evaluation import evaluate, sampled_continuation  # noqa: E402
-from train.device import autocast_ctx, resolve_dtype  # noqa: E402
+from train.device import autocast_ctx, native_cpu_bf16, resolve_dtype  # noqa: E402
 from train.hf_files import SAMPLING  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, compute_dtype  # noqa: E402
 from train.sft.cli import sft_config  # noqa: E402
@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.layout_rounds:
         dev = torch.device("cpu")
         dtype = resolve_dtype(t.dtype, dev)
+        if t.dtype == "auto" and native_cpu_bf16():  # what an auto run picks here once preflight passes (its log says)
+            dtype = torch.bfloat16
         result["layout"] = layout(base, data, t.micro_batch_size, t.seq_len, args.layout_rounds,
                                   lambda: autocast_ctx(dev, dtype))
         result["layout"]["dtype"] = str(dtype).replace("torch.", "")
