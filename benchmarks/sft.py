@@ -19,6 +19,10 @@ same base model prompted with the same template, and which batch layout trains f
    wrong), exact match on the title / author tasks (NFC, case, surrounding quotes and final punctuation ignored),
    and the validation NLL on assistant tokens over the whole validation split. Samples are shown.
 
+4. **The same prompts as before** (``--compare-data PATH``): the fine-tuned model's replies, greedy and sampled, to
+   the validation prompts of another version of the set, drawn the same way, so a changed set is compared on the
+   prompts that gave the earlier figures.
+
 Writes benchmarks/results/sft.md and sft.json.
 """
 
@@ -47,7 +51,7 @@ from contract.text import detect_language  # noqa: E402
 from train import windows as W  # noqa: E402
 from train.components.checkpoint import find_checkpoint, load_model  # noqa: E402
 from train.components.evaluation import evaluate, sampled_continuation  # noqa: E402
-from train.device import autocast_ctx, resolve_dtype  # noqa: E402
+from train.device import autocast_ctx, native_cpu_bf16, resolve_dtype  # noqa: E402
 from train.hf_files import SAMPLING  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM, ModelConfig, compute_dtype  # noqa: E402
 from train.sft.cli import sft_config  # noqa: E402
@@ -209,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--report-only", action="store_true", help="rewrite sft.md from sft.json")
     p.add_argument("--results", default="sft", help="the results' file name (benchmarks/results/NAME.md, .json)")
+    p.add_argument("--compare-data", default=None, metavar="PATH",
+                   help="also score the fine-tuned model on the validation prompts of another set (e.g. an earlier "
+                        "data/sft taken with git show), drawn the same way: the same prompts as that set's figures")
+    p.add_argument("--compare-label", default=None, help="how the report names --compare-data")
     args = p.parse_args(argv)
     if args.report_only:
         r = json.loads((RESULTS / f"{args.results}.json").read_text())
@@ -231,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.layout_rounds:
         dev = torch.device("cpu")
         dtype = resolve_dtype(t.dtype, dev)
+        if t.dtype == "auto" and native_cpu_bf16():  # what an auto run picks here once preflight passes (its log says)
+            dtype = torch.bfloat16
         result["layout"] = layout(base, data, t.micro_batch_size, t.seq_len, args.layout_rounds,
                                   lambda: autocast_ctx(dev, dtype))
         result["layout"]["dtype"] = str(dtype).replace("torch.", "")
@@ -280,12 +290,32 @@ def main(argv: list[str] | None = None) -> int:
                     for i, c in enumerate(base_chosen if name == "base" else chosen)]
             result["replies"][f"{name} {mode}"] = {"scores": score(rows), "rows": rows, "seconds": time.time() - t0}
             print(name, mode, json.dumps(score(rows)))
+    if args.compare_data:
+        result["compare"] = compare(tuned, data, args.compare_data, args.compare_label or args.compare_data,
+                                    cfg.data.val_fraction, args.prompts, args.seed, eot, im_end)
     result["loadavg_end"] = timing.loadavg()
     RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(RESULTS / f"{args.results}.json", result)
     atomic_write_text(RESULTS / f"{args.results}.md", report(result))
     print(RESULTS / f"{args.results}.md")
     return 0
+
+
+def compare(model, data: SFTData, path: str, label: str, val_fraction: float, per_lang: int, seed: int, eot: int,
+            im_end: int) -> dict:
+    """The fine-tuned model's scores, greedy and sampled, on ``per_lang`` validation prompts per language of the set
+    at ``path``, drawn as :func:`prompts_of` draws them (so the same prompts as that set's own figures), and the
+    tasks of the replies that did not end."""
+    convs = [c for c in read_conversations([path], val_fraction) if c.split == "validation"]
+    chosen = prompts_of(convs, per_lang, seed)
+    out = {"label": label, "scores": {}, "misses": {}}
+    for mode in ("greedy", "sampled"):
+        rows = [reply(model, data.tokenizer, c, eot, im_end, mode, seed + i) for i, c in enumerate(chosen)]
+        out["scores"][mode] = score(rows)
+        out["misses"][mode] = {lang: dict(Counter(r["task"] for r in rows if r["lang"] == lang and not r["ended"]))
+                               for lang in ("bn", "en")}
+        print("compare", mode, json.dumps(out["scores"][mode]))
+    return out
 
 
 def log_span(path: Path) -> float:
@@ -378,6 +408,17 @@ def report(r: dict) -> str:
         for lang, sc in v["scores"].items():
             lines.append(f"| {key} | {lang} | {sc['n']} | {_pct(sc['im_end'])} | {_pct(sc['language'])} | "
                          f"{_pct(sc['exact'])} ({sc['exact_n']}) |")
+    if r.get("compare"):
+        cmp = r["compare"]
+        lines += ["", f"The fine-tuned model on the validation prompts of {cmp['label']}, drawn the same way (the same "
+                  "prompts as that set's figures):", "",
+                  "| decoding | lang | prompts | ends with `<|im_end|>` | language asked | replies without it, by task |",
+                  "|---|---|---:|---:|---:|---|"]
+        for mode, by_lang in cmp["scores"].items():
+            for lang, sc in by_lang.items():
+                miss = ", ".join(f"{t} {n}" for t, n in cmp["misses"][mode][lang].items()) or "–"
+                lines.append(f"| {mode} | {lang} | {sc['n']} | {_pct(sc['im_end'])} | {_pct(sc['language'])} | "
+                             f"{miss} |")
     lines += ["", *reading(r), "", "## Samples", "", "The first validation prompts of each language and task kind, greedy and "
               "sampled, base and fine-tuned (replies cut at 200 characters).", ""]
     keys = list(r["replies"])

@@ -116,6 +116,28 @@ def test_windows_carry_the_mask_through_padding(chat_tok):
     assert torch.equal(W.inputs(t), torch.from_numpy(x)) and torch.equal(W.labels(t), torch.from_numpy(y))
 
 
+@pytest.mark.parametrize("fixed_length", [False, True])
+def test_every_end_of_turn_is_a_target_in_a_training_step(chat_tok, fixed_length):
+    from train.sft.data import ConversationLoader
+
+    im_end = chat_tok.token_to_id(IM_END)
+    rows = [to_window(*encode_conversation(chat_tok, to_messages(r), 0)) for r in CONVS]
+    loader = ConversationLoader(rows, step_size=len(rows), seq_len=64, seed=0, pad_id=1, fixed_length=fixed_length)
+    batch = loader.collate([loader.window(i) for i in range(len(rows))])  # what a step feeds the loss
+    assert batch.shape == (4, 65) if fixed_length else batch.shape[1] == 8 * -(-max(map(len, rows)) // 8)
+    y = W.labels(torch.from_numpy(batch))
+    for row, conv, labels in zip(rows, CONVS, y, strict=True):
+        targets = labels[labels != W.IGNORE]
+        replies = sum(m["role"] == "assistant" for m in to_messages(conv))
+        # each reply's <|im_end|> is a target, the last target of the row is the last one, padding adds none
+        assert int((targets == im_end).sum()) == replies and int(targets[-1]) == im_end
+        assert int(labels[len(row) - 3]) == im_end and (labels[len(row) - 2:] == W.IGNORE).all()
+    logits = torch.zeros(*y.shape, chat_tok.get_vocab_size(with_added_tokens=True), requires_grad=True)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=W.IGNORE).backward()
+    grad_end = logits.grad[torch.arange(len(rows)), torch.tensor([len(r) - 3 for r in rows]), im_end]
+    assert (grad_end < 0).all()  # the loss pulls <|im_end|> up where a reply ends
+
+
 def test_the_embedding_grows_by_the_mean_row(trained_run):
     from train.components.checkpoint import find_checkpoint, load_model
     from train.model import LlamaForCausalLM, ModelConfig
@@ -271,6 +293,42 @@ def test_the_built_set_holds_works_out_by_work_and_keeps_licences(tmp_path):
     write(rows, tmp_path / "a.jsonl.gz")
     write(build([str(MINI)], seed=0)[0], tmp_path / "b.jsonl.gz")
     assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
+
+
+def test_a_continuation_stops_at_the_first_line_or_sentence_end_past_the_minimum():
+    from train.sft.build import CONTINUE_MAX, CONTINUE_MIN, continuation
+
+    text = "আমি যাই।\nতুমি এসো বাড়ি\nসে আসে"
+    assert continuation(text, 0, least=5) == "আমি যাই।"
+    assert continuation(text, 0, least=10) == "আমি যাই।\nতুমি এসো বাড়ি"
+    assert continuation(text, 0, least=10, most=12) is None and continuation(text, 0, least=40) is None
+    assert continuation("He said no. Then she went home.", 2, least=8) == "said no."
+    assert continuation("He said no. Then she went home.", 2, least=9) == "said no. Then she went home."
+    wrapped = "He went on\ntill he came home at last. Then"  # hard-wrapped prose: a line break is a wrap
+    assert continuation(wrapped, 0, least=5) == "He went on"
+    assert continuation(wrapped, 0, least=5, wrapped=True) == "He went on\ntill he came home at last."
+    assert continuation("He went on\n\nShe did", 0, least=5, wrapped=True) == "He went on"
+    assert (CONTINUE_MIN, CONTINUE_MAX) == (24, 140)
+
+
+def test_the_embedded_sets_continuations_follow_the_stopping_rule():
+    from train.sft.build import CONTINUE_MAX, CONTINUE_MIN, WRAPPED_SOURCES, continuation
+
+    rows = [json.loads(line) for line in gzip.open(ROOT / "data" / "sft" / "shalik-sft.jsonl.gz", "rt")]
+    share = {}
+    for split in ("train", "validation"):
+        for lang in ("bn", "en"):
+            mine = [r for r in rows if r["split"] == split and r["lang"] == lang]
+            share[split, lang] = sum(r["task"] == "continue" for r in mine) / len(mine)
+    # training works give Bangla two continuation passages a document, held-out works one (the earlier mix: 21 %)
+    assert 0.30 < share["train", "bn"] < 0.40 and 0.18 < share["validation", "bn"] < 0.24
+    assert 0.40 < share["validation", "en"] < 0.50  # three a document, as before (43 %)
+    for r in rows:
+        if r["task"] == "continue":
+            a = r["messages"][-1]["content"]
+            # every reply stops at its first line or sentence end past the minimum: no earlier stop, none later
+            assert CONTINUE_MIN <= len(a) <= CONTINUE_MAX, a
+            assert continuation(a + "\n\n", 0, wrapped=r["source"] in WRAPPED_SOURCES) == a, a
 
 
 def test_the_embedded_set_is_the_builders_output():

@@ -10,8 +10,10 @@ nothing is invented), asked and answered in one language:
 * ``what_is``: "what is X?" → the first sentence of the Wikipedia article X;
 * ``lead``: "the main point of this passage in one sentence" → the article's first sentence (an extractive
   summary: the lead sentence, not a written abstract);
-* ``continue``: a passage → the short text that follows it in the corpus (:data:`CONTINUE_CHARS`), to the end of
-  a sentence or line: a reply that stops, as a chat reply should;
+* ``continue``: a passage → the text that follows it in the corpus up to the first sentence or line end after
+  :data:`CONTINUE_MIN` characters (within :data:`CONTINUE_MAX`; a passage with no such end gives no row): one
+  stopping rule a small model can learn, so a reply stops where a line or sentence does, as a chat reply should
+  (in the hard-wrapped prose of :data:`WRAPPED_SOURCES` a line break is a wrap, not an end);
 * ``language``: "which language is this written in?" asked in the other language → answered in the language
   of the question (the cross-lingual case of "answer in the language asked").
 
@@ -44,9 +46,12 @@ from train.corpus import DataError, list_input_files
 
 DEFAULT_OUT = "data/sft/shalik-sft.jsonl.gz"
 VAL_SHARE = 0.08  # share of each source's documents whose works go to validation
-CONTINUE_CHARS = (80, 140)  # a continuation's window (characters), cut back to a sentence or line end
+CONTINUE_MIN = 24  # a continuation ends at the first sentence or line end after this many characters…
+CONTINUE_MAX = 140  # …within this many
+PER_DOC = {"train": {"bn": 2, "en": 3}, "validation": {"bn": 1, "en": 3}}  # continuation passages per document
 LEAD_CHARS = 250  # the longest lead sentence taken as an answer (what_is, lead)
 NOVEL_SOURCES = ("100-english-novels", "majantali-bnarchive-wip")  # pieces are chapters of one work
+WRAPPED_SOURCES = ("100-english-novels",)  # hard-wrapped prose (lines of about 70 characters): a line break is no end
 _PART = re.compile(r"\s*\((?:অংশ|part)\s*[0-9০-৯]+\)\s*$")
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _SENTENCE_BN = re.compile(r"^(.+?[।?!])(?:\s|$)", re.S)
@@ -130,13 +135,21 @@ def cut(text: str, start: int, size: int) -> tuple[str, int]:
 
 
 _END = re.compile(r"[.?!।॥][\"'”’)]*(?=\s|$)|\n")
+_END_WRAPPED = re.compile(r"[.?!।॥][\"'”’)]*(?=\s|$)|\n\n")
 
 
-def sentence_end(text: str, keep: int = 60) -> str:
-    """``text`` up to its last sentence end (., ?, !, ।, ॥ and closing quotes) or line break, when that keeps at
-    least ``keep`` characters: a continuation that stops where a sentence or a line does."""
-    ends = [m.end() for m in _END.finditer(text) if m.end() >= keep]
-    return text[:ends[-1]].strip() if ends else text
+def continuation(text: str, start: int, least: int = CONTINUE_MIN, most: int = CONTINUE_MAX,
+                 wrapped: bool = False) -> str | None:
+    """The text after ``start`` up to the first sentence end (., ?, !, ।, ॥ and closing quotes) or line break that
+    makes it at least ``least`` characters long (white space at either end stripped), within ``most``
+    characters; None when there is no such end. ``wrapped``: hard-wrapped prose, where only a blank line (a
+    paragraph's end) counts as a line end."""
+    window = text[start:start + most]
+    for m in (_END_WRAPPED if wrapped else _END).finditer(window):
+        piece = window[:m.end()].strip()
+        if len(piece) >= least:
+            return piece
+    return None
 
 
 def work_of(doc) -> str:
@@ -222,15 +235,17 @@ def conversations_of(doc, rng: random.Random, per_doc: int) -> list[tuple[str, l
             para = text.split("\n\n")[0]
             if len(para) > len(lead) + 80:
                 out.append(("lead", _turns(f"{pick(ASK['lead'][lang])}\n\n{cut(para, 0, 500)[0]}", lead)))
-    for _ in range(per_doc):
-        if len(text) < 400:
+    made = 0
+    for _ in range(2 * per_doc):  # a passage with no end in reach is replaced by another draw, up to per_doc tries more
+        if len(text) < 400 or made == per_doc:
             break
         start = rng.randrange(0, len(text) - 350)
         start = text.find(" ", start) + 1 if start else 0
         prompt, end = cut(text, start, rng.choice((160, 240)))
-        answer = sentence_end(cut(text, end, rng.choice(CONTINUE_CHARS))[0], keep=40)
+        answer = continuation(text, end, wrapped=doc.source in WRAPPED_SOURCES)
         if prompt and answer:
             out.append(("continue", _turns(f"{pick(ASK['continue'][lang])}\n\n{prompt}", answer)))
+            made += 1
     if rng.random() < 0.12:
         passage, _ = cut(text, 0, 200)
         out.append(("language", _turns(f"{pick(ASK['language'][other])}\n\n{passage}", LANGUAGE_NAME[(other, lang)])))
@@ -246,18 +261,22 @@ def _asked(task: str, lang: str) -> str:
     return ("en" if lang == "bn" else "bn") if task == "language" else lang
 
 
-def build(paths: list[str], seed: int = 0, per_doc: dict[str, int] | None = None) -> tuple[list[dict], dict]:
+def build(paths: list[str], seed: int = 0, per_doc: dict[str, dict[str, int]] | None = None
+          ) -> tuple[list[dict], dict]:
     """The set's rows (see the module doc) from the corpus at ``paths`` and a summary
-    ``{rows, by_split: {split: {lang: n}}, by_task: {task: n}, works: {split: n}}``. Raises DataError for
-    unreadable input or a corpus without titles."""
-    per_doc = per_doc or {"bn": 1, "en": 3}
+    ``{rows, by_split: {split: {lang: n}}, by_task: {task: n}, works: {split: n}}``. ``per_doc``: continuation
+    passages per document by split and language (:data:`PER_DOC`: training works give Bangla two, so the
+    continuation task, where replies are longest, is not outnumbered by the one-name answers; held-out works keep
+    one, the validation mix of tasks as before). Raises DataError for unreadable input or a corpus without
+    titles."""
+    per_doc = per_doc or PER_DOC
     docs = read_corpus(paths)
     val = _val_works(docs)
     rng = random.Random(seed)
     rows = []
     for d in docs:
         split = "validation" if (d.source, work_of(d)) in val else "train"
-        for task, msgs in conversations_of(d, rng, per_doc.get(d.lang, 1)):
+        for task, msgs in conversations_of(d, rng, per_doc[split].get(d.lang, 1)):
             rows.append({"messages": msgs, "task": task, "lang": _asked(task, d.lang), "split": split,
                          "group": f"{d.source}/{work_of(d)}", "source": d.source, "license": d.license})
     by_split: dict = defaultdict(Counter)
