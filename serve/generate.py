@@ -2,7 +2,7 @@
 
     python -m serve.generate runs/cpu/bundle                      # a Bangla and an English continuation
     python -m serve.generate runs/cpu/bundle --prompt "আমি বাংলায়" --temperature 0 --max-new-tokens 40
-    python -m serve.generate runs/cpu/bundle --backend rust --quantize int8
+    python -m serve.generate runs/cpu/bundle --backend rust --quantize q8_0
 
 Each continuation is drawn the way a user would draw it: with the bundle's sampling defaults
 (``generation_config.json``; the model card states them) and a fixed seed, unless ``--temperature`` / ``--top-k``
