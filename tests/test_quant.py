@@ -181,3 +181,19 @@ def test_serve_load_and_settings_refuse_a_scheme_the_backend_lacks(bundle, monke
     with pytest.raises(SettingsError, match=r"SHALIK_QUANTIZE='q4_k_m': expected one of none, q8_0, q4_0, q4_mix"):
         Settings.from_env({"SHALIK_QUANTIZE": "q4_k_m"})
     assert Settings.from_env({"SHALIK_QUANTIZE": "Q4_0", "SHALIK_MODEL": str(bundle)}).quantize is Q.SCHEMES["q4_0"]
+
+
+def test_serve_generate_parses_its_quantize_once(capsys, caplog):
+    """python -m serve.generate --quantize: a name or an old name (with the deprecation line) becomes the Scheme that
+    load() takes; an unknown name is argparse's one-line error, exit 2."""
+    from serve.generate import parse_args
+
+    assert parse_args(["b", "--quantize", "q4_mix"]).quantize is Q.SCHEMES["q4_mix"]
+    assert parse_args(["b"]).quantize is None
+    with caplog.at_level("WARNING", logger="shalik.quant"):
+        assert parse_args(["b", "--quantize", "int8"]).quantize is Q.SCHEMES["q8_0"]
+    assert [r.getMessage() for r in caplog.records] == ["--quantize 'int8' is deprecated: use 'q8_0'"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(["b", "--quantize", "int4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.endswith("--quantize is 'int4'; expected None or one of none, q8_0, q4_0, q4_mix")
