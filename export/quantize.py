@@ -131,10 +131,10 @@ def to_q8_0(model: onnx.ModelProto, nodes: list[str]) -> None:
         w = numpy_helper.to_array(inits[n.input[1]]).T  # [out, in], nn.Linear's layout
         q, d = q8_0_blocks(w)
         stored = (q.astype(np.int16) + 128).astype(np.uint8)
-        b_name, s_name = f"{n.input[1]}_q8_0", f"{n.input[1]}_q8_0_scales"
+        b_name, s_name = f"{n.input[1]}_Q8", f"{n.input[1]}_scales"   # onnxruntime's quantizer's names
         model.graph.initializer.extend([numpy_helper.from_array(stored, b_name), numpy_helper.from_array(d, s_name)])
         graph_nodes[i] = helper.make_node("MatMulNBits", [n.input[0], b_name, s_name], list(n.output),
-                                          name=f"{n.name}_q8_0", domain="com.microsoft", K=w.shape[1], N=w.shape[0],
+                                          name=f"{n.name}_Q8", domain="com.microsoft", K=w.shape[1], N=w.shape[0],
                                           bits=8, block_size=Q8_BLOCK, accuracy_level=ACCURACY_LEVEL)
     del model.graph.node[:]
     model.graph.node.extend(graph_nodes)

@@ -178,10 +178,10 @@ def test_quality_gate_recorded(exported):
     assert lp == sorted(lp)
 
 
-@pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx and s.bits == 4])
-def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_path):
-    """model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32, accuracy level 4;
-    4 bits, except the roles contract.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
+@pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx])
+def test_quantized_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_path):
+    """model.q8_0.onnx / model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32,
+    accuracy level 4; q8_0: 8 bits everywhere; a 4-bit scheme: 4 bits, except the roles contract.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
     weight — v_proj and down_proj); no float MatMul by a weight is left. A graph the export did not keep (q4_0,
     refused by the gate) is written here without it."""
     import onnx
@@ -206,9 +206,35 @@ def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_
         role = pre[name.rsplit("_Q", 1)[0]]
         by_role.setdefault(role, set()).add(a["bits"])
     assert by_role == {r: {SCHEMES[scheme].bits_of(r)} for r in by_role}
-    assert by_role["lm_head" if "lm_head" in by_role else "embed_tokens"] == ({8} if scheme == "q4_mix" else {4})
+    assert by_role["lm_head" if "lm_head" in by_role else "embed_tokens"] == ({4} if scheme == "q4_0" else {8})
     inits = {t.name for t in g.initializer}
     assert not [n for n in g.node if n.op_type == "MatMul" and n.input[1] in inits]
+
+
+def test_q8_0_graph_holds_the_blocks_of_rust_and_gguf(exported):
+    """Every 8-bit MatMulNBits of model.q8_0.onnx dequantizes ((stored - 128) x scale, its default zero point) to
+    exactly what ggml's q8_0 of the safetensors weight dequantizes to (gguf-py's quantizer and dequantizer: the
+    numbers the GGUF and rust_runtime hold)."""
+    import gguf
+    import onnx
+    from gguf.quants import dequantize, quantize
+    from onnx import numpy_helper
+    from safetensors.numpy import load_file
+
+    from export.quantize import matmul_weights
+
+    weights = load_file(str(exported / "model.safetensors"))
+    tensor_of = matmul_weights(_float_graph_preprocessed(exported), exported / "model.safetensors")
+    m = onnx.load(str(exported / ONNX_GRAPHS["q8_0"]))
+    inits = {t.name: t for t in m.graph.initializer}
+    nodes = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == len(tensor_of)
+    for n in nodes:
+        stored = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)   # [out, blocks, 32]
+        scale = numpy_helper.to_array(inits[n.input[2]])                       # [out, blocks]
+        w = weights[tensor_of[n.name.rsplit("_Q", 1)[0]]]
+        ggml = dequantize(quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+        assert len(n.input) == 3 and np.array_equal(((stored - 128) * scale[..., None]).reshape(w.shape), ggml), n.name
 
 
 def _float_graph_preprocessed(bundle: Path):
