@@ -84,7 +84,7 @@ def measure(bundle: Path, threads: int, rounds: int, prompt_len: int, new: int) 
     with tempfile.TemporaryDirectory(prefix=".onnx_q8_0-", dir=bundle) as td:
         paths = write_graphs(bundle, Path(td))
         f32 = OnnxBackend(bundle, threads=threads)
-        backs = {g: OnnxBackend(bundle, threads=threads, model_file=str(p)) for g, p in paths.items()}
+        backs = {g: OnnxBackend(bundle, threads=threads, model_file=str(p.resolve())) for g, p in paths.items()}
         rng = np.random.default_rng(0)
         prompt = [bundles.eot_id(bundle)] + [int(x) for x in rng.integers(2, f32.vocab_size, prompt_len - 1)]
         ref = f32.logits(prompt)
