@@ -10,9 +10,9 @@
 
   so the checkpoint is what ``train`` writes (its tokenizer trained on the config's data, ``run.seed``'s
   initialisation, SHA256SUMS) and the bundle is what ``export`` writes (safetensors, the ONNX graph that serving
-  runs, its int8 twin, the manifest the loaders verify). Both commands are run as written, in subprocesses; the
+  runs, its q8_0 twin, the manifest the loaders verify). Both commands are run as written, in subprocesses; the
   folder is kept and reused by the next run (delete it to rebuild: ``small`` takes 2–4 minutes on 2 cores,
-  base-400m 10–20 and 5.3 GB of disk with int8). The parity gate is skipped unless asked for: it proves the
+  base-400m 10–20 and 5.3 GB of disk with q8_0). The parity gate is skipped unless asked for: it proves the
   exporter, which tests/test_export.py and benchmarks/export_small.py run through it, and a speed figure does not
   depend on it, while base-400m's cases at its full context need ~8 GB and half an hour on 2 shared cores (a
   bundle that passed it is reused all the same).
@@ -21,7 +21,7 @@
 * :func:`gguf`: the bundle as llama.cpp's GGUF, ``BUNDLE/model-TYPE.gguf`` (``export.gguf``; Q4_0 and Q4_K_M by
   llama.cpp's own quantizer, :func:`llama_quantize`), made once.
 
-Random weights serve speed and memory figures: a dense float32 or int8 model does the same work whatever its
+Random weights serve speed and memory figures: a dense float32 or q8_0 model does the same work whatever its
 values. (They do not serve quality figures; greedy continuations of an untrained model are near ties.)
 """
 
@@ -88,7 +88,7 @@ def init_bundle(preset: str, *, quantize: str | None = None, parity: bool = Fals
                 log: Callable[[str], None] = print) -> Path:
     """``runs/<preset>-init/bundle`` (see the module doc), built now unless a reusable one is there (exported from
     the run's checkpoint when ``train.run`` has written one): with the ONNX graph of ``quantize`` (export.onnx's
-    ``--quantize``: "int8" adds model.int8.onnx) when given, through the export's parity gate when ``parity`` (a
+    ``--quantize``: "q8_0" adds model.q8_0.onnx) when given, through the export's parity gate when ``parity`` (a
     rebuilt bundle replaces one that lacks what is asked). ``runs`` is the runs folder (default the repository's).
     Raises train.config.ConfigError for an unknown preset and RuntimeError when training or export fails."""
     shape(preset)  # an unknown preset fails here, with the list of presets

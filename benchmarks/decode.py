@@ -4,12 +4,12 @@
                                 [--prompt 64] [--new 64] [--backends NAME ...] [--out benchmarks/results] [--fresh]
 
 Bundles: ``--bundle`` folders, and for each ``--preset`` (a config of ``configs/``) its untrained twin
-``runs/NAME-init/bundle``, made by ``train.run`` and ``export.onnx`` (with the int8 graph when an int8 ONNX lane is
+``runs/NAME-init/bundle``, made by ``train.run`` and ``export.onnx`` (with the q8_0 graph when a q8_0 ONNX lane is
 timed) when absent (benchmarks/bundles.py). Default: ``runs/small/bundle`` when it exists, else ``--preset small``.
 
-Backends (``--backends``; the lanes of benchmarks/lanes.py): ``rust-f32``, ``rust-int8``, ``rust-q4_0``,
-``rust-q4_mix`` (rust_runtime with that ``quantize``: its integer kernels), ``ort-fp32``, ``ort-int8`` (serve's
-OnnxBackend on model.onnx / model.int8.onnx), ``torch`` (PyTorch eager: the bundle's model.safetensors through
+Backends (``--backends``; the lanes of benchmarks/lanes.py): ``rust-f32``, ``rust-q8_0``, ``rust-q4_0``,
+``rust-q4_mix`` (rust_runtime with that ``quantize``: its integer kernels), ``ort-fp32``, ``ort-q8_0`` (serve's
+OnnxBackend on model.onnx / model.q8_0.onnx), ``torch`` (PyTorch eager: the bundle's model.safetensors through
 train.model, with its KV cache), ``llama-f32``, ``llama-q8_0``, ``llama-q4_0``, ``llama-q4_k_m`` (llama.cpp via
 llama-cpp-python on the GGUF, fed our token ids: f32 and q8_0 written by ``export.gguf``, Q4_0 and Q4_K_M by
 llama.cpp's own quantizer from the f32 one). A backend whose library is absent is skipped and the table says why; a
@@ -23,15 +23,15 @@ quiet pause before a measurement, as before the timing module: in an A/B at load
 ran slower after one, 35-48 ms against 27-34 ms for rust f32.) One measurement = prefill of the prompt
 (``<|endoftext|>`` + Bangla/English text, our token ids), then ``--new`` greedy steps through the backend's Sequence (``prefill``/``decode`` → logits → numpy
 argmax → next id: the same Python loop for all). Reported: medians over rounds, and the median of per-round ratios
-for the targets (rust f32 ≥ 1.5× ort fp32; rust int8 ≥ 1.0× llama.cpp q8_0; rust q4_0 ≥ 1.2× llama.cpp Q4_0;
+for the targets (rust f32 ≥ 1.5× ort fp32; rust q8_0 ≥ 1.0× llama.cpp q8_0; rust q4_0 ≥ 1.2× llama.cpp Q4_0;
 rust q4_mix ≥ 1.0× llama.cpp Q4_K_M). Every backend gets the same
 thread count; the default runs all cores and then 1 thread.
 
 Roofline (benchmarks/roofline.py). Memory bandwidth is measured here (numpy: threads each ``dot`` two float32
 arrays of 256 MiB total per pass; bytes read / time, best of several passes, before and after each group). Decode
 must read every matmul weight once per token (the lm_head included, the embedding lookup not): roofline tok/s =
-bandwidth ÷ weight bytes, at 4 bytes/weight for f32, 34/32 for q8_0 (a float16 scale per 32 int8s) and 1 for
-ORT's per-channel int8; the 4-bit lanes count each matrix at its own type (lanes.weight_bytes). A share above
+bandwidth ÷ weight bytes, at 4 bytes/weight for f32, 34/32 for q8_0 (a float16 scale per 32 int8s; ORT's
+MatMulNBits keeps float32 scales: 36/32); the 4-bit lanes count each matrix at its own type (lanes.weight_bytes). A share above
 100 % means the weights were (partly) served from cache (the 300 MiB L3 is shared with the host).
 
 Output: ``--out``/decode.json (results keyed by bundle and thread count; a new run replaces only its own keys
@@ -61,7 +61,7 @@ from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from contract.bundle import CONFIG, TOKENIZER  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-TARGETS = (("rust-f32", "ort-fp32", 1.5), ("rust-int8", "llama-q8_0", 1.0),  # (lane, peer lane, target ratio)
+TARGETS = (("rust-f32", "ort-fp32", 1.5), ("rust-q8_0", "llama-q8_0", 1.0),  # (lane, peer lane, target ratio)
            ("rust-q4_0", "llama-q4_0", 1.2), ("rust-q4_mix", "llama-q4_k_m", 1.0))
 PROMPT_TEXT = ("বাংলা ভাষা দক্ষিণ এশিয়ার একটি ইন্দো-আর্য ভাষা। আমি বাংলায় গান গাই, আমি বাংলার গান গাই। "
                "The history of the river is the history of the people who live beside it. ")
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = []
     for bundle in folders:
         if not (bundle / CONFIG).is_file():
-            sys.exit(f"{bundle}: not a bundle (export one with python -m export.onnx RUN --quantize int8)")
+            sys.exit(f"{bundle}: not a bundle (export one with python -m export.onnx RUN --quantize q8_0)")
         skipped = prepare(bundle, a.backends, log)
         names = [n for n in a.backends if n not in skipped]
         for t in threads:

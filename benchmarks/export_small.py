@@ -1,4 +1,4 @@
-"""Export figures for the `small` preset: wall time, bundle sizes, parity (max |Δlogit| per case), int8 NLL change.
+"""Export figures for the `small` preset: wall time, bundle sizes, parity (max |Δlogit| per case), q8_0 NLL change.
 
     python benchmarks/export_small.py [RUN] [--dtype float32|float16] [--no-int8] [--json OUT] [--md OUT]
 
@@ -8,7 +8,7 @@ step-0 checkpoint) with
     python -m train.run --config small --name small-init --no-preflight --set train.max_steps=0
 
 The bundle is written to a temporary folder and deleted; the figures go to ``benchmarks/results/export_small.json``
-and ``.md`` (and stdout). The parity gate, int8 quantisation and its validation NLL are exactly
+and ``.md`` (and stdout). The parity gate, q8_0 quantisation and its validation NLL are exactly
 ``python -m export.onnx``'s; times are wall-clock on whatever else the machine is running.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from contract.bundle import ONNX_INT8, read_manifest  # noqa: E402
+from contract.bundle import ONNX_Q8_0, read_manifest  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -68,7 +68,7 @@ def markdown(f: dict) -> str:
     """The figures as a Markdown page (sizes, parity table, the quantized forms' gate)."""
     out = [f"# Export of `{f['run']}` ({'untrained, step 0' if f['untrained'] else 'step ' + str(f['step'])})", "",
            f"{f['params']:,} parameters, {f['dtype']}, {f['exporter']} exporter, opset {f['opset']}; "
-           f"export + gate{' + int8' if f.get('quantization') else ''}: **{f['wall_s']} s** wall "
+           f"export + gate{' + q8_0' if f.get('quantization') else ''}: **{f['wall_s']} s** wall "
            f"({'; '.join(f['log'].values())}).", "", "| file | MB |", "|---|---:|"]
     out += [f"| {k} | {v / 1e6:.1f} |" for k, v in sorted(f["bytes"].items(), key=lambda kv: -kv[1])]
     out += ["", "| runtime | case | max \\|Δlogit\\| / tokens | ok |", "|---|---|---:|---|"]
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", nargs="?", default=None, help="run folder (default: runs/small, else runs/small-init)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    p.add_argument("--no-int8", dest="int8", action="store_false", help=f"skip {ONNX_INT8}")
+    p.add_argument("--no-q8_0", dest="q8_0", action="store_false", help=f"skip {ONNX_Q8_0}")
     p.add_argument("--json", default=str(RESULTS / "export_small.json"))
     p.add_argument("--md", default=str(RESULTS / "export_small.md"))
     a = p.parse_args(argv)

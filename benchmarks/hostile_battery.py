@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks.common import free_port  # noqa: E402
-from contract.bundle import MANIFEST, ONNX, ONNX_INT8, TOKENIZER, WEIGHTS, external_data  # noqa: E402
+from contract.bundle import MANIFEST, ONNX, ONNX_Q8_0, TOKENIZER, WEIGHTS, external_data  # noqa: E402
 
 MINI = ROOT / "tests" / "data" / "mini"
 OUT_MD = ROOT / "benchmarks" / "results" / os.environ.get("BATTERY_OUT", "hostile_battery.md")
@@ -434,7 +434,7 @@ def export_battery(tmp: Path, run: Path, bundle: Path) -> None:
     if ef.is_file() and ef.read_text() != "keep me":
         fail("data lost", "export.onnx --out <existing file> --force", "file changed")
     odd = tmp / "odd-split"   # a tokenizer whose split llama.cpp has no name for (issue 28)
-    shutil.copytree(bundle, odd, ignore=shutil.ignore_patterns(f"{ONNX}*", f"{ONNX_INT8}*"))
+    shutil.copytree(bundle, odd, ignore=shutil.ignore_patterns(f"{ONNX}*", f"{ONNX_Q8_0}*"))
     tj = json.loads((odd / TOKENIZER).read_text(encoding="utf-8"))
     tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\p{N}"
     (odd / TOKENIZER).write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")

@@ -40,11 +40,11 @@ class Lane:
 
 LANES: dict[str, Lane] = {lane.name: lane for lane in (
     Lane("rust-f32", "rust", None, "rust f32", 4.0),
-    Lane("rust-int8", "rust", "int8", "rust int8 (q8_0)", 34 / 32),  # q8_0: a float16 scale per 32 int8s
+    Lane("rust-q8_0", "rust", "q8_0", "rust q8_0", 34 / 32),  # q8_0: a float16 scale per 32 int8s
     Lane("rust-q4_0", "rust", "q4_0", "rust q4_0", None),  # rust_runtime.QUANTIZE_PLAN says each matrix's type
     Lane("rust-q4_mix", "rust", "q4_mix", "rust q4_mix", None),
     Lane("ort-fp32", "onnx", None, "onnxruntime fp32", 4.0),
-    Lane("ort-int8", "onnx", "int8", "onnxruntime int8", 1.0),  # per-channel int8 (export.quantize)
+    Lane("ort-q8_0", "onnx", "q8_0", "onnxruntime q8_0", 36 / 32),  # MatMulNBits: a float32 scale per 32 int8s
     Lane("torch", "torch", None, "PyTorch eager fp32", 4.0),
     Lane("llama-f32", "llama", "f32", "llama.cpp f32", 4.0),
     Lane("llama-q8_0", "llama", "q8_0", "llama.cpp q8_0", 34 / 32),
@@ -128,7 +128,7 @@ def weight_bytes(lane: Lane, cfg: dict) -> float:
 
 def unavailable(lane: Lane, bundle: Path) -> str | None:
     """None when ``lane`` can run on ``bundle`` here, else why not: its library does not import, or the bundle
-    lacks its graph (an int8 ONNX graph comes from ``export.onnx --quantize int8``; a missing GGUF is made by
+    lacks its graph (a q8_0 ONNX graph comes from ``export.onnx --quantize q8_0``; a missing GGUF is made by
     :func:`benchmarks.bundles.gguf`, so it is not a reason)."""
     module = _LIBRARY[lane.runtime]
     try:
@@ -136,11 +136,11 @@ def unavailable(lane: Lane, bundle: Path) -> str | None:
     except ImportError as e:
         return f"{module} not importable ({e})"
     if lane.runtime == "onnx":
-        from contract.bundle import ONNX_GRAPHS
+        from contract.bundle import ONNX_GRAPHS, onnx_graph
 
         if lane.kind not in ONNX_GRAPHS:
             return f"serve's OnnxBackend has no graph for quantize={lane.kind!r}"
-        graph = Path(bundle) / ONNX_GRAPHS[lane.kind]
+        graph = Path(bundle) / onnx_graph(bundle, lane.kind)
         if not graph.is_file():
             return f"no {graph.name} in {bundle} (python -m export.onnx RUN --quantize {lane.kind} --out {bundle} --force)"
     return None

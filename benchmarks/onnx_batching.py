@@ -1,9 +1,9 @@
 """Batched decode in serve's onnx backend: ``OnnxBackend.decode_batch`` (B sequences in one session run, caches
 left-padded) against B ``OnnxSequence.decode`` calls, over the same sequences, at B = 1, 2, 4, 8, 16, for the fp32
-graph and its int8 one.
+graph and its q8_0 one.
 
 The model is ``runs/PRESET-init/bundle`` (default ``small``: configs/small.toml untrained, made by ``train.run``
-and ``export.onnx --quantize int8`` when absent; benchmarks/bundles.py); its model.onnx and model.int8.onnx are
+and ``export.onnx --quantize q8_0`` when absent; benchmarks/bundles.py); its model.onnx and model.q8_0.onnx are
 opened with serve's OnnxBackend. For each B and graph, three sets of B sequences get the same prompts (lengths 8 to
 32, all different, so the batch is padded) and then the same greedy tokens, round by round, interleaved:
 
@@ -17,7 +17,7 @@ ratio batched / single, and max |logit| difference of batched and repadded again
 Writes benchmarks/results/onnx_batching.{json,md}.
 
     nice python benchmarks/onnx_batching.py [--preset small] [--threads 2] [--batch 1 2 4 8 16] [--rounds 5]
-        [--steps 16] [--graphs fp32 int8]
+        [--steps 16] [--graphs fp32 q8_0]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--graphs", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
+    ap.add_argument("--graphs", nargs="+", choices=["fp32", "q8_0"], default=["fp32", "q8_0"])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "onnx_batching")
     args = ap.parse_args()
 
@@ -114,7 +114,7 @@ def main() -> None:
 
     load_before = timing.loadavg()
     rows = []
-    bundle = bundles.init_bundle(args.preset, quantize="int8" if "int8" in args.graphs else None)
+    bundle = bundles.init_bundle(args.preset, quantize="q8_0" if "q8_0" in args.graphs else None)
     backends = {g: OnnxBackend(bundle, quantize=None if g == "fp32" else parse(g), threads=args.threads)
                 for g in args.graphs}
     for backend in backends.values():
@@ -153,8 +153,8 @@ def main() -> None:
                      f"| {100 * r['greedy_agreement_vs_single']:.1f} % |")
     lines += ["", "B = 1: decode_batch is that one decode call, so its ratio shows the noise of the measurement.",
               "", "repadded: decode_batch with `keep_batched_cache = False` (every step copies each cache into a "
-              "fresh padded batch). int8: the graph's DynamicQuantizeLinear takes one activation scale per tensor, so a "
-              "row's logits depend on the other rows of the batch (fp32 rows do not, up to float noise)."]
+              "fresh padded batch). q8_0: the max |logit| difference shows how far a row's logits move with the other "
+              "rows of the batch (fp32 rows do not, up to float noise)."]
     atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
 
 

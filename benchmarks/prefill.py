@@ -1,14 +1,15 @@
 """Batch-1 prefill of the base-400m shape: Rust f32 against onnxruntime fp32, beside the compute roofline.
 
-    python benchmarks/prefill.py [--preset base-400m] [--kind f32|int8|q4_0|q4_mix] [--tokens 64 512] [--threads 2]
+    python benchmarks/prefill.py [--preset base-400m] [--kind f32|q8_0|q4_0|q4_mix] [--tokens 64 512] [--threads 2]
                                  [--rounds 4] [--out benchmarks/results]
 
 The model is ``runs/PRESET-init/bundle``, the untrained twin of ``configs/PRESET.toml`` made by ``train.run`` and
 ``export.onnx`` when absent (benchmarks/bundles.py; base-400m: 10–20 minutes once, then reused). The pair of lanes
-(benchmarks/lanes.py) is ``PAIRS[--kind]``: rust f32 against onnxruntime fp32, or with ``--kind int8`` Rust q8_0
-(``quantize="int8"``) against onnxruntime int8 (the bundle's model.int8.onnx: export.quantize's dynamic,
-per-channel QInt8 MatMuls), written to prefill_int8.json / .md; ``--kind q4_0`` / ``q4_mix``: Rust at those 4-bit
-kinds against the same onnxruntime int8 graph (the issue's target for 4 bits). Each lane runs as serving runs it, in its own
+(benchmarks/lanes.py) is ``PAIRS[--kind]``: rust f32 against onnxruntime fp32, or with ``--kind q8_0`` Rust q8_0
+(``quantize="q8_0"``) against onnxruntime q8_0 (the bundle's model.q8_0.onnx: export.quantize's MatMulNBits
+holding the same q8_0 blocks), written to prefill_q8_0.json / .md (prefill_int8.* hold the figures of the old
+per-channel graph); ``--kind q4_0`` / ``q4_mix``: Rust at those 4-bit
+kinds against the same onnxruntime q8_0 graph (the issue's target for 4 bits). Each lane runs as serving runs it, in its own
 worker process (its own thread pool; the worker sleeps on a pipe while the other measures) with ``--threads``
 threads: ``new_sequence().prefill(ids)`` of serve's RustBackend and OnnxBackend (the bundle's graph with its
 attention mask, every ``present.*`` fetched, logits at every position as model.onnx returns them; no spinning
@@ -51,8 +52,8 @@ from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from contract.bundle import CONFIG  # noqa: E402
 
 # kind → (Rust lane, onnxruntime lane): the lanes compared at that quantization kind
-PAIRS = {"f32": ("rust-f32", "ort-fp32"), "int8": ("rust-int8", "ort-int8"), "q4_0": ("rust-q4_0", "ort-int8"),
-         "q4_mix": ("rust-q4_mix", "ort-int8")}
+PAIRS = {"f32": ("rust-f32", "ort-fp32"), "q8_0": ("rust-q8_0", "ort-q8_0"), "q4_0": ("rust-q4_0", "ort-q8_0"),
+         "q4_mix": ("rust-q4_mix", "ort-q8_0")}
 ROLES = ("rust", "ort")  # the keys of each pair's lanes in the results
 
 
@@ -131,8 +132,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="base-400m", choices=bundles.preset_names())
     ap.add_argument("--kind", default="f32", choices=list(PAIRS),
-                    help="f32: rust f32 vs onnxruntime fp32; int8 / q4_0 / q4_mix: Rust at that kind vs "
-                         "onnxruntime's int8 graph (writes prefill_KIND.json/.md)")
+                    help="f32: rust f32 vs onnxruntime fp32; q8_0 / q4_0 / q4_mix: Rust at that kind vs "
+                         "onnxruntime's q8_0 graph (writes prefill_KIND.json/.md)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)

@@ -19,9 +19,9 @@ tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/r
 
 Engines (``ENGINES``: each a lane of benchmarks/lanes.py, served by its runtime's engine):
 
-* ``rust f32``, ``rust int8``, ``rust q4_0``, ``rust q4_mix``: rust_runtime.Engine with max_batch = C, in-process
+* ``rust f32``, ``rust q8_0``, ``rust q4_0``, ``rust q4_mix``: rust_runtime.Engine with max_batch = C, in-process
   (the quantized lanes on rust_runtime's integer kernels).
-* ``http rust f32``, ``http rust int8``, ``http rust q4_0``, ``http rust q4_mix``: the same rust_runtime.Engine
+* ``http rust f32``, ``http rust q8_0``, ``http rust q4_0``, ``http rust q4_mix``: the same rust_runtime.Engine
   behind Shalik's server, ``uvicorn serve.app:app`` (``SHALIK_BACKEND=rust``, ``SHALIK_QUANTIZE``,
   ``SHALIK_MAX_CONCURRENCY`` = C), started per cell like llama-server and timed like it, over HTTP on localhost: each
   stream a streaming ``POST /v1/completions`` of the same ids (``ignore_eos``, ``logprobs: 0`` so that each chunk
@@ -73,14 +73,14 @@ from contract.atomic import atomic_path, atomic_write_json, atomic_write_text  #
 
 # engine → the lane it serves (benchmarks/lanes.py); the lane's runtime picks the engine: rust → rust_runtime.Engine,
 # onnx → serve.engine.StepEngine, llama → llama-server on the lane's GGUF
-ENGINES = {"rust f32": "rust-f32", "rust int8": "rust-int8", "rust q4_0": "rust-q4_0", "rust q4_mix": "rust-q4_mix",
+ENGINES = {"rust f32": "rust-f32", "rust q8_0": "rust-q8_0", "rust q4_0": "rust-q4_0", "rust q4_mix": "rust-q4_mix",
            "onnx f32": "ort-fp32", "llama-server f32": "llama-f32", "llama-server q8_0": "llama-q8_0",
            "llama-server q4_0": "llama-q4_0", "llama-server q4_k_m": "llama-q4_k_m",
-           "http rust f32": "rust-f32", "http rust int8": "rust-int8", "http rust q4_0": "rust-q4_0",
+           "http rust f32": "rust-f32", "http rust q8_0": "rust-q8_0", "http rust q4_0": "rust-q4_0",
            "http rust q4_mix": "rust-q4_mix"}
-PEERS = {"rust f32": "llama-server f32", "rust int8": "llama-server q8_0",  # Shalik lane → its llama-server lane
+PEERS = {"rust f32": "llama-server f32", "rust q8_0": "llama-server q8_0",  # Shalik lane → its llama-server lane
          "rust q4_0": "llama-server q4_0", "rust q4_mix": "llama-server q4_k_m",
-         "http rust f32": "llama-server f32", "http rust int8": "llama-server q8_0",
+         "http rust f32": "llama-server f32", "http rust q8_0": "llama-server q8_0",
          "http rust q4_0": "llama-server q4_0", "http rust q4_mix": "llama-server q4_k_m"}
 HTTP_PREFIX = "http "  # engines served by `uvicorn serve.app:app` (Shalik's server) and timed over HTTP
 BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "

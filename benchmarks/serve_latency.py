@@ -4,8 +4,8 @@ character through ``LM.score`` on a validation split.
     python benchmarks/serve_latency.py [BUNDLE] [--prompt-tokens 64] [--new-tokens 64] [--rounds 5]
                                        [--threads N] [--val PATH...] [--val-chars 100000] [--out benchmarks/results]
 
-BUNDLE defaults to the newest ``runs/*/bundle``. Engines: ``onnx`` (fp32), ``onnx-int8`` (when the bundle has
-model.int8.onnx), ``rust`` / ``rust-int8`` (when ``rust_runtime`` is built) and ``torch`` (this repository's
+BUNDLE defaults to the newest ``runs/*/bundle``. Engines: ``onnx`` (fp32), ``onnx-q8_0`` (when the bundle has
+model.q8_0.onnx), ``rust`` / ``rust-q8_0`` (when ``rust_runtime`` is built) and ``torch`` (this repository's
 PyTorch model, eager, with its KV cache, behind the same backend protocol — so every engine shares the
 tokenizer, sampler and detokenizer and only the model differs). Engines run interleaved, round by round, so
 load from other jobs on the machine hits them alike (in an order rotated every round, benchmarks/timing.py);
@@ -49,18 +49,18 @@ def engines(bundle: Path, threads: int | None) -> dict:
     """name → LM for every engine available here."""
     from tokenizers import Tokenizer
 
-    from contract.bundle import ONNX_INT8, TOKENIZER
+    from contract.bundle import TOKENIZER, onnx_graph
     from serve import LM, load
 
     out = {"onnx": load(bundle, backend="onnx", threads=threads)}
-    if (bundle / ONNX_INT8).exists():
+    if (bundle / onnx_graph(bundle, "q8_0")).exists():
         # latency, not quality: an untrained twin's forms have no gate verdict
-        out["onnx-int8"] = load(bundle, backend="onnx", quantize="int8", threads=threads, allow_ungated=True)
+        out["onnx-q8_0"] = load(bundle, backend="onnx", quantize="q8_0", threads=threads, allow_ungated=True)
     try:
         import rust_runtime  # noqa: F401
 
         out["rust"] = load(bundle, backend="rust", threads=threads)
-        out["rust-int8"] = load(bundle, backend="rust", quantize="int8", threads=threads, allow_ungated=True)
+        out["rust-q8_0"] = load(bundle, backend="rust", quantize="q8_0", threads=threads, allow_ungated=True)
     except ImportError:
         pass
     tok = Tokenizer.from_file(str(bundle / TOKENIZER))

@@ -7,12 +7,14 @@ tests/test_bundle_contract.py checks that the two agree and that nobody else spe
 * **file names**: :data:`CONFIG`, :data:`WEIGHTS`, :data:`TOKENIZER`, ..., the ONNX graph of each quantization
   (:data:`ONNX_GRAPHS`: ``model.<scheme>.onnx`` for every scheme of :mod:`contract.quant` with an ONNX form), its
   external data (:func:`external_data`), the GGUF files (:func:`gguf_file`), and the files each serving backend
-  reads (:func:`backend_files`);
+  reads (:func:`backend_files`), and the graph a given bundle holds for a quantization (:func:`onnx_graph`: a
+  bundle of format minor 0 holds its q8_0 graph under its old name, :data:`LEGACY_GRAPHS`);
 * **the manifest** (:data:`MANIFEST`, written last by the exporter): :data:`MANIFEST_FIELDS` is its schema,
   :func:`check_manifest` the one check, :func:`read_manifest` the one reader, :func:`write_manifest` the one
   writer (:func:`update_manifest` / :func:`rehash` for what is added to a finished bundle: a GGUF and its quality
   gate, the card's benchmark section), :func:`verify_files` the sha256 check at load. A reader refuses a manifest whose ``format_version`` is
-  newer than :data:`FORMAT_VERSION` (the major version), naming both;
+  newer than :data:`FORMAT_VERSION` (the major version), naming both, and reads an older minor version's names as
+  today's (:func:`upgrade`: the gate's ``int8`` forms of format minor 0 are ``q8_0``'s);
 * **the ONNX graph's I/O names** (Optimum's decoder naming): :func:`onnx_input_names`, :func:`onnx_output_names`;
 * **the special tokens** :data:`EOT` and :data:`PAD` and :func:`eot_id`;
 * **hashing**: :func:`sha256_file`;
@@ -36,11 +38,11 @@ from contract.atomic import atomic_write_json, sha256_file
 from contract.byte_level import EOT, PAD, SPECIAL_TOKENS
 
 __all__ = ["BACKEND_FILES", "CARD", "CONFIG", "EOT", "FORMAT", "FORMAT_VERSION", "GENERATION_CONFIG", "MANIFEST",
-           "MANIFEST_FIELDS", "MODELFILE", "ONNX", "ONNX_GRAPHS", "ONNX_INT8", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
-           "TOKENIZER", "TOKENIZER_CONFIG", "WEIGHTS", "BundleError", "backend_files", "check_manifest", "eot_id",
-           "external_data", "file_entry", "file_table", "gguf_file", "is_bundle", "onnx_input_names",
-           "onnx_output_names", "read_manifest", "rehash", "sampling_defaults", "sha256_file",
-           "update_manifest", "verify_files", "write_manifest"]
+           "MANIFEST_FIELDS", "MODELFILE", "ONNX", "ONNX_GRAPHS", "ONNX_Q8_0", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
+           "FORMAT_MINOR", "LEGACY_GRAPHS", "TOKENIZER", "TOKENIZER_CONFIG", "WEIGHTS", "BundleError",
+           "backend_files", "check_manifest", "eot_id", "external_data", "file_entry", "file_table", "gguf_file",
+           "is_bundle", "onnx_graph", "onnx_input_names", "onnx_output_names", "read_manifest", "rehash",
+           "sampling_defaults", "sha256_file", "update_manifest", "upgrade", "verify_files", "write_manifest"]
 
 # ---------------------------------------------------------------------------------------------- file names
 
@@ -56,7 +58,10 @@ MANIFEST = "manifest.json"  # written last: its files table vouches for every ot
 ONNX_GRAPHS: dict[str | None, str] = {None: "model.onnx", **{q: f"model.{q}.onnx" for q, s in quant.SCHEMES.items()
                                                              if s.onnx}}
 ONNX = ONNX_GRAPHS[None]
-ONNX_INT8 = ONNX_GRAPHS["int8"]
+ONNX_Q8_0 = ONNX_GRAPHS["q8_0"]
+#: The graph a bundle of format minor 0 holds for a scheme under the scheme's old name (contract.quant.ALIASES):
+#: ``model.int8.onnx``, onnxruntime's per-channel 8-bit graph, which such a bundle serves as its q8_0 graph.
+LEGACY_GRAPHS: dict[str, str] = {new: f"model.{old}.onnx" for old, new in quant.ALIASES.items() if new in ONNX_GRAPHS}
 EXTERNAL_DATA_SUFFIX = ".data"  # a graph's weights, beside it (ONNX external data)
 GGUF_PATTERN = "model-{type}.gguf"  # export.gguf's default output, one per GGUF type
 MODELFILE = "Modelfile"  # Ollama's, written by export.gguf beside the GGUF (not in the manifest)
@@ -78,12 +83,25 @@ def gguf_file(type_: str) -> str:
     return GGUF_PATTERN.format(type=type_)
 
 
-def backend_files(backend: str, quantize: str | None) -> list[str]:
+def onnx_graph(bundle: str | Path | None, quantize: str | None) -> str:
+    """The file name of the ONNX graph of ``quantize`` (None or a key of :data:`ONNX_GRAPHS`) that ``bundle`` holds:
+    :data:`ONNX_GRAPHS`'s, unless the folder lacks it and has the old name of :data:`LEGACY_GRAPHS` (a bundle of
+    format minor 0: ``model.int8.onnx`` for q8_0). ``bundle`` None: the current name. KeyError for an unknown
+    ``quantize``."""
+    name = ONNX_GRAPHS[quantize]
+    old = LEGACY_GRAPHS.get(quantize) if quantize else None
+    if bundle is not None and old and not (Path(bundle) / name).is_file() and (Path(bundle) / old).is_file():
+        return old
+    return name
+
+
+def backend_files(backend: str, quantize: str | None, bundle: str | Path | None = None) -> list[str]:
     """The bundle files ``backend`` (``"onnx"`` or ``"rust"``) reads with ``quantize`` (None or a key of
-    :data:`ONNX_GRAPHS`): what :func:`serve.load` verifies against the manifest. KeyError for an unknown one."""
+    :data:`ONNX_GRAPHS`): what :func:`serve.load` verifies against the manifest; the ONNX graph is the one
+    ``bundle`` holds (:func:`onnx_graph`; None: the current name). KeyError for an unknown one."""
     files = list(BACKEND_FILES[backend])
     if backend == "onnx":
-        graph = ONNX_GRAPHS[quantize]
+        graph = onnx_graph(bundle, quantize)
         files += [graph, external_data(graph)]
     return files
 
@@ -109,12 +127,17 @@ FORMAT = "shalik-bundle"
 #: The manifest's major version. Adding a key or a file keeps it; a change that an older reader would misread
 #: (a renamed file, another weight layout) raises it, and readers refuse a version newer than theirs.
 FORMAT_VERSION = 1
+#: The manifest's minor version (its ``format_minor``; absent: 0). A reader of a newer minor version reads an older
+#: one's names as today's (:func:`upgrade`). 1: the 8-bit blocks are named ``q8_0`` (0: ``int8``; the gate's forms
+#: ``"onnx int8"`` / ``"rust int8"``, the ONNX graph ``model.int8.onnx``).
+FORMAT_MINOR = 1
 _NONE = type(None)
 #: The manifest's keys and their JSON types (docs/design.md "The bundle"). The first three are what every
 #: reader needs; the exporter writes them all. A new key is one entry here.
 MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,),  # FORMAT
     "format_version": (int,),  # FORMAT_VERSION when written
+    "format_minor": (int,),  # FORMAT_MINOR when written (absent: 0)
     "files": (dict,),  # {name: {"sha256": hex, "bytes": int}} of every other file
     "created": (str,),  # UTC, ISO 8601
     "params": (int,),
@@ -189,10 +212,34 @@ def _manifest_json(bundle: str | Path) -> tuple[Path, Any]:
 
 
 def read_manifest(bundle: str | Path) -> dict:
-    """``bundle/manifest.json``, checked (:func:`check_manifest`). BundleError when it is missing, not JSON or
-    not a manifest this reader understands (a newer ``format_version`` included)."""
+    """``bundle/manifest.json``, checked (:func:`check_manifest`) and read with today's names (:func:`upgrade`).
+    BundleError when it is missing, not JSON or not a manifest this reader understands (a newer ``format_version``
+    included)."""
     path, m = _manifest_json(bundle)
-    return check_manifest(m, path)
+    return upgrade(check_manifest(m, path))
+
+
+def upgrade(manifest: dict) -> dict:
+    """A checked manifest of an older minor version (``format_minor`` below :data:`FORMAT_MINOR`) with today's names,
+    in place, and returned: the one place old names are read (``rust_runtime/src/integrity.rs`` mirrors it). Minor 0
+    → 1: the quality gate's forms keyed with an old scheme name of :data:`contract.quant.ALIASES` (``"onnx int8"``,
+    ``"rust int8"``) are keyed and labelled with the scheme's (``"onnx q8_0"``, ``"rust q8_0"``); the files table
+    keeps the names on disk (:func:`onnx_graph` finds ``model.int8.onnx``). Then ``format_minor`` is
+    :data:`FORMAT_MINOR`, so a manifest written back (:func:`update_manifest`) is today's."""
+    if manifest.get("format_minor", 0) >= FORMAT_MINOR:
+        return manifest
+    forms = (manifest.get("quantization") or {}).get("forms")
+    if isinstance(forms, dict):
+        renamed = {}
+        for key, entry in forms.items():
+            runtime, _, scheme = key.partition(" ")
+            new = quant.ALIASES.get(scheme)
+            if new and isinstance(entry, dict):
+                entry = {**entry, "scheme": new}
+            renamed[f"{runtime} {new}" if new else key] = entry
+        manifest["quantization"]["forms"] = renamed
+    manifest["format_minor"] = FORMAT_MINOR
+    return manifest
 
 
 def is_bundle(folder: str | Path) -> bool:
@@ -223,7 +270,8 @@ def write_manifest(folder: str | Path, complete: bool = True, **fields: Any) -> 
     path = Path(folder) / MANIFEST
     if unknown := sorted(set(fields) - set(MANIFEST_FIELDS)):
         raise BundleError(f"{path}: unknown keys {unknown}; add them to contract.bundle.MANIFEST_FIELDS first")
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": file_table(folder), **fields}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "format_minor": FORMAT_MINOR,
+                "files": file_table(folder), **fields}
     check_manifest(manifest, path, complete=complete)
     atomic_write_json(path, manifest)
     return manifest

@@ -8,22 +8,27 @@ read it.
 name        bits   block  kept at 8 bits (q8_0)        ONNX form (bundle)     Rust         GGUF (``export.gguf``)
 ==========  =====  =====  ===========================  =====================  ===========  =====================
 ``none``    32     —      —                            ``model.onnx``         f32          ``f32`` / ``f16``
-``int8``    8      32     (every matrix is 8-bit)      ``model.int8.onnx``    q8_0         ``q8_0``
+``q8_0``    8      32     (every matrix is 8-bit)      ``model.q8_0.onnx``    q8_0         ``q8_0``
 ``q4_0``    4      32     none: every matrix q4_0      ``model.q4_0.onnx``    q4_0         ``q4_0``
 ``q4_mix``  4      32     embed_tokens / lm_head,      ``model.q4_mix.onnx``  q4_mix       — (``q4_k_m`` is
                           v_proj, down_proj                                                llama.cpp's mix)
 ==========  =====  =====  ===========================  =====================  ===========  =====================
 
-* ``int8``: Rust and GGUF store q8_0 (ggml ``block_q8_0``: 32 weights, one scale); the ONNX form is onnxruntime's
-  dynamic quantization, int8 per channel (one scale per row), its historical form.
+* ``q8_0``: ggml's ``block_q8_0`` (32 weights, one float16 scale d = max|w| / 127, q = round(w / d) in
+  [−127, 127]) for every matrix, the head included — the same blocks, number for number, in every runtime.
+  ``int8`` is its old name, still accepted (:data:`ALIASES`: :func:`parse` logs that it is deprecated); before
+  format minor 1 a bundle's 8-bit ONNX graph was ``model.int8.onnx``, onnxruntime's dynamic quantization with one
+  scale per row (per channel), which such a bundle still serves as its ``q8_0`` graph
+  (:func:`contract.bundle.onnx_graph`).
 * ``q4_0``: llama.cpp's format (ggml ``block_q4_0``: 32 weights, one scale d = the weight of largest |w| / −8,
   q = round(w / d) + 8 in [0, 15]), for every matrix — the head too (what a "pure" GGUF Q4_0 holds).
 * ``q4_mix``: q4_0 where 4 bits cost least and q8_0 where they cost most, in the spirit of llama.cpp's Q4_K_M
   (which keeps attn_v, ffn_down and the output at more bits); the same blocks as q4_0 and q8_0, so every runtime
   computes it from the same numbers.
-* ONNX forms of the 4-bit schemes: ``MatMulNBits`` (onnxruntime's ``MatMulNBitsQuantizer``: symmetric, blocks of 32
-  along the input features, ``accuracy_level`` 4 — int8 activations per block, int32 sums), 8 bits for the kept
-  tensors. ONNX's embedding ``Gather`` always stays float32 (an exact lookup).
+* ONNX forms: onnxruntime's ``MatMulNBits`` (blocks of 32 along the input features, ``accuracy_level`` 4 — int8
+  activations per block, int32 sums): the 4-bit matrices quantized by its ``MatMulNBitsQuantizer`` (symmetric,
+  q4_0's numbers), the 8-bit ones holding q8_0's blocks as gguf-py writes them (``export.quantize``). ONNX's
+  embedding ``Gather`` always stays float32 (an exact lookup).
 * GGUF types (``export.gguf --type``) are llama.cpp's: ``f32``, ``f16``, ``q8_0``, ``q4_0`` and ``q4_k_m``
   (:data:`GGUF_ONLY`): llama.cpp's own ``Q4_K_M`` mix made by llama.cpp's quantizer (Q4_K, Q6_K for the output and
   half of attn_v / ffn_down; super-blocks of 256) — the reference people compare against (and ``q4_mix``'s peer),
@@ -42,10 +47,12 @@ tests/test_quant.py follow.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 NONE = "none"
+log = logging.getLogger("shalik.quant")
 
 # Tensor roles, by their Hugging Face Llama names (model.layers.N.self_attn.q_proj.weight → "q_proj").
 ROLES = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -72,8 +79,8 @@ class Thresholds:
 
 
 # By bit width, per language. The measurements behind them: benchmarks/results/nll_quant.md (every form of the
-# trained small) and benchmarks/results/int8_agreement.md (8 bits on random-init models, near-flat logits full of
-# near-ties). The |Δ log p| limits sit a few times above the worst measured, where a broken form (wrong scales, a
+# trained small) and benchmarks/results/int8_agreement.md (the old per-channel 8-bit graph on random-init models,
+# near-flat logits full of near-ties). The |Δ log p| limits sit a few times above the worst measured, where a broken form (wrong scales, a
 # dropped matrix) lands far outside.
 GATE = {
     8: Thresholds(val_nll_delta_max=0.05, top1_agreement_min=0.85, mean_abs_top_logprob_delta_max=0.1),
@@ -133,8 +140,8 @@ class Scheme:
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    Scheme("int8", "q8_0", frozenset(), onnx=True, rust=True, gguf="q8_0", gguf_by="gguf-py",
-           summary="8-bit weights: onnxruntime dynamic per-channel int8, q8_0 in Rust and GGUF"),
+    Scheme("q8_0", "q8_0", frozenset(), onnx=True, rust=True, gguf="q8_0", gguf_by="gguf-py",
+           summary="8-bit weights in blocks of 32 (ggml's q8_0), every matrix"),
     Scheme("q4_0", "q4_0", frozenset(), onnx=True, rust=True, gguf="q4_0", gguf_by="gguf-py",
            summary="4-bit weights in blocks of 32 (llama.cpp's q4_0), every matrix"),
     Scheme("q4_mix", "q4_0", frozenset({"embed_tokens", "lm_head", "v_proj", "down_proj"}), onnx=True, rust=True,
@@ -146,6 +153,9 @@ GGUF_ONLY: dict[str, Scheme] = {s.name: s for s in (
            summary="llama.cpp's Q4_K_M mix (Q4_K, Q6_K for the output and half of attn_v / ffn_down)"),
 )}
 NAMES = (NONE, *SCHEMES)   # the one list of names: SHALIK_QUANTIZE, serve.load, rust_runtime, export
+#: Old spellings still accepted, each the same numeric form as the scheme it names (:func:`parse` logs a
+#: deprecation line; ``rust_runtime.QUANTIZE_ALIASES`` is the same table).
+ALIASES = {"int8": "q8_0"}
 BACKEND_NAMES = {          # what each serving backend offers
     "onnx": (NONE, *(n for n, s in SCHEMES.items() if s.onnx)),
     "rust": (NONE, *(n for n, s in SCHEMES.items() if s.rust)),
@@ -163,11 +173,16 @@ def parse(value: Any, name: str = "quantize") -> Scheme | None:
     """The one parser of a quantization, at each boundary that takes one (``serve.load``, ``SHALIK_QUANTIZE``,
     ``export``'s ``--quantize``): ``None`` / ``"none"`` → None (float32); a name of :data:`NAMES` (any case,
     surrounding blanks ignored) → its :class:`Scheme`, which is what flows further down (the backends take a
-    Scheme); a Scheme is returned as it is (parsed already). QuantizeError (a ValueError) naming ``name`` (the
-    argument, option or variable) and the allowed names for anything else."""
+    Scheme); an old name of :data:`ALIASES` → the scheme it names, logging one warning line on the
+    ``shalik.quant`` logger ("quantize 'int8' is deprecated: use 'q8_0'", the argument named as ``name``); a
+    Scheme is returned as it is (parsed already). QuantizeError (a ValueError) naming ``name`` (the argument,
+    option or variable) and the allowed names for anything else."""
     if value is None or isinstance(value, Scheme):
         return value
     v = value.strip().lower() if isinstance(value, str) else None
+    if v in ALIASES:
+        log.warning("%s %r is deprecated: use %r", name, v, ALIASES[v])
+        v = ALIASES[v]
     if v not in NAMES:
         hint = (f" ({v} is llama.cpp's GGUF mix: python -m export.gguf BUNDLE --type {v})" if v in GGUF_ONLY else "")
         raise QuantizeError(f"{name} is {value!r}; expected None or one of {', '.join(NAMES)}{hint}")

@@ -148,7 +148,7 @@ def _quantization_section(quant: dict | None) -> list[str]:
                        ("Not measured", by_verdict[None])) if names), ""]
     if G.no_4bit_note(quant or {}):
         out += [f"**No 4-bit form passes the gate for this model** ({', '.join(n for n, r in forms.items() if r.get('bits') == 4)}): "
-                "a model this small loses too much at 4 bits; serve it at int8 or float32.", ""]
+                "a model this small loses too much at 4 bits; serve it at q8_0 or float32.", ""]
     out += ["| form | file | language | Δ NLL | top-1 agreement with fp32 | mean abs Δ log p of fp32's top token | "
             "identical greedy continuations | gate |", "|---|---|---|---:|---:|---:|---:|---|"]
     conts = {}

@@ -7,13 +7,13 @@ Figures per language and over all: the NLL change (nats/token, the form minus fl
 cannot. A form passes when every language (and all) is within its bit width's thresholds
 (:data:`contract.quant.GATE`); a form that fails is not written (the export refuses: exit 1, nothing left).
 
-A form is anything that maps a window of ids to float32 logits ``[len(ids), vocab]``: onnxruntime's int8 and
+A form is anything that maps a window of ids to float32 logits ``[len(ids), vocab]``: onnxruntime's q8_0 and
 q4_0 graphs (:mod:`export.quantize`), ``rust_runtime`` quantizing at load, llama.cpp reading a GGUF. The
 reference runs once per window, however many forms are measured. Its result, ``manifest.json``'s
 ``quantization`` entry (:func:`gate_entry`): ``{data, tokens, reference, forms: {FORM: {scheme, bits, block,
 keep_8bit, summary, runtime, file, thresholds, all: {…}, by_lang: {LANG: {nll_f32, nll, delta, top1_agreement,
 mean_abs_top_logprob_delta, tokens, ok}}, continuations, ok}}}``, FORM = "<runtime> <scheme>" (e.g. "onnx q4_0",
-"rust int8", "llama.cpp q4_k_m"). The pass rule, the figures' labels and their printing are
+"rust q8_0", "llama.cpp q4_k_m"). The pass rule, the figures' labels and their printing are
 :mod:`serve.verdict`'s, which the loaders read the verdicts with.
 
 What a user sees is measured too, not gated: ``continuations`` = ``{prompt_tokens, new_tokens, by_lang: {LANG:
@@ -272,7 +272,7 @@ def no_4bit_note(entry: dict) -> str:
     if not four or any(r["ok"] for r in four.values()):
         return ""
     return ("; no 4-bit form passes the gate on this model (" + ", ".join(four) + "): a model this small loses "
-            "too much at 4 bits; serve it at int8 or float32")
+            "too much at 4 bits; serve it at q8_0 or float32")
 
 
 def reference_logits(bundle: Path, threads: int | None = None) -> Logits:

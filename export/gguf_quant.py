@@ -3,7 +3,7 @@ tensor gets, llama.cpp's quantizer for the K-quant mix, and the quality gate of 
 
 The schemes are :mod:`contract.quant`'s (a GGUF type is a scheme's ``gguf``):
 
-* ``q8_0`` (scheme ``int8``) and ``q4_0`` are written by gguf-py's quantizers, tensor by tensor: every 2-D weight
+* ``q8_0`` and ``q4_0`` are written by gguf-py's quantizers, tensor by tensor: every 2-D weight
   at the scheme's type, norms F32.
 * ``q4_k_m`` (:data:`contract.quant.GGUF_ONLY`) is llama.cpp's own ``Q4_K_M`` mix (Q4_K with Q6_K for the output and
   half of attn_v / ffn_down), made by ``llama_model_quantize`` — llama-cpp-python's binding to llama.cpp's quantizer

@@ -2,8 +2,8 @@
 
 Turns a checkpoint (a step folder, a ``checkpoints/`` folder or a run folder, meaning its latest checkpoint) into
 the bundle of docs/design.md — ``model.safetensors``, ``config.json``, ``generation_config.json``,
-``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ ``model.int8.onnx`` /
-``model.q4_0.onnx`` / ``model.q4_mix.onnx`` with ``--quantize int8 q4_0 q4_mix``), ``README.md`` (model card) and
+``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ ``model.q8_0.onnx`` /
+``model.q4_0.onnx`` / ``model.q4_mix.onnx`` with ``--quantize q8_0 q4_0 q4_mix``), ``README.md`` (model card) and
 ``manifest.json`` — and refuses to finish unless the bundle computes what the checkpoint computes (the parity gate,
 :mod:`export.parity`) and every quantized form passes its quality gate (:mod:`export.gate`). Default output:
 ``<run dir>/bundle``.

@@ -3,7 +3,7 @@
 Turns a checkpoint (a step folder, a ``checkpoints/`` folder or a run folder, meaning its latest checkpoint) into
 the bundle of docs/design.md — ``model.safetensors``, ``config.json``, ``generation_config.json``,
 ``tokenizer.json``, ``tokenizer_config.json``, ``model.onnx`` + ``model.onnx.data`` (+ the quantized graphs of
-``--quantize``: ``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``), ``README.md`` (model card) and ``manifest.json`` — and
+``--quantize``: ``model.q8_0.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``), ``README.md`` (model card) and ``manifest.json`` — and
 refuses to finish unless the bundle computes what the checkpoint computes (the parity gate, :mod:`export.parity`)
 and every quantized form passes its quality gate (:mod:`export.gate`).
 
@@ -147,8 +147,8 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
 
     ``out`` defaults to ``<run dir>/bundle``; ``dtype`` "float32" or "float16" (ONNX weights and KV cache; the
     safetensors stay float32; fp16 parity uses atol = rtol = 5e-2); ``quantize``: scheme names of
-    :data:`contract.quant.NAMES` (one or several: ``"int8"``, ``["int8", "q4_0"]``) — each adds its ONNX graph
-    (``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) and, where rust_runtime offers the scheme, its Rust form to the
+    :data:`contract.quant.NAMES` (one or several: ``"q8_0"``, ``["q8_0", "q4_0"]``) — each adds its ONNX graph
+    (``model.q8_0.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) and, where rust_runtime offers the scheme, its Rust form to the
     quality gate (:mod:`export.gate`; on the run's val shards or ``val_data``: a shard folder or text);
     ``parity=False`` skips the parity gate (the card says the bundle is unchecked; the quantized forms' quality
     gate still holds);

@@ -1,4 +1,4 @@
-"""Validation tokens for measuring the int8 graph: a run's val shards, or a folder/file given with --val-data.
+"""Validation tokens for measuring the quantized forms: a run's val shards, or a folder/file given with --val-data.
 
 Without ``--val-data`` the shard folder is found through the run: ``config.toml``'s ``data.cache_dir``, then the
 ``shards/*/index.json`` whose ``tokenizer_sha256`` equals the checkpoint tokenizer's (no input is re-read or

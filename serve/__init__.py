@@ -1,7 +1,7 @@
 """Shalik serving: load a bundle and generate, stream, complete, chat or score on CPU — without torch.
 
     from serve import load
-    lm = load("runs/cpu/bundle", backend="onnx")          # or backend="rust", quantize="int8"
+    lm = load("runs/cpu/bundle", backend="onnx")          # or backend="rust", quantize="q8_0"
     print(lm.generate("আমি বাংলায়", max_new_tokens=32, temperature=0.8, seed=1))
     print(lm.chat([{"role": "user", "content": "নদীর নাম বলো।"}], 64).text)   # a fine-tuned chat model
 

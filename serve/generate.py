@@ -2,7 +2,7 @@
 
     python -m serve.generate runs/cpu/bundle                      # a Bangla and an English continuation
     python -m serve.generate runs/cpu/bundle --prompt "আমি বাংলায়" --temperature 0 --max-new-tokens 40
-    python -m serve.generate runs/cpu/bundle --backend rust --quantize int8
+    python -m serve.generate runs/cpu/bundle --backend rust --quantize q8_0
 
 Each continuation is drawn the way a user would draw it: with the bundle's sampling defaults
 (``generation_config.json``; the model card states them) and a fixed seed, unless ``--temperature`` / ``--top-k``
@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from contract.bundle import MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
-from contract.quant import NAMES
+from contract.quant import NAMES, QuantizeError, Scheme, parse
 from contract.text import distinct_word_share
 from serve.errors import RequestError
 from serve.lm import LM
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="random seed (same seed, same text)")
     p.add_argument("--no-greedy", action="store_true", help="do not follow a sampled continuation by the greedy one")
     p.add_argument("--backend", choices=BACKENDS, default="onnx")
-    p.add_argument("--quantize", choices=NAMES, default="none",
+    p.add_argument("--quantize", type=_quantize, default="none", metavar="|".join(NAMES),
                    help="weights (contract/quant.py): onnx reads the bundle's graph of the scheme; rust quantizes at load")
     p.add_argument("--no-verify", action="store_true", help=f"skip checking the files' sha256 against {MANIFEST}")
     p.add_argument("--allow-ungated", action="store_true",
@@ -80,6 +80,15 @@ def print_continuation(lm: LM, prompt: str, args: argparse.Namespace, settings: 
     sys.stdout.write(f"\n    ({how}; distinct words {'-' if share is None else f'{share:.0%}'})\n\n")
     sys.stdout.flush()
     return text
+
+
+def _quantize(value: str) -> Scheme | None:
+    """``--quantize`` parsed here, once (:func:`contract.quant.parse`: an old name is taken with a deprecation line);
+    an unknown name is argparse's one-line usage error (exit 2)."""
+    try:
+        return parse(value, "--quantize")
+    except QuantizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from contract.bundle import MANIFEST, ONNX_GRAPHS, TOKENIZER, backend_files, read_manifest, verify_files
+from contract.bundle import MANIFEST, TOKENIZER, backend_files, onnx_graph, read_manifest, verify_files
 from contract.quant import Scheme, check_backend, parse
 from serve.lm import LM
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
@@ -67,11 +67,11 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
         raise FileNotFoundError(f"{tok_file} is missing: {path} is not a Shalik bundle")
     manifest = read_manifest(path) if verify or (path / MANIFEST).exists() else None
     if verify:
-        verify_files(path, backend_files(backend, quantize))
+        verify_files(path, backend_files(backend, quantize, path))
     if backend == "onnx":
         from serve.backends.onnx import OnnxBackend  # onnxruntime loads only when this backend is asked for
 
-        if (path / ONNX_GRAPHS[quantize]).is_file():  # else the backend names the missing graph and its export
+        if (path / onnx_graph(path, quantize)).is_file():  # else the backend names the missing graph and its export
             check_form(manifest, str(path), "onnx", quantize, allow_ungated)
         model = OnnxBackend(path, quantize=scheme, threads=threads)
     else:

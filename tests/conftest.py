@@ -130,9 +130,9 @@ def trained_run(tmp_path_factory, session_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def bundle(tmp_path_factory, trained_run) -> Path:
-    """The trained tiny run exported to a bundle with its int8 model (``export.onnx.export_bundle``; the parity
+    """The trained tiny run exported to a bundle with its q8_0 model (``export.onnx.export_bundle``; the parity
     gate is tested in test_export)."""
     export_onnx = pytest.importorskip("export.onnx")
     out = tmp_path_factory.mktemp("bundle") / "bundle"
-    export_onnx.export_bundle(trained_run, out, parity=False, quantize="int8", log=lambda m: None)
+    export_onnx.export_bundle(trained_run, out, parity=False, quantize="q8_0", log=lambda m: None)
     return out

@@ -18,7 +18,7 @@ from contract.bundle import write_manifest
 ROOT = Path(__file__).resolve().parent.parent
 # the scripts that time lanes against each other (each uses benchmarks/timing.py)
 TIMED_SCRIPTS = ("decode", "prefill", "onnx_batching", "serve_batching", "batch_invariance_cost", "serve_latency",
-                 "serve_load", "verify_startup", "train_throughput", "prepare_scale", "cpu_bf16")
+                 "serve_load", "verify_startup", "train_throughput", "prepare_scale", "cpu_bf16", "onnx_q8_0")
 
 
 def test_rotated_gives_every_item_the_lead_equally_often():
@@ -85,15 +85,15 @@ def test_prefill_flops_of_base_400m_are_the_committed_ones():
 
 def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_path, monkeypatch):
     """``runs/NAME-init`` is made by the two documented command lines (benchmarks/export_small.py, eval.py); a
-    bundle whose manifest is there (with the int8 graph when asked for) is reused without running anything."""
+    bundle whose manifest is there (with the q8_0 graph when asked for) is reused without running anything."""
     ran: list[list[str]] = []
     monkeypatch.setattr(bundles, "_run", lambda cmd, log: ran.append(cmd[1:]))
     monkeypatch.setattr(bundles, "RUNS", tmp_path)  # the repository's runs/ folder, here
     run = tmp_path / "small-init"
-    assert bundles.init_bundle("small", quantize="int8", runs=tmp_path, log=print) == run / "bundle"
+    assert bundles.init_bundle("small", quantize="q8_0", runs=tmp_path, log=print) == run / "bundle"
     assert ran == [["-m", "train.run", "--config", "small", "--name", "small-init", "--no-preflight",
                     "--set", "train.max_steps=0"],
-                   ["-m", "export.onnx", str(run), "--no-parity", "--quantize", "int8"]]
+                   ["-m", "export.onnx", str(run), "--no-parity", "--quantize", "q8_0"]]
     ran.clear()
     other = tmp_path / "elsewhere"
     bundles.init_bundle("tiny", runs=other, log=print)
@@ -106,8 +106,8 @@ def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_p
     assert bundles.init_bundle("tiny", runs=other, log=print) == bundle and ran == []
     (other / "tiny-init" / "checkpoints").mkdir()
     (other / "tiny-init" / "checkpoints" / "latest").write_text("step-000000\n")  # train.run's checkpoint is there
-    bundles.init_bundle("tiny", quantize="int8", runs=other, log=print)  # no model.int8.onnx: rebuilt over it
-    assert ran == [["-m", "export.onnx", str(other / "tiny-init"), "--no-parity", "--quantize", "int8", "--force"]]
+    bundles.init_bundle("tiny", quantize="q8_0", runs=other, log=print)  # no model.q8_0.onnx: rebuilt over it
+    assert ran == [["-m", "export.onnx", str(other / "tiny-init"), "--no-parity", "--quantize", "q8_0", "--force"]]
     ran.clear()
     bundles.init_bundle("tiny", parity=True, runs=other, log=print)  # the gate asked for: this one never passed it
     assert ran == [["-m", "export.onnx", str(other / "tiny-init"), "--force"]]
@@ -115,8 +115,8 @@ def test_init_bundle_runs_the_readme_commands_and_reuses_a_finished_bundle(tmp_p
 
 def test_every_lane_names_a_known_runtime_and_the_peers_name_lanes():
     assert {lane.runtime for lane in lanes.LANES.values()} <= {"rust", "onnx", "torch", "llama"}
-    assert lanes.export_quantize(["rust-f32", "rust-int8", "ort-fp32"]) is None
-    assert lanes.export_quantize(["ort-fp32", "ort-int8", "llama-q8_0"]) == "int8"
+    assert lanes.export_quantize(["rust-f32", "rust-q8_0", "ort-fp32"]) is None
+    assert lanes.export_quantize(["ort-fp32", "ort-q8_0", "llama-q8_0"]) == "q8_0"
     import benchmarks.decode as decode
     import benchmarks.prefill as prefill
     import benchmarks.serve_batching as serve_batching

@@ -28,10 +28,11 @@ RUST_SRC = ROOT / "rust_runtime" / "src"
 # their external data
 FACTS = ({v for k, v in vars(B).items() if k.isupper() and isinstance(v, str)
           and k not in ("EXTERNAL_DATA_SUFFIX", "GGUF_PATTERN")}
-         | set(B.ONNX_GRAPHS.values()) | {B.external_data(g) for g in B.ONNX_GRAPHS.values()})
+         | set(B.ONNX_GRAPHS.values()) | {B.external_data(g) for g in B.ONNX_GRAPHS.values()}
+         | set(B.LEGACY_GRAPHS.values()))
 # the Rust constants and the Python value each must equal
 RUST_MIRROR = {"CONFIG": B.CONFIG, "WEIGHTS": B.WEIGHTS, "TOKENIZER": B.TOKENIZER, "MANIFEST": B.MANIFEST,
-               "FORMAT": B.FORMAT, "FORMAT_VERSION": B.FORMAT_VERSION, "EOT": B.EOT}
+               "FORMAT": B.FORMAT, "FORMAT_VERSION": B.FORMAT_VERSION, "FORMAT_MINOR": B.FORMAT_MINOR, "EOT": B.EOT}
 
 
 # ---------------------------------------------------------------- scanning sources
@@ -164,6 +165,7 @@ def test_manifest_writer_and_readers_share_one_schema(tmp_path):
     assert not (tmp_path / B.MANIFEST).exists(), "a refused manifest must not be written"
     m = B.write_manifest(tmp_path, complete=False, params=7)
     assert B.read_manifest(tmp_path) == m and m["params"] == 7 and m["format_version"] == B.FORMAT_VERSION
+    assert m["format_minor"] == B.FORMAT_MINOR
     assert m["files"] == {B.CONFIG: {"sha256": B.sha256_file(tmp_path / B.CONFIG), "bytes": 2},
                           B.TOKENIZER: {"sha256": B.sha256_file(tmp_path / B.TOKENIZER), "bytes": 12}}
     assert B.sha256_file(tmp_path / B.CONFIG) == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
@@ -182,7 +184,64 @@ def test_a_new_onnx_graph_is_one_entry(monkeypatch):
     monkeypatch.setitem(B.ONNX_GRAPHS, "int4", "model.int4.onnx")
     assert B.backend_files("onnx", "int4") == [B.CONFIG, B.TOKENIZER, "model.int4.onnx", "model.int4.onnx.data"]
     assert B.backend_files("onnx", None) == [B.CONFIG, B.TOKENIZER, B.ONNX, B.ONNX + ".data"]
-    assert B.backend_files("rust", "int8") == [B.CONFIG, B.TOKENIZER, B.WEIGHTS]
+    assert B.backend_files("rust", "q8_0") == [B.CONFIG, B.TOKENIZER, B.WEIGHTS]
+
+
+def old_bundle(bundle: Path, where: Path, gate_ok: bool = True) -> Path:
+    """A copy of the fixture bundle as an export of format minor 0 wrote it: its q8_0 graph named
+    ``model.int8.onnx`` and the gate's verdicts keyed ``"onnx int8"`` / ``"rust int8"`` (scheme ``int8``), no
+    ``format_minor``. (The graph's content is today's; the loaders cannot tell, and it keeps the logits comparable.)"""
+    shutil.copytree(bundle, where)
+    m = json.loads((where / B.MANIFEST).read_text())
+    new, old = B.ONNX_GRAPHS["q8_0"], B.LEGACY_GRAPHS["q8_0"]
+    (where / new).rename(where / old)
+    m["files"] = {(old if k == new else k): v for k, v in m["files"].items()}
+    forms = m["quantization"]["forms"]
+    for rt in ("onnx", "rust"):
+        forms[f"{rt} int8"] = {**forms.pop(f"{rt} q8_0"), "scheme": "int8", "ok": gate_ok}
+    del m["format_minor"]
+    (where / B.MANIFEST).write_text(json.dumps(m))
+    return where
+
+
+def test_an_old_bundle_reads_its_int8_names_as_q8_0_and_serves(bundle, tmp_path, caplog):
+    """A bundle exported before format minor 1 (model.int8.onnx, gate verdicts keyed int8) loads and serves with
+    quantize "int8" or "q8_0" in both backends, its files verified and its verdicts held; the reader renames the
+    verdicts in one place (contract.bundle.upgrade, rust_runtime's integrity::upgrade), the graph is found under its
+    old name (contract.bundle.onnx_graph), and a manifest written back is today's."""
+    import numpy as np
+    rust_runtime = pytest.importorskip("rust_runtime", reason="rust_runtime is not built: pip install -e '.[all]'")
+    from serve.verdict import UngatedError
+
+    b = old_bundle(bundle, tmp_path / "old")
+    m = B.read_manifest(b)
+    assert m["format_minor"] == B.FORMAT_MINOR and "model.int8.onnx" in m["files"]
+    assert {"onnx q8_0", "rust q8_0"} <= set(m["quantization"]["forms"])
+    assert not any("int8" in k for k in m["quantization"]["forms"])
+    assert m["quantization"]["forms"]["rust q8_0"]["scheme"] == "q8_0"
+    assert B.onnx_graph(b, "q8_0") == "model.int8.onnx" and B.onnx_graph(bundle, "q8_0") == "model.q8_0.onnx"
+    assert B.backend_files("onnx", "q8_0", b)[2] == "model.int8.onnx"
+    ids = [0, 5, 9, 17]
+    want = {be: load(bundle, backend=be, quantize="q8_0").backend.logits(ids) for be in ("onnx", "rust")}
+    for q in ("int8", "q8_0"):
+        for be in ("onnx", "rust"):
+            with caplog.at_level("WARNING"):
+                lm = load(b, backend=be, quantize=q)   # verified and gated: no override needed
+            assert lm.backend.quantize == "q8_0" and np.array_equal(lm.backend.logits(ids), want[be]), (q, be)
+        assert rust_runtime.Model.load(str(b), threads=1, quantize=q).quantize == "q8_0"
+    assert any("serving model.int8.onnx" in r.getMessage() for r in caplog.records)
+    bad = old_bundle(bundle, tmp_path / "bad", gate_ok=False)
+    for be in ("onnx", "rust"):
+        with pytest.raises(ValueError, match=rf"{be} q8_0 failed the export's quality gate"):
+            load(bad, backend=be, quantize="int8")
+    with pytest.raises(UngatedError):
+        load(bad, backend="onnx", quantize="q8_0")
+    with pytest.raises(ValueError, match="rust q8_0 failed the export's quality gate"):
+        rust_runtime.Model.load(str(bad), threads=1, quantize="q8_0")
+    written = B.update_manifest(b)   # what export.gguf does to a finished bundle: the manifest comes back today's
+    on_disk = json.loads((b / B.MANIFEST).read_text())
+    assert on_disk["format_minor"] == B.FORMAT_MINOR and on_disk["quantization"] == written["quantization"]
+    assert load(b, backend="onnx", quantize="q8_0").backend.quantize == "q8_0"
 
 
 # ---------------------------------------------------------------- Python and Rust agree

@@ -246,7 +246,7 @@ def chat_bundle(trained_run, tmp_path_factory):
                      False, "tiny-chat")
     SFTTrainer(cfg, base=ckpt, use_preflight=False, log=lambda m: None).train()
     out = tmp / "bundle"
-    export_onnx.export_bundle(tmp / "runs" / "tiny-chat", out, parity=False, quantize="int8", log=lambda m: None)
+    export_onnx.export_bundle(tmp / "runs" / "tiny-chat", out, parity=False, quantize="q8_0", log=lambda m: None)
     return out
 
 

@@ -1,6 +1,6 @@
 """export.onnx: the bundle, its parity gate, serve's OnnxBackend, bad input, and cases X1–X6 of docs/cases.md.
 
-One full export (CLI, gate on, int8 and q4_mix; the tiny model's q4_0, every matrix at 4 bits, fails the gate) of the trained tiny run is shared by most tests; the failure tests fail
+One full export (CLI, gate on, q8_0 and q4_mix; the tiny model's q4_0, every matrix at 4 bits, fails the gate) of the trained tiny run is shared by most tests; the failure tests fail
 before exporting or swap the exporter for a copy of that graph, so the file stays around a minute and a half.
 """
 
@@ -46,11 +46,11 @@ def ref(ckpt):
 
 @pytest.fixture(scope="module")
 def exported(trained_run, tmp_path_factory) -> Path:
-    """The trained tiny run through the CLI: gate on, int8 and q4_mix (its pure q4_0, measured unasked for Rust —
+    """The trained tiny run through the CLI: gate on, q8_0 and q4_mix (its pure q4_0, measured unasked for Rust —
     hidden 64, the tied head at 4 bits too — is near the 4-bit gate's top-1 limit, so its verdict depends on the
     data: the tests check the rule on the verdict the manifest records)."""
     out = tmp_path_factory.mktemp("export") / "bundle"
-    assert E.main([str(trained_run), "--out", str(out), "--quantize", "int8", "q4_mix"]) == 0
+    assert E.main([str(trained_run), "--out", str(out), "--quantize", "q8_0", "q4_mix"]) == 0
     return out
 
 
@@ -98,7 +98,7 @@ def tokens(bundle: Path, text: str) -> list[int]:
 def test_bundle_files_and_manifest(exported, ckpt):
     names = {p.name for p in exported.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.onnx", "model.onnx.data", "model.int8.onnx", "model.q4_mix.onnx", "README.md",
+            "model.onnx", "model.onnx.data", "model.q8_0.onnx", "model.q4_mix.onnx", "README.md",
             "manifest.json"} <= names
     m = json.loads((exported / "manifest.json").read_text())
     assert m["format"] == "shalik-bundle" and m["format_version"] == 1
@@ -130,7 +130,7 @@ def test_parity_table_covers_every_case(exported):
     logit_cases = [c for c in p["cases"] if c["runtime"].startswith("onnx (") and not c["case"].startswith("greedy")]
     assert all(0 <= c["value"] <= TOL for c in logit_cases)
     assert {r for r, _ in names} >= {"onnx", "safetensors", "transformers"}
-    for form, bits in (("onnx int8", 8), ("onnx q4_mix", 4), ("rust int8", 8)):  # quality gate
+    for form, bits in (("onnx q8_0", 8), ("onnx q4_mix", 4), ("rust q8_0", 8)):  # quality gate
         th = GATE[bits]
         rows = {c["case"]: c for c in p["cases"] if c["runtime"] == form}
         assert rows["all: val NLL change, nats/token"]["value"] <= th.val_nll_delta_max
@@ -153,7 +153,7 @@ def test_quality_gate_recorded(exported):
     q = m["quantization"]
     assert q["tokens"] > 0 and q["reference"] == "onnx float32 (model.onnx)"
     rust = {f"rust {n}" for n in BACKEND_NAMES["rust"] if n != "none"}   # every Rust form, asked for or not
-    assert set(q["forms"]) == {"onnx int8", "onnx q4_mix"} | rust
+    assert set(q["forms"]) == {"onnx q8_0", "onnx q4_mix"} | rust
     for name, r in q["forms"].items():
         if name == "rust q4_0" and r["ok"] is False:   # not asked for; may fail on this model: recorded as failed
             assert not r["all"]["ok"]
@@ -171,17 +171,17 @@ def test_quality_gate_recorded(exported):
     f = OnnxBackend(exported, threads=1)
     ids = tokens(exported, "আমি বাংলায় গান গাই")
     ref = f.logits(ids)
-    kinds = ("int8", "q4_mix")
+    kinds = ("q8_0", "q4_mix")
     err = {k: np.abs(OnnxBackend(exported, quantize=SCHEMES[k], threads=1).logits(ids) - ref).max() for k in kinds}
-    assert 0 < err["int8"] < err["q4_mix"] < 2.0   # really quantized, fewer bits further, still close
+    assert 0 < err["q8_0"] < err["q4_mix"] < 2.0   # really quantized, fewer bits further, still close
     lp = [q["forms"][f"onnx {k}"]["all"]["mean_abs_top_logprob_delta"] for k in kinds]
     assert lp == sorted(lp)
 
 
-@pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx and s.bits == 4])
-def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_path):
-    """model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32, accuracy level 4;
-    4 bits, except the roles contract.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
+@pytest.mark.parametrize("scheme", [n for n, s in SCHEMES.items() if s.onnx])
+def test_quantized_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_path):
+    """model.q8_0.onnx / model.q4_0.onnx / model.q4_mix.onnx: every weight matmul is MatMulNBits in blocks of 32,
+    accuracy level 4; q8_0: 8 bits everywhere; a 4-bit scheme: 4 bits, except the roles contract.quant keeps at 8 bits (q4_mix: the tied lm_head — the only [hidden, vocab]
     weight — v_proj and down_proj); no float MatMul by a weight is left. A graph the export did not keep (q4_0,
     refused by the gate) is written here without it."""
     import onnx
@@ -206,9 +206,35 @@ def test_4_bit_graphs_keep_at_8_bits_what_the_scheme_says(exported, scheme, tmp_
         role = pre[name.rsplit("_Q", 1)[0]]
         by_role.setdefault(role, set()).add(a["bits"])
     assert by_role == {r: {SCHEMES[scheme].bits_of(r)} for r in by_role}
-    assert by_role["lm_head" if "lm_head" in by_role else "embed_tokens"] == ({8} if scheme == "q4_mix" else {4})
+    assert by_role["lm_head" if "lm_head" in by_role else "embed_tokens"] == ({4} if scheme == "q4_0" else {8})
     inits = {t.name for t in g.initializer}
     assert not [n for n in g.node if n.op_type == "MatMul" and n.input[1] in inits]
+
+
+def test_q8_0_graph_holds_the_blocks_of_rust_and_gguf(exported):
+    """Every 8-bit MatMulNBits of model.q8_0.onnx dequantizes ((stored - 128) x scale, its default zero point) to
+    exactly what ggml's q8_0 of the safetensors weight dequantizes to (gguf-py's quantizer and dequantizer: the
+    numbers the GGUF and rust_runtime hold)."""
+    import gguf
+    import onnx
+    from gguf.quants import dequantize, quantize
+    from onnx import numpy_helper
+    from safetensors.numpy import load_file
+
+    from export.quantize import matmul_weights
+
+    weights = load_file(str(exported / "model.safetensors"))
+    tensor_of = matmul_weights(_float_graph_preprocessed(exported), exported / "model.safetensors")
+    m = onnx.load(str(exported / ONNX_GRAPHS["q8_0"]))
+    inits = {t.name: t for t in m.graph.initializer}
+    nodes = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == len(tensor_of)
+    for n in nodes:
+        stored = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)   # [out, blocks, 32]
+        scale = numpy_helper.to_array(inits[n.input[2]])                       # [out, blocks]
+        w = weights[tensor_of[n.name.rsplit("_Q", 1)[0]]]
+        ggml = dequantize(quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+        assert len(n.input) == 3 and np.array_equal(((stored - 128) * scale[..., None]).reshape(w.shape), ggml), n.name
 
 
 def _float_graph_preprocessed(bundle: Path):
@@ -236,14 +262,14 @@ def test_config_json_and_card(exported, ckpt):
     for needle in ("from serve import load", "uvicorn serve.app:app", "SHALIK_MODEL", "AutoModelForCausalLM",
                    "random-init", "licence", "prefill 1 (past 0)", "chars / token"):
         assert needle in card, needle
-    for form, file in (("onnx q4_mix", "`model.q4_mix.onnx`"), ("rust int8", "quantized at load")):  # the gate
+    for form, file in (("onnx q4_mix", "`model.q4_mix.onnx`"), ("rust q8_0", "quantized at load")):  # the gate
         assert all(f"| {form} | {file} | {lang} |" in card for lang in ("bn", "en", "all")), form
     assert "Gate at 8 bits: Δ NLL ≤ 0.05" in card and "Gate at 4 bits: Δ NLL ≤ 0.10" in card
     forms = json.loads((exported / "manifest.json").read_text())["quantization"]["forms"]
     for what, verdict in (("Passed", True), ("Failed", False)):
         names = [n for n, r in forms.items() if r["ok"] is verdict]
         assert (f"{what}: " + ", ".join(f"`{n}`" for n in names) + ".") in card if names else f"{what}: " not in card
-    assert "Passed: `onnx int8`, `onnx q4_mix`" in card
+    assert "Passed: `onnx q8_0`, `onnx q4_mix`" in card
     data = json.loads((exported / "manifest.json").read_text())["data"]
     assert data["sources"] and all("license" in s for s in data["sources"])
     assert all(s["source"] in card for s in data["sources"])
@@ -310,14 +336,14 @@ def test_backend_errors(backend, exported, tmp_path):
     seq.decode(4)                                   # position 127: the last one
     with pytest.raises(BackendError, match="128"):
         seq.decode(4)
-    with pytest.raises(TypeError, match="quantize is 'int8'; expected a contract.quant.Scheme or None"):
-        OnnxBackend(exported, quantize="int8")   # names are parsed at the boundary (serve.load), not here
+    with pytest.raises(TypeError, match="quantize is 'q8_0'; expected a contract.quant.Scheme or None"):
+        OnnxBackend(exported, quantize="q8_0")   # names are parsed at the boundary (serve.load), not here
     partial = tmp_path / "b"
     partial.mkdir()
     for f in ("config.json", "model.onnx", "model.onnx.data"):
         shutil.copy(exported / f, partial / f)
-    with pytest.raises(BackendError, match="model.int8.onnx"):
-        OnnxBackend(partial, quantize=SCHEMES["int8"])
+    with pytest.raises(BackendError, match="model.q8_0.onnx"):
+        OnnxBackend(partial, quantize=SCHEMES["q8_0"])
     with pytest.raises(BackendError, match="config"):
         OnnxBackend(tmp_path / "nowhere")
 
@@ -541,18 +567,18 @@ def test_existing_out_needs_force(ckpt, tmp_path, capsys):
 
 
 def test_bad_val_data(ckpt, tmp_path, capsys):
-    rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--quantize", "int8", "--val-data", tmp_path / "x"], capsys)
+    rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--quantize", "q8_0", "--val-data", tmp_path / "x"], capsys)
     assert rc == 2 and "--val-data" in err and not (tmp_path / "b").exists()
 
 
 def test_bad_quantize_names(ckpt, tmp_path, capsys):
     """An unknown name, or a scheme no bundle form exists of, is one line naming it and what is allowed."""
-    rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--quantize", "int8", "int3"], capsys)
-    assert rc == 2 and "--quantize is 'int3'; expected None or one of none, int8, q4_0, q4_mix" in err
+    rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--quantize", "q8_0", "int3"], capsys)
+    assert rc == 2 and "--quantize is 'int3'; expected None or one of none, q8_0, q4_0, q4_mix" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
     with pytest.raises(ExportError, match=r"--quantize is 'q4_k_m'; .*python -m export.gguf BUNDLE --type q4_k_m"):
         PL.parse_schemes(["q4_k_m"])             # llama.cpp's GGUF mix, not a bundle form
-    assert PL.parse_schemes(["q4_0", "none", "INT8", "q4_0"]) == (SCHEMES["int8"], SCHEMES["q4_0"])
+    assert PL.parse_schemes(["q4_0", "none", "Q8_0", "q4_0"]) == (SCHEMES["q8_0"], SCHEMES["q4_0"])
 
 
 # ---------------------------------------------------------------- the gate and atomicity
@@ -691,7 +717,7 @@ def test_quality_gate_fails_on_agreement_even_when_nll_is_fine():
     assert same["top1_agree"] == 100 and same["top_logprob_absdiff"] == 0 and same["nll_ref"] == same["nll_got"]
     swapped = ref[..., ::-1].copy()                 # another winner at every position, similar NLL on average
     v = figures(compare_logits(ref, swapped, targets))
-    assert v["top1_agreement"] < 0.2 and not passes(v, SCHEMES["int8"]) and not passes(v, SCHEMES["q4_0"])
+    assert v["top1_agreement"] < 0.2 and not passes(v, SCHEMES["q8_0"]) and not passes(v, SCHEMES["q4_0"])
     fine = {"nll_f32": 1.0, "nll": 1.0, "delta": 0.0, "top1_agreement": 0.5, "mean_abs_top_logprob_delta": 0.01,
             "tokens": 100}
     entry = {"forms": {"onnx q4_0": judge(Form("onnx", SCHEMES["q4_0"], None, "model.q4_0.onnx"),
@@ -701,7 +727,7 @@ def test_quality_gate_fails_on_agreement_even_when_nll_is_fine():
     assert [r.ok for r in cases(entry)] == [True, False, True, True, False, True]
     # between the 8- and 4-bit limits: passes at 4 bits, fails at 8
     mid = {**fine, "top1_agreement": 0.9, "delta": 0.07}
-    assert passes(mid, SCHEMES["q4_0"]) and not passes(mid, SCHEMES["int8"])
+    assert passes(mid, SCHEMES["q4_0"]) and not passes(mid, SCHEMES["q8_0"])
 
 
 def test_failing_quantized_form_is_not_written(trained_run, tmp_path, monkeypatch, capsys):

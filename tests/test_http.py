@@ -93,10 +93,10 @@ def test_settings_from_env(tmp_path):
     (tmp_path / "runs" / "old" / "bundle").mkdir(parents=True)
     time.sleep(0.01)
     (tmp_path / "runs" / "new" / "bundle").mkdir(parents=True)
-    s = Settings.from_env({"SHALIK_MAX_QUEUE": "3", "SHALIK_QUANTIZE": "int8", "SHALIK_BACKEND": "rust"},
+    s = Settings.from_env({"SHALIK_MAX_QUEUE": "3", "SHALIK_QUANTIZE": "q8_0", "SHALIK_BACKEND": "rust"},
                           runs_dir=tmp_path / "runs")
     assert s.model == tmp_path / "runs" / "new" / "bundle" and s.served_name == "new"
-    assert (s.max_queue, s.quantize.name, s.backend, s.max_concurrency, s.default_max_tokens) == (3, "int8", "rust", 16, 64)
+    assert (s.max_queue, s.quantize.name, s.backend, s.max_concurrency, s.default_max_tokens) == (3, "q8_0", "rust", 16, 64)
     empty = Settings.from_env({}, runs_dir=tmp_path / "none")
     assert empty.model is None and "SHALIK_MODEL" in empty.model_problem
     with pytest.raises(SettingsError, match="SHALIK_MAX_CONCURRENCY"):

@@ -36,7 +36,7 @@ from train.tokenizer.pretokenizers import (
 def _copy_bundle(src: Path, dst: Path) -> Path:
     dst.mkdir(parents=True)
     for p in src.iterdir():
-        if p.is_file() and not p.name.startswith("model.onnx") and p.name != "model.int8.onnx":
+        if p.is_file() and not p.name.startswith("model.onnx") and p.name != "model.q8_0.onnx":
             shutil.copyfile(p, dst / p.name)
     return dst
 

@@ -10,26 +10,26 @@ from contract.quant import parse
 from serve.backends.base import BackendError
 from serve.backends.onnx import OnnxBackend
 
-# fp32: float noise (a padded row's softmax runs over more slots, the masked ones exactly zero). int8: the graph's
-# DynamicQuantizeLinear takes ONE activation scale per tensor, i.e. over every row of the batch, so a row's
-# activations are quantized on its companions' (coarser) grid and its logits move by quantization noise of the same
-# kind as int8's own error against fp32, scaled by how much wider the batch's range is than the row's. The bound is
-# twice the int8 model's own largest logit error on the same prompts decoded one at a time, measured in this module
-# (the fixture's gap has been 0.013-0.46 as its weights moved; the batch movement 0.006-0.07, up to 1.5x the gap):
-# padding or a cache that leaked between rows moves logits by O(1), far past it.
-FP32_TOL, INT8_SHARE = 2e-5, 2.0
+# fp32: float noise (a padded row's softmax runs over more slots, the masked ones exactly zero). q8_0: the graph's
+# MatMulNBits quantizes activations per row and block, but its integer kernels may tile a batch differently from one
+# row; and an older bundle's per-channel graph (DynamicQuantizeLinear) took ONE activation scale over every row of the
+# batch, moving a row's logits by quantization noise of the kind of its own error against fp32. The bound is twice
+# the q8_0 model's own largest logit error on the same prompts decoded one at a time, measured in this module (the
+# per-channel graph's gap was 0.013-0.46 as the fixture's weights moved; its batch movement 0.006-0.07, up to 1.5x
+# the gap): padding or a cache that leaked between rows moves logits by O(1), far past it.
+FP32_TOL, Q8_SHARE = 2e-5, 2.0
 PROMPTS = ([0], [0, 5, 9], [0, 17, 33, 4, 81, 250, 7], [0] + list(range(40, 52)))
 
 
-@pytest.fixture(scope="module", params=[None, "int8"])
+@pytest.fixture(scope="module", params=[None, "q8_0"])
 def backend(request, bundle) -> OnnxBackend:
     return OnnxBackend(bundle, quantize=parse(request.param), threads=1)
 
 
 @pytest.fixture(scope="module")
-def int8_gap(bundle) -> float:
-    """Largest |int8 − fp32| logit over 16 greedy single-sequence decode steps of :data:`PROMPTS`."""
-    q, f = OnnxBackend(bundle, quantize=parse("int8"), threads=1), OnnxBackend(bundle, quantize=None, threads=1)
+def q8_gap(bundle) -> float:
+    """Largest |q8_0 − fp32| logit over 16 greedy single-sequence decode steps of :data:`PROMPTS`."""
+    q, f = OnnxBackend(bundle, quantize=parse("q8_0"), threads=1), OnnxBackend(bundle, quantize=None, threads=1)
     qs, toks = prefilled(q)
     fs, _ = prefilled(f)
     gap = 0.0
@@ -38,13 +38,13 @@ def int8_gap(bundle) -> float:
         lf = np.stack([s.decode(t) for s, t in zip(fs, toks, strict=True)])
         gap = max(gap, float(np.abs(lq - lf).max()))
         toks = [int(t) for t in lf.argmax(-1)]
-    assert 0.0 < gap < 2.0, gap  # int8 does move the logits, and not absurdly (range ~4 on the tiny bundle)
+    assert 0.0 < gap < 2.0, gap  # q8_0 does move the logits, and not absurdly (range ~4 on the tiny bundle)
     return gap
 
 
 @pytest.fixture
 def tol(request, backend) -> float:
-    return FP32_TOL if backend.quantize is None else INT8_SHARE * request.getfixturevalue("int8_gap")
+    return FP32_TOL if backend.quantize is None else Q8_SHARE * request.getfixturevalue("q8_gap")
 
 
 def prefilled(backend, prompts=PROMPTS):
@@ -75,8 +75,8 @@ def test_greedy_32_steps_4_prompt_lengths(backend, tol):
         decided += int(clear.sum())
         flips += int((lb.argmax(-1) != ls.argmax(-1))[clear].sum())
         toks_s = [int(t) for t in ls.argmax(-1)]
-    # float32: every step is decided (tol 1e-4); int8 rows are quantized on the batch's wider activation grid, so
-    # a greedy choice closer than the int8 model's own error may go either way; every clear one must agree
+    # float32: every step is decided (tol 1e-4); a q8_0 row may move within the q8_0 model's own error (above), so
+    # a greedy choice closer than that may go either way; every clear one must agree
     assert flips == 0 and decided >= (120 if backend.quantize is None else 64), (flips, decided)
     assert worst < tol, worst
     assert [s.position for s in batched] == [len(p) + 32 for p in PROMPTS] == [s.position for s in single]
@@ -191,6 +191,6 @@ def test_bad_input_is_refused_and_changes_nothing(backend, bundle):
 
 def test_batch_pays_from_two(backend):
     """benchmarks/onnx_batching.py: decode_batch wins from B = 2 on; B = 1 is the same call. The engine never
-    batches the int8 graph: its rows depend on each other (one activation scale per batch)."""
+    batches a quantized graph (an older bundle's per-channel one takes one activation scale per batch)."""
     expected = [False, True, True, True] if backend.quantize is None else [False] * 4
     assert [backend.batch_pays(b) for b in (1, 2, 4, 16)] == expected

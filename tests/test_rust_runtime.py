@@ -41,7 +41,7 @@ from contract.bundle import QUANTIZE_CHOICES  # noqa: E402
 
 ATOL = RTOL = 1e-4  # docs/design.md: fp32 parity
 NEAR_TIE = 1e-3  # docs/design.md: greedy mismatch allowed only where the reference top-2 gap is below this
-# int8 (q8_0) vs f32: relative RMS error of the logits at most Q8_REL_RMS, and at most Q8_VS_ROUNDING
+# q8_0 vs f32: relative RMS error of the logits at most Q8_REL_RMS, and at most Q8_VS_ROUNDING
 # times the error that rounding the weights to q8_0 alone causes (the integer kernels also round activations to
 # 8 bits, per 32-block). Measured with candle's q8_0: 4.6 % (rounding alone 3.9 %) on `tiny`, 10.1 % (7.9 %) on
 # `wide`, whose random-init logits have std 3.3. A misplaced row or shard gives errors near 100 %.
@@ -449,12 +449,12 @@ def rel_rms(x: np.ndarray, ref: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("which", ["tiny", "wide"])
-def test_int8_close_to_f32(which, request):
+def test_q8_0_close_to_f32(which, request):
     """q8_0 for every linear incl. lm_head: logits close to f32 (see Q8_*); greedy mostly equal."""
     d, hf = request.getfixturevalue(which)
     f32 = rust_runtime.Model.load(str(d), threads=1)
-    q8 = rust_runtime.Model.load(str(d), threads=1, quantize="int8", allow_ungated=True)
-    assert q8.quantize == "int8"
+    q8 = rust_runtime.Model.load(str(d), threads=1, quantize="q8_0", allow_ungated=True)
+    assert q8.quantize == "q8_0"
     ids = prompt_ids(48, seed=8)
     a, b = f32.logits(ids), q8.logits(ids)
     rounded = transformers.LlamaForCausalLM(hf.config).eval()
@@ -485,7 +485,7 @@ def test_int8_close_to_f32(which, request):
             )
     assert max(lead) >= 4, f"q8 greedy leading agreement {lead}"
     # threads: the same bits
-    q8_2 = rust_runtime.Model.load(str(d), threads=2, quantize="int8", allow_ungated=True)
+    q8_2 = rust_runtime.Model.load(str(d), threads=2, quantize="q8_0", allow_ungated=True)
     np.testing.assert_array_equal(q8_2.logits(ids), b)
 
 
@@ -507,10 +507,11 @@ def test_quantize_names_and_plan_are_serve_quants():
     """The Rust list of quantization names and each name's storage per matrix role (src/quant.rs) are serve's:
     the same names in the same order, q8_0 exactly where the scheme keeps 8 bits, q4_0 elsewhere."""
     assert rust_runtime.QUANTIZE_NAMES == serve_quant.BACKEND_NAMES["rust"] == serve_quant.NAMES
+    assert rust_runtime.QUANTIZE_ALIASES == serve_quant.ALIASES   # the old names, each the same numeric form
     assert set(QUANTIZE_CHOICES) <= set(rust_runtime.QUANTIZE_NAMES)   # every name serve passes is Rust's
     plan = rust_runtime.QUANTIZE_PLAN
     assert set(plan) == set(rust_runtime.QUANTIZE_NAMES) and all(tuple(p) == serve_quant.ROLES for p in plan.values())
-    assert set(plan["none"].values()) == {None} and set(plan["int8"].values()) == {"q8_0"}
+    assert set(plan["none"].values()) == {None} and set(plan["q8_0"].values()) == {"q8_0"}
     for name in ("q4_0", "q4_mix"):
         keep = serve_quant.SCHEMES[name].keep_8bit
         assert plan[name] == {r: "q8_0" if r in keep else "q4_0" for r in serve_quant.ROLES}, name
@@ -545,14 +546,14 @@ def test_simd_cap_lowers_both_kernel_levels_and_an_unknown_value_is_named_and_ig
 def test_rust_runtime_refuses_names_that_are_not_serves(wide):
     """Spellings close to a name (llama.cpp's, GGUF's) are refused with the list, never taken as a name of Rust's."""
     d, _ = wide
-    for probe in ("q8_0", "f32", "int4", "q4", "q4-0", "q4_k_m", "q4_k", ""):
-        with pytest.raises(ValueError, match='quantize is .*; expected None or one of "none", "int8", "q4_0", "q4_mix"'):
+    for probe in ("q8", "f32", "int4", "q4", "q4-0", "q4_k_m", "q4_k", "int8_0", ""):
+        with pytest.raises(ValueError, match='quantize is .*; expected None or one of "none", "q8_0", "q4_0", "q4_mix"'):
             rust_runtime.Model.load(str(d), threads=1, quantize=probe, verify=False)
 
 
 # 4 bits vs f32: the error of the logits at most Q4_VS_ROUNDING × the error of rounding the weights alone (the
 # activations' int8 rounding adds a little): q4_0 measured 1.008 on `wide`, whose random uniform weights make
-# 4-bit rounding alone cost 56 % of the logits' RMS (int8: 1.32 / 1.25)
+# 4-bit rounding alone cost 56 % of the logits' RMS (q8_0: 1.32 / 1.25)
 Q4_VS_ROUNDING = 1.1
 
 
@@ -581,7 +582,7 @@ def test_4_bit_close_to_rounding_the_weights(quantize, wide):
     ref, r = hf_logits(hf, ids), hf_logits(rounded, ids)
     err, rounding = rel_rms(b, a), rel_rms(r, ref)
     assert err < Q4_VS_ROUNDING * rounding, f"{quantize} error {err:.3f} vs weight rounding alone {rounding:.3f}"
-    assert err > rel_rms(rust_runtime.Model.load(str(d), threads=1, quantize="int8", allow_ungated=True).logits(ids), a)
+    assert err > rel_rms(rust_runtime.Model.load(str(d), threads=1, quantize="q8_0", allow_ungated=True).logits(ids), a)
     seq = q4.new_sequence()
     seq.prefill(ids[:40])
     for i in range(40, 48):
@@ -954,8 +955,8 @@ def test_rust_backend_implements_the_protocol(tiny):
         e = expect_error(bad, BackendError)
         assert isinstance(e, ValueError)
     assert seq.position == 15
-    q = RustBackend(d, quantize=serve_quant.SCHEMES["int8"], threads=1, allow_ungated=True)  # a hand-made bundle: no gate
-    assert q.quantize == "int8" and q.new_sequence().prefill(ids[:4]).shape == (512,)
+    q = RustBackend(d, quantize=serve_quant.SCHEMES["q8_0"], threads=1, allow_ungated=True)  # a hand-made bundle: no gate
+    assert q.quantize == "q8_0" and q.new_sequence().prefill(ids[:4]).shape == (512,)
     # generate / stream / generate_batch go through the batching engine and equal Model.generate bit for bit
     prompts = [prompt_ids(5 + j, seed=80 + j) for j in range(4)]
     kw = {"temperature": 0.7, "seed": 3}

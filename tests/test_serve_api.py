@@ -315,10 +315,10 @@ def test_real_context_limit(real_lm):
     assert c.prompt_tokens + c.completion_tokens <= ctx
 
 
-def test_real_int8_loads_when_exported(bundle):
-    if not (bundle / "model.int8.onnx").exists():
-        pytest.skip("the bundle has no model.int8.onnx (export with --quantize int8)")
-    lm = load(bundle, backend="onnx", quantize="int8")
+def test_real_q8_0_loads_when_exported(bundle):
+    if not (bundle / "model.q8_0.onnx").exists():
+        pytest.skip("the bundle has no model.q8_0.onnx (export with --quantize q8_0)")
+    lm = load(bundle, backend="onnx", quantize="q8_0")
     assert lm.generate(PROMPTS[1], 8, temperature=0)
 
 

@@ -31,7 +31,7 @@ def figs(delta=0.0, top1=0.99, lp=0.01, tokens=100):
 
 def form(runtime: str, ok, bn=None, en=None, note=None):
     by = {"bn": {**(bn or figs()), "ok": ok is not False}, "en": {**(en or figs()), "ok": True}}
-    entry = {"scheme": "int8", "bits": 8, "block": 32, "keep_8bit": [], "summary": "", "runtime": runtime,
+    entry = {"scheme": "q8_0", "bits": 8, "block": 32, "keep_8bit": [], "summary": "", "runtime": runtime,
              "file": None, "thresholds": TH8, "all": {**figs(), "ok": True}, "by_lang": by, "ok": ok}
     return {k: v for k, v in entry.items() if ok is not None or k not in ("all", "by_lang")} | (
         {"note": note} if note else {})
@@ -39,26 +39,26 @@ def form(runtime: str, ok, bn=None, en=None, note=None):
 
 @pytest.fixture
 def gated(bundle, tmp_path):
-    """A copy of the fixture bundle whose gate failed int8 in both runtimes (Bangla top-1 0.737 < 0.85)."""
+    """A copy of the fixture bundle whose gate failed q8_0 in both runtimes (Bangla top-1 0.737 < 0.85)."""
     d = tmp_path / "bundle"
     shutil.copytree(bundle, d)
     bad = figs(top1=0.737)
     update_manifest(d, quantization={"data": "val", "tokens": 200, "reference": "onnx float32 (model.onnx)", "forms": {
-        "onnx int8": form("onnx", False, bn=bad), "rust int8": form("rust", False, bn=bad),
+        "onnx q8_0": form("onnx", False, bn=bad), "rust q8_0": form("rust", False, bn=bad),
         "rust q4_mix": form("rust", None, note="step 0 (random init)")}})
     return d
 
 
-FAILED = r"int8 failed the export's quality gate \(bn: top-1 agreement with fp32 0\.737 < 0\.85\)"
+FAILED = r"q8_0 failed the export's quality gate \(bn: top-1 agreement with fp32 0\.737 < 0\.85\)"
 
 
 def test_a_failed_form_is_refused_in_every_loader_naming_the_form_the_figure_and_the_threshold(gated):
     with pytest.raises(UngatedError, match=rf"onnx {FAILED}; serve a form that passed \(none passed.*allow_ungated"):
-        load(gated, backend="onnx", quantize="int8")
-    for call in (lambda: load(gated, backend="rust", quantize="int8"),
-                 lambda: load(gated, backend="rust", quantize="int8", verify=False),
-                 lambda: rust_runtime.Model.load(str(gated), quantize="int8"),
-                 lambda: rust_runtime.Model.load(str(gated), quantize="int8", verify=False)):
+        load(gated, backend="onnx", quantize="q8_0")
+    for call in (lambda: load(gated, backend="rust", quantize="q8_0"),
+                 lambda: load(gated, backend="rust", quantize="q8_0", verify=False),
+                 lambda: rust_runtime.Model.load(str(gated), quantize="q8_0"),
+                 lambda: rust_runtime.Model.load(str(gated), quantize="q8_0", verify=False)):
         with pytest.raises(ValueError, match=rf"rust {FAILED}; .*allow_ungated=True \(SHALIK_ALLOW_UNGATED=1\)"):
             call()
     # float32 needs no verdict
@@ -67,14 +67,14 @@ def test_a_failed_form_is_refused_in_every_loader_naming_the_form_the_figure_and
 
 def test_allow_ungated_loads_it_and_logs_what_it_overrides(gated, caplog):
     with caplog.at_level(logging.WARNING):
-        assert load(gated, backend="onnx", quantize="int8", allow_ungated=True).backend.quantize == "int8"
-        assert load(gated, backend="rust", quantize="int8", allow_ungated=True).backend.quantize == "int8"
-        m = rust_runtime.Model.load(str(gated), quantize="int8", allow_ungated=True)
-    assert m.quantize == "int8"
+        assert load(gated, backend="onnx", quantize="q8_0", allow_ungated=True).backend.quantize == "q8_0"
+        assert load(gated, backend="rust", quantize="q8_0", allow_ungated=True).backend.quantize == "q8_0"
+        m = rust_runtime.Model.load(str(gated), quantize="q8_0", allow_ungated=True)
+    assert m.quantize == "q8_0"
     logged = [(r.name, r.getMessage()) for r in caplog.records]
     assert [n for n, msg in logged if "allow_ungated overrides the gate" in msg] == [
         "shalik.serve", "rust_runtime", "rust_runtime"], logged
-    assert all(f"serving {rt} int8 failed the export's quality gate (bn: top-1 agreement with fp32 0.737 < 0.85)"
+    assert all(f"serving {rt} q8_0 failed the export's quality gate (bn: top-1 agreement with fp32 0.737 < 0.85)"
                in msg for (n, msg), rt in zip(logged, ("onnx", "rust", "rust")))
 
 
@@ -86,33 +86,33 @@ def test_a_form_without_a_verdict_is_refused_saying_how_to_get_one(gated):
                                            r"quality-gate verdict for it\)"):
         rust_runtime.Model.load(str(gated), quantize="q4_0")
     (gated / MANIFEST).unlink()   # a hand-made folder, loaded unverified: no verdict either
-    with pytest.raises(ValueError, match=r"rust int8 has no quality-gate verdict \(the bundle has no manifest.json\)"):
-        load(gated, backend="rust", quantize="int8", verify=False)
-    with pytest.raises(UngatedError, match=r"onnx int8 has no quality-gate verdict \(the bundle has no manifest"):
-        load(gated, backend="onnx", quantize="int8", verify=False)
-    assert load(gated, backend="onnx", quantize="int8", verify=False, allow_ungated=True).backend.quantize == "int8"
+    with pytest.raises(ValueError, match=r"rust q8_0 has no quality-gate verdict \(the bundle has no manifest.json\)"):
+        load(gated, backend="rust", quantize="q8_0", verify=False)
+    with pytest.raises(UngatedError, match=r"onnx q8_0 has no quality-gate verdict \(the bundle has no manifest"):
+        load(gated, backend="onnx", quantize="q8_0", verify=False)
+    assert load(gated, backend="onnx", quantize="q8_0", verify=False, allow_ungated=True).backend.quantize == "q8_0"
 
 
 def test_the_server_refuses_an_ungated_form_unless_allowed_and_health_lists_the_verdicts(gated):
-    env = {"SHALIK_MODEL": str(gated), "SHALIK_BACKEND": "rust", "SHALIK_QUANTIZE": "int8"}
+    env = {"SHALIK_MODEL": str(gated), "SHALIK_BACKEND": "rust", "SHALIK_QUANTIZE": "q8_0"}
     state = ServerState(Settings.from_env(env), None)
     state._load()
-    assert state.lm is None and "rust int8 failed the export's quality gate (bn: top-1 agreement" in state.problem
+    assert state.lm is None and "rust q8_0 failed the export's quality gate (bn: top-1 agreement" in state.problem
     assert state.health()[0] == 503
     state = ServerState(Settings.from_env({**env, "SHALIK_ALLOW_UNGATED": "1"}), None)
     state._load()
     code, health = state.health()
-    assert code == 200 and health.quantize == "int8" and health.ungated is True
-    assert health.quantized_forms == {"onnx int8": False, "rust int8": False, "rust q4_mix": None}
+    assert code == 200 and health.quantize == "q8_0" and health.ungated is True
+    assert health.quantized_forms == {"onnx q8_0": False, "rust q8_0": False, "rust q4_mix": None}
     with pytest.raises(SettingsError, match="SHALIK_ALLOW_UNGATED='maybe': expected 1 or 0"):
         Settings.from_env({"SHALIK_ALLOW_UNGATED": "maybe"})
 
 
 def test_the_fixture_export_gates_every_rust_form_and_a_passed_form_loads(bundle):
     forms = read_manifest(bundle)["quantization"]["forms"]
-    assert {"onnx int8", "rust int8", "rust q4_0", "rust q4_mix"} <= set(forms)
-    assert forms["rust int8"]["ok"] is True and forms["onnx int8"]["ok"] is True
-    assert load(bundle, backend="rust", quantize="int8").backend.quantize == "int8"
+    assert {"onnx q8_0", "rust q8_0", "rust q4_0", "rust q4_mix"} <= set(forms)
+    assert forms["rust q8_0"]["ok"] is True and forms["onnx q8_0"]["ok"] is True
+    assert load(bundle, backend="rust", quantize="q8_0").backend.quantize == "q8_0"
     for name in ("rust q4_0", "rust q4_mix"):
         v = verdict(read_manifest(bundle), *name.split())
         assert v.ok is forms[name]["ok"] is not None
@@ -140,10 +140,10 @@ def test_newer_major_version_is_refused_with_any_verify(bundle, tmp_path):
 
 
 def test_check_form_passes_float32_and_a_passed_form_silently(caplog):
-    m = {"quantization": {"forms": {"onnx int8": form("onnx", True)}}}
+    m = {"quantization": {"forms": {"onnx q8_0": form("onnx", True)}}}
     with caplog.at_level(logging.WARNING):
         assert check_form(m, "b", "onnx", None) is None
-        assert check_form(m, "b", "onnx", "int8").ok is True
+        assert check_form(m, "b", "onnx", "q8_0").ok is True
     assert not caplog.records
 
 
@@ -203,12 +203,12 @@ def test_continuations_count_the_greedy_continuations_identical_to_float32():
 
     val = ValData({"bn": [np.arange(200) % 16], "en": [np.arange(200) % 7]}, "test")
     ref = lambda: _Seq(lambda ids: (ids[-1] + 1) % 16)   # noqa: E731
-    same = G.Form("rust", SCHEMES["int8"], None, None, ref)
+    same = G.Form("rust", SCHEMES["q8_0"], None, None, ref)
     # differs only once the continuation passes 40 ids: every continuation of 64 tokens differs
     late = G.Form("rust", SCHEMES["q4_0"], None, None,
                   lambda: _Seq(lambda ids: 0 if len(ids) > 40 else (ids[-1] + 1) % 16))
     out = G.continuations(ref, [same, late], val)
-    assert out["rust int8"] == {"prompt_tokens": 32, "new_tokens": 64,
+    assert out["rust q8_0"] == {"prompt_tokens": 32, "new_tokens": 64,
                                 "by_lang": {"bn": {"identical": 10, "prompts": 10},
                                             "en": {"identical": 10, "prompts": 10}}}
     assert [v["identical"] for v in out["rust q4_0"]["by_lang"].values()] == [0, 0]

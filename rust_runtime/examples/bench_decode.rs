@@ -1,4 +1,4 @@
-//! Decode timing without Python: `cargo run --release --example bench_decode -- BUNDLE [threads] [none|int8|q4_0|q4_mix]`;
+//! Decode timing without Python: `cargo run --release --example bench_decode -- BUNDLE [threads] [none|q8_0|q4_0|q4_mix]`;
 //! `-- prefill BUNDLE [threads] [tokens,...] [quantize]`: prefill time, best of 5 (the ids of benchmarks/prefill.py);
 //! `-- gemv [threads] [m,m,...] [OUTxIN,...]`: the packed f32 matmul (default: the `small` and `base-400m`
 //! shapes), GFLOP/s;
@@ -59,7 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         linear_bench(threads, &ms, &shapes, &kinds);
         return Ok(());
     }
-    let dir = args.get(1).ok_or("usage: bench_decode BUNDLE [threads] [none|int8|q4_0|q4_mix]")?;
+    let dir = args.get(1).ok_or("usage: bench_decode BUNDLE [threads] [none|q8_0|q4_0|q4_mix]")?;
     let threads: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(1);
     let q = Quantize::parse(args.get(3).map(|s| s.as_str()))?;
     let model = Model::load(std::path::Path::new(dir), q, threads)?;

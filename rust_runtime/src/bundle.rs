@@ -15,6 +15,9 @@ pub const MANIFEST: &str = "manifest.json";
 pub const FORMAT: &str = "shalik-bundle";
 /// The newest manifest `format_version` (major) this runtime reads; a newer one is refused.
 pub const FORMAT_VERSION: u64 = 1;
+/// The manifest's minor version (`format_minor`, absent: 0); an older one's names are read as today's
+/// (`integrity::upgrade`, as `contract/bundle.py`'s `upgrade`).
+pub const FORMAT_MINOR: u64 = 1;
 /// The files of a bundle that `Model::load` and the tokenizer read (what `integrity` verifies).
 pub const CHECKED_FILES: [&str; 3] = [CONFIG, WEIGHTS, TOKENIZER];
 /// Every prompt starts with it; generation stops at it.

@@ -8,7 +8,7 @@
 //! not a Shalik manifest, of a newer `format_version`, lacking an entry for one of these files, or
 //! disagreeing with one, is an error naming the file.
 
-use crate::bundle::{CHECKED_FILES, FORMAT, FORMAT_VERSION, MANIFEST};
+use crate::bundle::{CHECKED_FILES, FORMAT, FORMAT_MINOR, FORMAT_VERSION, MANIFEST};
 use crate::error::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::io::Read;
@@ -33,8 +33,8 @@ pub fn sha256_file(path: &Path) -> Result<(String, u64)> {
 }
 
 /// `dir/manifest.json`, parsed and checked (`format` and `format_version`, whatever the caller's
-/// `verify` setting: a newer major version may lay the bundle out differently), or None when the
-/// folder has none. Errors: `Error::Format` for a manifest that is unreadable JSON, not a Shalik
+/// `verify` setting: a newer major version may lay the bundle out differently) and read with today's
+/// names (`upgrade`), or None when the folder has none. Errors: `Error::Format` for a manifest that is unreadable JSON, not a Shalik
 /// manifest or of a newer `format_version` (naming both); `Error::Io` for an unreadable file.
 pub fn read_manifest(dir: &Path) -> Result<Option<serde_json::Value>> {
     let mpath = dir.join(MANIFEST);
@@ -43,10 +43,39 @@ pub fn read_manifest(dir: &Path) -> Result<Option<serde_json::Value>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(&mpath, "cannot read the bundle manifest", e)),
     };
-    let manifest: serde_json::Value = serde_json::from_str(&text)
+    let mut manifest: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::format(format!("{}: not valid JSON ({e}); cannot verify the bundle", mpath.display())))?;
     check_format(&manifest, &mpath)?;
+    upgrade(&mut manifest);
     Ok(Some(manifest))
+}
+
+/// A manifest of an older minor version (`format_minor` below `FORMAT_MINOR`, absent: 0) with today's
+/// names, in place: the one place Rust reads old names, as `contract/bundle.py`'s `upgrade`. Minor 0 → 1:
+/// the gate's forms keyed with an old name of `quant::ALIASES` ("rust int8") are keyed with the kind's
+/// ("rust q8_0").
+pub fn upgrade(manifest: &mut serde_json::Value) {
+    if manifest.get("format_minor").and_then(|v| v.as_u64()).unwrap_or(0) >= FORMAT_MINOR {
+        return;
+    }
+    if let Some(forms) = manifest.pointer_mut("/quantization/forms").and_then(|f| f.as_object_mut()) {
+        let old: Vec<String> = forms.keys().cloned().collect();
+        for key in old {
+            let (runtime, scheme) = key.split_once(' ').unwrap_or((key.as_str(), ""));
+            if let Some((_, new)) = crate::quant::ALIASES.iter().find(|(o, _)| *o == scheme) {
+                let new_key = format!("{runtime} {new}");
+                if let Some(mut entry) = forms.remove(&key) {
+                    if let Some(e) = entry.as_object_mut() {
+                        e.insert("scheme".into(), serde_json::Value::from(*new));
+                    }
+                    forms.insert(new_key, entry);
+                }
+            }
+        }
+    }
+    if let Some(m) = manifest.as_object_mut() {
+        m.insert("format_minor".into(), serde_json::Value::from(FORMAT_MINOR));
+    }
 }
 
 /// Check `dir`'s CHECKED_FILES against `dir/manifest.json`.
@@ -337,12 +366,12 @@ mod tests {
         let fig =
             |d: f64, t: f64| serde_json::json!({"delta": d, "top1_agreement": t, "mean_abs_top_logprob_delta": 0.05});
         let m = serde_json::json!({"quantization": {"forms": {
-            "rust int8": {"ok": true, "thresholds": th, "by_lang": {"bn": fig(0.0, 0.99)}, "all": fig(0.0, 0.99)},
+            "rust q8_0": {"ok": true, "thresholds": th, "by_lang": {"bn": fig(0.0, 0.99)}, "all": fig(0.0, 0.99)},
             "rust q4_0": {"ok": false, "thresholds": th, "by_lang": {"bn": fig(0.112, 0.8496), "en": fig(0.05, 0.9)},
                           "all": fig(0.09, 0.87)},
             "rust q4_mix": {"ok": null, "note": "step 0 (random init)"}}}});
         let place = Path::new("runs/x/bundle");
-        assert_eq!(check_form(Some(&m), place, "rust int8", false).unwrap(), None);
+        assert_eq!(check_form(Some(&m), place, "rust q8_0", false).unwrap(), None);
         let e = check_form(Some(&m), place, "rust q4_0", false).unwrap_err().to_string();
         assert!(
             e.contains(
@@ -351,7 +380,7 @@ mod tests {
             ),
             "{e}"
         );
-        assert!(e.contains("passed: rust int8") && e.contains("allow_ungated=True"), "{e}");
+        assert!(e.contains("passed: rust q8_0") && e.contains("allow_ungated=True"), "{e}");
         let e = check_form(Some(&m), place, "rust q4_mix", false).unwrap_err().to_string();
         assert!(e.contains("rust q4_mix has no quality-gate verdict (not measured: step 0 (random init))"), "{e}");
         let e = check_form(None, place, "rust q4_mix", false).unwrap_err().to_string();
@@ -364,5 +393,28 @@ mod tests {
         assert_eq!(fmt_figure(0.853, 0.85, false), "0.853");
         assert_eq!(fmt_figure(0.85, 0.85, false), "0.850");
         assert_eq!(fmt_figure(0.1001, 0.1, true), "+0.1001");
+    }
+
+    #[test]
+    fn a_minor_0_manifest_reads_its_int8_forms_as_q8_0() {
+        let old = serde_json::json!({"format": FORMAT, "format_version": 1, "files": {},
+            "quantization": {"forms": {"rust int8": {"scheme": "int8", "ok": true},
+                                       "onnx int8": {"scheme": "int8", "ok": false},
+                                       "rust q4_0": {"scheme": "q4_0", "ok": true}}}});
+        let mut m = old.clone();
+        upgrade(&mut m);
+        let forms = m.pointer("/quantization/forms").unwrap().as_object().unwrap();
+        let keys: Vec<&str> = forms.keys().map(|k| k.as_str()).collect();
+        assert_eq!(keys.len(), 3);
+        assert!(keys.contains(&"rust q8_0") && keys.contains(&"onnx q8_0") && keys.contains(&"rust q4_0"), "{keys:?}");
+        assert_eq!(forms["rust q8_0"], serde_json::json!({"scheme": "q8_0", "ok": true}));
+        assert_eq!(m["format_minor"], FORMAT_MINOR);
+        assert_eq!(check_form(Some(&m), Path::new("b"), "rust q8_0", false).unwrap(), None);
+        // a current manifest is left as it is, even one whose forms spell an old name
+        let mut cur = old.clone();
+        cur["format_minor"] = serde_json::Value::from(FORMAT_MINOR);
+        let before = cur.clone();
+        upgrade(&mut cur);
+        assert_eq!(cur, before);
     }
 }

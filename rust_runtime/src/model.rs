@@ -862,6 +862,7 @@ pub(crate) mod tests {
         std::fs::write(fx.dir.join("model.safetensors"), b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage").unwrap();
         assert!(Model::load(&fx.dir, Quantize::None, 1).is_err());
         assert!(Quantize::parse(Some("int4")).is_err());
+        assert_eq!(Quantize::parse(Some("q8_0")).unwrap(), Quantize::Q8_0);
         assert_eq!(Quantize::parse(Some("int8")).unwrap(), Quantize::Q8_0);
         assert_eq!(Quantize::parse(Some("q4_0")).unwrap(), Quantize::Q4_0);
         assert_eq!(Quantize::parse(None).unwrap(), Quantize::None);

@@ -102,8 +102,10 @@ pub struct PyModel {
 #[pymethods]
 impl PyModel {
     /// Load a bundle directory (model.safetensors, config.json, tokenizer.json).
-    /// quantize: None / "none" (f32), "int8" (q8_0 for every linear incl. lm_head), "q4_0" (4 bits everywhere) or
+    /// quantize: None / "none" (f32), "q8_0" (q8_0 for every linear incl. lm_head), "q4_0" (4 bits everywhere) or
     /// "q4_mix" (4 bits, the embedding / lm_head / v / down at q8_0): `QUANTIZE_PLAN`; weights are quantized at load.
+    /// An old name of `QUANTIZE_ALIASES` ("int8") loads the kind it names and logs that it is deprecated
+    /// on the `rust_runtime` logger.
     /// threads: compute threads (default: the process-wide pool size, see README).
     /// verify: check config.json, model.safetensors and tokenizer.json against the sha256 sums
     /// of the bundle's manifest.json, refusing a bundle without one (False: skip the hashing and
@@ -123,7 +125,10 @@ impl PyModel {
         verify: bool,
         allow_ungated: bool,
     ) -> PyResult<Self> {
-        let q = Quantize::parse(quantize)?;
+        let (q, note) = Quantize::parse_noted(quantize)?;
+        if let Some(note) = note {
+            py.import("logging")?.call_method1("getLogger", ("rust_runtime",))?.call_method1("warning", (note,))?;
+        }
         let req = match threads {
             None => None,
             Some(t) if t >= 1 && t <= 1024 => Some(t as usize),
@@ -190,7 +195,7 @@ impl PyModel {
     fn rope_theta(&self) -> f64 {
         self.inner.model.cfg.rope_theta
     }
-    /// "none" or "int8".
+    /// The kind's name: "none", "q8_0", "q4_0" or "q4_mix" (an old name given at load reads as its new one).
     #[getter]
     fn quantize(&self) -> &'static str {
         self.inner.model.quantize.name()

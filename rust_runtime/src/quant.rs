@@ -4,7 +4,8 @@
 //! equal (`rust_runtime.QUANTIZE_NAMES`, `rust_runtime.QUANTIZE_PLAN`, tests/test_rust_runtime.py).
 //!
 //! * `none`: every matrix f32 (packed, `kernels::PackedF32`).
-//! * `int8`: every matrix q8_0, the lm_head (tied or not) included.
+//! * `q8_0`: every matrix q8_0, the lm_head (tied or not) included. `int8` is its old name, still
+//!   accepted (`ALIASES`, with a deprecation line), as `contract/quant.py`'s `ALIASES` says.
 //! * `q4_0`: every matrix q4_0, the embedding and lm_head included (what a pure GGUF Q4_0 holds).
 //! * `q4_mix`: in the spirit of llama.cpp's Q4_K_M: q4_0 for q/k/o/gate/up, and q8_0 for the
 //!   matrices where 4 bits cost the most: the embedding and lm_head, v_proj and down_proj
@@ -28,7 +29,11 @@ pub enum Quantize {
 
 /// Every kind and its name, in the order Python lists them (`rust_runtime.QUANTIZE_NAMES`).
 pub const KINDS: [(&str, Quantize); 4] =
-    [("none", Quantize::None), ("int8", Quantize::Q8_0), ("q4_0", Quantize::Q4_0), ("q4_mix", Quantize::Q4Mix)];
+    [("none", Quantize::None), ("q8_0", Quantize::Q8_0), ("q4_0", Quantize::Q4_0), ("q4_mix", Quantize::Q4Mix)];
+
+/// Old names still accepted, each the same numeric form as the kind it names (`rust_runtime.QUANTIZE_ALIASES`,
+/// equal to `contract/quant.py`'s `ALIASES`).
+pub const ALIASES: [(&str, &str); 1] = [("int8", "q8_0")];
 
 /// What a weight matrix is in the model, by its Hugging Face name (`model.layers.N.self_attn.q_proj.weight`
 /// → `QProj`): the unit `Quantize::storage` decides on.
@@ -76,15 +81,26 @@ impl Role {
 }
 
 impl Quantize {
-    /// `None` / "none" → f32; any name of `KINDS` (case and surrounding spaces ignored). An unknown
-    /// name is an `InvalidArgument` that lists the known ones.
+    /// `None` / "none" → f32; any name of `KINDS` (case and surrounding spaces ignored), or an old name of
+    /// `ALIASES` (see `parse_noted`). An unknown name is an `InvalidArgument` that lists the known ones.
     pub fn parse(s: Option<&str>) -> Result<Self> {
-        let Some(s) = s else { return Ok(Quantize::None) };
+        Self::parse_noted(s).map(|(q, _)| q)
+    }
+
+    /// The one parser: `parse`'s kind, and for an old name of `ALIASES` the deprecation line to show
+    /// ("quantize 'int8' is deprecated: use 'q8_0'", as Python's `contract.quant.parse` logs it).
+    pub fn parse_noted(s: Option<&str>) -> Result<(Self, Option<String>)> {
+        let Some(s) = s else { return Ok((Quantize::None, None)) };
         let key = s.trim().to_ascii_lowercase();
-        KINDS.iter().find(|(n, _)| *n == key).map(|(_, q)| *q).ok_or_else(|| {
+        let (key, note) = match ALIASES.iter().find(|(old, _)| *old == key) {
+            Some((old, new)) => (new.to_string(), Some(format!("quantize '{old}' is deprecated: use '{new}'"))),
+            None => (key, None),
+        };
+        let q = KINDS.iter().find(|(n, _)| *n == key).map(|(_, q)| *q).ok_or_else(|| {
             let names: Vec<String> = KINDS.iter().map(|(n, _)| format!("{n:?}")).collect();
             Error::arg(format!("quantize is {s:?}; expected None or one of {}", names.join(", ")))
-        })
+        })?;
+        Ok((q, note))
     }
 
     pub fn name(&self) -> &'static str {
@@ -124,8 +140,13 @@ mod tests {
         }
         assert_eq!(Quantize::parse(None).unwrap(), Quantize::None);
         let e = Quantize::parse(Some("int3")).unwrap_err().to_string();
-        assert!(e.contains("int3") && e.contains("\"q4_0\"") && e.contains("\"int8\""), "{e}");
+        assert!(e.contains("int3") && e.contains("\"q4_0\"") && e.contains("\"q8_0\""), "{e}");
+        assert!(!e.contains("int8"), "{e}"); // the error lists the canonical names only
         assert!(Quantize::parse(Some("")).is_err());
+        assert_eq!(Quantize::parse_noted(Some("q8_0")).unwrap(), (Quantize::Q8_0, None));
+        let (q, note) = Quantize::parse_noted(Some(" INT8 ")).unwrap();
+        assert_eq!((q, q.name()), (Quantize::Q8_0, "q8_0"));
+        assert_eq!(note.as_deref(), Some("quantize 'int8' is deprecated: use 'q8_0'"));
     }
 
     #[test]
@@ -146,7 +167,8 @@ mod tests {
 }
 
 /// The module attributes that let Python hold its list of schemes to this one:
-/// `QUANTIZE_NAMES` (a tuple, `KINDS`' order) and `QUANTIZE_PLAN` ({name: {role: "q8_0" | "q4_0" | None}}),
+/// `QUANTIZE_NAMES` (a tuple, `KINDS`' order), `QUANTIZE_ALIASES` ({old name: name}) and `QUANTIZE_PLAN`
+/// ({name: {role: "q8_0" | "q4_0" | None}}),
 /// plus `int_simd_level` (the integer kernels' level, `kernels::int::int_level`).
 #[cfg(feature = "python")]
 pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
@@ -154,6 +176,11 @@ pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()
     use pyo3::types::{PyDict, PyTuple};
     let py = m.py();
     m.add("QUANTIZE_NAMES", PyTuple::new(py, KINDS.iter().map(|(n, _)| *n))?)?;
+    let aliases = PyDict::new(py);
+    for (old, new) in ALIASES {
+        aliases.set_item(old, new)?;
+    }
+    m.add("QUANTIZE_ALIASES", aliases)?;
     let plan = PyDict::new(py);
     for (name, q) in KINDS {
         let roles = PyDict::new(py);

@@ -1,5 +1,6 @@
 """The ONNX backend: a Shalik bundle's ``model.onnx`` (or the graph of a quantization scheme, :mod:`contract.quant`:
-``model.int8.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``) run by onnxruntime on CPU.
+``model.q8_0.onnx``, ``model.q4_0.onnx``, ``model.q4_mix.onnx``; an older bundle's ``model.int8.onnx`` for q8_0,
+:func:`contract.bundle.onnx_graph`) run by onnxruntime on CPU.
 
 numpy + onnxruntime only — serve never imports torch. The graph's I/O is docs/design.md's (Optimum decoder naming,
 :func:`contract.bundle.onnx_input_names` / :func:`contract.bundle.onnx_output_names`):
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import weakref
 from collections.abc import Sequence as Seq
@@ -29,13 +31,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from contract.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_input_names, onnx_output_names
+from contract.bundle import CONFIG, ONNX_GRAPHS, TOKENIZER, eot_id, onnx_graph, onnx_input_names, onnx_output_names
 from contract.quant import Scheme
 from serve.backends.base import BackendError, check_ids, check_scheme
 
 BATCH_PAYS_FROM = 2  # smallest batch at which decode_batch beats one-at-a-time decode (benchmarks/onnx_batching.py)
 
 Past = list[tuple[np.ndarray, np.ndarray]]
+log = logging.getLogger("shalik.serve")
 
 
 def default_threads() -> int:
@@ -139,8 +142,9 @@ class OnnxBackend:
 
     ``OnnxBackend(bundle_dir, quantize=None | Scheme, threads=None)``: reads ``config.json`` (vocab size, context,
     layers, kv heads, head dim) and ``model.onnx`` (with ``quantize``, a :class:`contract.quant.Scheme` parsed by
-    the caller, the scheme's graph, ``contract.bundle.ONNX_GRAPHS``; ``model_file`` names another graph in the
-    folder). ``self.quantize`` is the scheme's name (None: float32). Raises TypeError for a ``quantize`` that is not
+    the caller, the scheme's graph that the bundle holds, :func:`contract.bundle.onnx_graph`: a bundle of format
+    minor 0 serves its per-channel ``model.int8.onnx`` as q8_0, logging so once; ``model_file`` names another graph
+    in the folder). ``self.quantize`` is the scheme's name (None: float32). Raises TypeError for a ``quantize`` that is not
     a Scheme, BackendError for a scheme without an ONNX form, or when the folder, the config or the graph is missing
     or the graph's inputs are not the bundle's.
     """
@@ -168,7 +172,11 @@ class OnnxBackend:
             self.head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         except (KeyError, TypeError, ValueError) as e:
             raise BackendError(f"{cfg_path}: missing or invalid key {e}") from None
-        self.model_path = self.path / (model_file or ONNX_GRAPHS[self.quantize])
+        self.model_path = self.path / (model_file or onnx_graph(self.path, self.quantize))
+        if model_file is None and self.model_path.name != ONNX_GRAPHS[self.quantize]:
+            log.warning("%s: serving %s (onnxruntime's per-channel 8-bit graph of a bundle exported before format "
+                        "minor 1) as %s; export the bundle again for %s", self.path, self.model_path.name,
+                        self.quantize, ONNX_GRAPHS[self.quantize])
         if not self.model_path.is_file():
             hint = f" (export with --quantize {self.quantize})" if self.quantize and model_file is None else ""
             raise BackendError(f"{self.model_path}: no such ONNX graph in the bundle{hint}")
@@ -253,9 +261,9 @@ class OnnxBackend:
         alone again copies its row out. Not thread-safe: one caller steps a backend's sequences.
 
         fp32: the padding is masked exactly (its slots get weight 0) and a row matches its single run to ~1e-6.
-        int8: the graph's DynamicQuantizeLinear takes one activation scale per tensor, i.e. over all rows, so a
-        row's logits move with the other rows' activations (max |Δlogit| ~5e-2 on `small`; tokens may differ
-        where the top two are that close) — a sequence's output then depends on its companions.
+        The quantized graphs are not batched by the engine (:meth:`batch_pays`); an older bundle's per-channel
+        ``model.int8.onnx`` takes one activation scale per tensor (DynamicQuantizeLinear), i.e. over all rows, so
+        there a row's logits move with the other rows' activations (max |Δlogit| ~5e-2 on `small`).
 
         Raises BackendError, before any cache changes, for an empty list, ``len(seqs) != len(token_ids)``, a
         sequence given twice or not made by this backend's :meth:`new_sequence`, a token id that is not an int
@@ -325,10 +333,11 @@ class OnnxBackend:
     def batch_pays(self, batch_size: int) -> bool:
         """Whether the engine (:mod:`serve.engine`) should step ``batch_size`` sequences with :meth:`decode_batch`:
         it beats as many :meth:`OnnxSequence.decode` calls in aggregate decode tokens/s from B = 2 on
-        (benchmarks/onnx_batching.py, `small`, 2 threads: 1.6x at 2, 5.3x at 16 in fp32). Never for the int8
-        graph: it quantizes activations with one scale over the whole batch, so a row's tokens would depend on
-        which requests share its steps (serving promises the same text for the same seed whatever runs
-        beside); int8 is batched bit-exactly by the rust backend instead."""
+        (benchmarks/onnx_batching.py, `small`, 2 threads: 1.6x at 2, 5.3x at 16 in fp32). Never for a quantized
+        graph: an older bundle's per-channel int8 graph quantizes activations with one scale over the whole batch,
+        so a row's tokens would depend on which requests share its steps (serving promises the same text for the
+        same seed whatever runs beside), and the MatMulNBits graphs are not measured batched; the rust backend
+        batches the quantized forms bit-exactly instead."""
         return self.quantize is None and batch_size >= BATCH_PAYS_FROM
 
     def logits(self, ids: Seq[int]) -> np.ndarray:

@@ -69,7 +69,7 @@ class RustSequence:
 
 class RustBackend:
     """Weights in Rust (f32, or quantized at load: ``quantize`` a :class:`contract.quant.Scheme` parsed by the
-    caller, q8_0 for ``int8``; the schemes rust_runtime offers are :data:`contract.quant.BACKEND_NAMES` ``["rust"]``;
+    caller; the schemes rust_runtime offers are :data:`contract.quant.BACKEND_NAMES` ``["rust"]``;
     ``rust_runtime.Model.load`` reads the scheme's name once more, at its own boundary) plus a factory of KV caches. A quantized form loads only
     when the export's quality gate passed it (``rust_runtime.Model.load``, :mod:`serve.verdict`), unless
     ``allow_ungated``."""

@@ -120,7 +120,7 @@ class Settings:
             return v > 0
 
         backend = get("backend", str.lower, lambda v: v in BACKENDS, " or ".join(BACKENDS))
-        quantize = get("quantize", parse, lambda v: True, "one of " + ", ".join(NAMES))
+        quantize = get("quantize", lambda raw: parse(raw, "SHALIK_QUANTIZE"), lambda v: True, "one of " + ", ".join(NAMES))
         try:
             check_backend(quantize, backend, "SHALIK_QUANTIZE")
         except QuantizeError as e:
