@@ -280,13 +280,8 @@ def main(argv=None) -> int:
                      + ", ".join(f"{x:.0%}" for x in ratios[n]) + f" | {cpu_ratio[n]:.0%} |")
     n_min = min(ns)
     lines += ["", "**The cleaning stage's cost**: prepare (cleaning on, the default) over prepare with `data.clean = "
-              "false`, runs side by side:", "",
-              "| processes | no clean MB/s | prepare MB/s | prepare / no clean, wall (median of rounds) | by round | "
-              "CPU s: prepare / no clean |", "|---:|---:|---:|---:|---|---:|"]
-    for n in ns:
-        lines.append(f"| {n} | {mbs['no clean'][n]:.2f} | {mbs['prepare'][n]:.2f} | "
-                     f"{timing.median(clean_ratios[n]):.2f}× | " + ", ".join(f"{x:.2f}×" for x in clean_ratios[n])
-                     + f" | {1 / clean_cpu[n]:.2f}× |")
+              "false`, runs side by side:", ""]
+    lines += clean_cost_table(ns, mbs, clean_ratios, {n: 1 / clean_cpu[n] for n in ns})
     rm = ", ".join(f"{k} {v['docs']:,}" for k, v in cleaning["removed"].items()) or "nothing"
     lines += ["", f"Same shard files (sha256 of every .bin) for {', '.join(map(str, ns))} processes: cleaning on "
               f"{'yes' if same_shards['prepare'] else 'NO'}, off {'yes' if same_shards['no clean'] else 'NO'}. "
@@ -323,6 +318,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def clean_cost_table(ns: list[int], mbs: dict, wall: dict[int, list[float]], cpu: dict[int, float],
+                     cpu_by_round: dict[int, list[float]] | None = None) -> list[str]:
+    """The Markdown lines of the table of prepare with and without the cleaning stage: per process count of ``ns``,
+    the MB/s of each (``mbs["no clean"][n]``, ``mbs["prepare"][n]``), prepare / no clean in wall time (the median
+    of the rounds' ratios ``wall[n]``, then each round's) and in CPU seconds (``cpu[n]``, a ratio). With
+    ``cpu_by_round`` (the clean-cost report) each round's CPU ratio follows ``cpu[n]``, the wall median is in bold
+    and both medians are headed "(median)"; without it (the scaling report) the wall one is headed "(median of
+    rounds)"."""
+    full = cpu_by_round is not None
+    lines = [f"| processes | no clean MB/s | prepare MB/s | prepare / no clean, wall "
+             f"{'(median)' if full else '(median of rounds)'} | by round | CPU s: prepare / no clean"
+             + (" (median) | by round |" if full else " |"), "|---:|---:|---:|---:|---|---:|" + ("---|" if full else "")]
+    for n in ns:
+        med = f"{timing.median(wall[n]):.2f}×"
+        row = (f"| {n} | {mbs['no clean'][n]:.2f} | {mbs['prepare'][n]:.2f} | {f'**{med}**' if full else med} | "
+               + ", ".join(f"{x:.2f}×" for x in wall[n]) + f" | {cpu[n]:.2f}× |")
+        lines.append(row + (" " + ", ".join(f"{x:.2f}×" for x in cpu_by_round[n]) + " |" if full else ""))
+    return lines
+
+
 def clean_cost_report(args, nfc_bytes: float, tokens: int, times: dict, cpus: dict, mbs: dict, digests: dict,
                       cleaning: dict, loads: list[dict], load: tuple, out: Path) -> int:
     """``prepare_scale_clean.{md,json}``: prepare over no clean per process count (wall and CPU seconds, runs
@@ -348,13 +363,8 @@ def clean_cost_report(args, nfc_bytes: float, tokens: int, times: dict, cpus: di
              f"{min(x['load'] for x in loads):.2f} to {max(x['load'] for x in loads):.2f} as each run started.", "",
              "Prepare (cleaning on, the default) against prepare with `data.clean = false` (the split of whole works "
              "only), each round's runs one after the other, their order rotated from one round and process count "
-             "to the next:", "",
-             "| processes | no clean MB/s | prepare MB/s | prepare / no clean, wall (median) | by round | "
-             "CPU s: prepare / no clean (median) | by round |", "|---:|---:|---:|---:|---|---:|---|"]
-    for n in ns:
-        lines.append(f"| {n} | {mbs['no clean'][n]:.2f} | {mbs['prepare'][n]:.2f} | "
-                     f"**{timing.median(wall[n]):.2f}×** | " + ", ".join(f"{x:.2f}×" for x in wall[n])
-                     + f" | {timing.median(cpu[n]):.2f}× | " + ", ".join(f"{x:.2f}×" for x in cpu[n]) + " |")
+             "to the next:", ""]
+    lines += clean_cost_table(ns, mbs, wall, {n: timing.median(cpu[n]) for n in ns}, cpu_by_round=cpu)
     lines += ["", f"Speed-up from {n_min} to {n_max} processes (median of the rounds' ratios): prepare "
               f"**{timing.median(speedups['prepare']):.2f}×** (by round: "
               + ", ".join(f"{x:.2f}×" for x in speedups["prepare"]) + "), no clean (the tokenizing pass without the "

@@ -35,6 +35,7 @@ from train.config import load_config  # noqa: E402
 from train.data import prepare  # noqa: E402
 from train.run import Trainer  # noqa: E402
 
+SPLIT = "whole works"  # how train.data picks the validation documents (a report says which split it measured)
 RECIPES = {
     "adamw-cosine": {"train.optimizer": '"adamw"', "train.schedule": '"cosine"', "min_lr_frac": 0.1},
     "muon-linear": {"train.optimizer": '"muon"', "train.schedule": '"linear"', "min_lr_frac": 0.0},
@@ -170,9 +171,10 @@ def report(res: dict, floor: dict | None) -> str:
              + (f"--confirm {' '.join(f'{k}={v:g}' for k, v in s['best_lr'].items())}" if res.get("confirm") else
                 f"--lrs {' '.join(f'{x:g}' for x in res['lrs'])}")
              + f" --seeds {' '.join(map(str, res['seeds']))}` "
-             f"({res['steps']} steps each, interleaved; measured {res['date']}).", "",
-             ("## Learning rates of tiny's grid, on every seed (final validation NLL, nats/token, all languages; "
-              "mean over the seeds)" if res.get("confirm") else
+             f"({res['steps']} steps each, interleaved; measured {res['date']}; validation split: "
+             f"{res.get('split', 'not recorded')}).", "",
+             ("## The learning rates given (`--confirm`), on every seed (final validation NLL, nats/token, all "
+              "languages; mean over the seeds)" if res.get("confirm") else
               "## Learning-rate grid (final validation NLL, nats/token, all languages; seed " + str(res["seeds"][0])
               + "; the best also mean over every seed)"), "",
              "| recipe | " + " | ".join(f"lr {x:g}" for x in res["lrs"]) + " |",
@@ -218,20 +220,24 @@ def write_summary(out: Path) -> None:
     tokens-to-target and step-time ratios, final bits/char per language old → new — with links to each report."""
     lines = ["# Training recipe: AdamW + cosine to lr/10 against Muon + linear decay to zero", "",
              "Each preset's full report (learning-rate grid, per-seed table, loss curves) is linked in the first "
-             "column; `python benchmarks/recipe.py --help` says how each is made.", "",
-             "| preset | steps | best lr (old / new) | seeds | tokens-to-target (per seed) | step-time ratio new ÷ old "
-             "(per seed) | val bits/char old → new (per seed) |", "|---|---|---|---|---|---|---|"]
+             "column; `python benchmarks/recipe.py --help` says how each is made. The validation split column says "
+             f"which documents were scored: `{SPLIT}` (train.data's split, no part of a validation work trained on) "
+             "or the old split (documents chosen by a hash of their text, parts of works shared with training).", "",
+             "| preset | validation split | steps | best lr (old / new) | seeds | tokens-to-target (per seed) | "
+             "step-time ratio new ÷ old (per seed) | val bits/char old → new (per seed) |",
+             "|---|---|---|---|---|---|---|---|"]
     order = {"tiny": 0, "small": 1}
-    done = [q for q in out.glob("recipe-*.json") if not q.name.endswith(".partial.json")]
-    for path in sorted(done, key=lambda q: (order.get(q.stem[7:], 9), q.stem)):
-        res = json.loads(path.read_text())
+    done = [json.loads(q.read_text()) | {"page": q.stem} for q in out.glob("recipe-*.json")
+            if not q.name.endswith(".partial.json")]
+    for res in sorted(done, key=lambda r: (order.get(r["preset"], 9), r.get("split") != SPLIT, r["page"])):
         s, (old, new) = res["summary"], list(RECIPES)
         ttt = ", ".join(f"{p['tokens_to_target']:.2f}×" if p["tokens_to_target"] else "not reached"
                         for p in s["per_seed"])
         st = ", ".join(f"{p['step_time_ratio']:.3f}" for p in s["per_seed"])
         bpc = "; ".join(", ".join(f"{k} {p['final_old'][k]['bpc']:.3f} → {p['final_new'][k]['bpc']:.3f}"
                                   for k in p["final_old"] if k != "all") for p in s["per_seed"])
-        lines.append(f"| [{res['preset']}]({path.stem}.md) | {res['steps']} | {s['best_lr'][old]:g} / "
+        lines.append(f"| [{res['preset']}]({res['page']}.md) | {res.get('split', 'not recorded')} | {res['steps']} | "
+                     f"{s['best_lr'][old]:g} / "
                      f"{s['best_lr'][new]:g} | {', '.join(map(str, res['seeds']))} | {ttt} | {st} | {bpc} |")
     lines += ["", "Tokens-to-target: the tokens the old recipe's best run needs for its own final validation NLL ÷ "
               "the tokens the new recipe's best run needs for the same NLL (interpolated between evaluations). "
@@ -359,7 +365,8 @@ def main(argv=None) -> int:
         run([(args.seeds[0], [(rec, lr) for rec in RECIPES]) for lr in lrs])
         best = best_lrs(runs, args.seeds[0])
     run([(seed, [(rec, best[rec]) for rec in RECIPES]) for seed in args.seeds[0 if args.confirm else 1:]])
-    res = {"preset": args.preset, "steps": args.steps, "lrs": lrs, "seeds": args.seeds, "confirm": bool(args.confirm),
+    res = {"preset": args.preset, "split": SPLIT, "steps": args.steps, "lrs": lrs, "seeds": args.seeds,
+           "confirm": bool(args.confirm),
            "date": time.strftime("%Y-%m-%d"), "runs": runs, "floor": floor}
     res["summary"] = summarise(runs, args.seeds[0])
     write_report(res, out)

@@ -3,6 +3,7 @@ script runs by path and loads no other script by path."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -157,3 +158,43 @@ def test_serve_batching_http_lane_counts_every_token_through_uvicorn(bundle, tmp
     finally:
         server.close()
     assert server.proc.returncode is not None
+
+
+def test_recipe_summary_names_each_split_and_lists_the_current_one_first(tmp_path):
+    from benchmarks import recipe
+
+    def result(preset, split, ttt):
+        val = {"all": {"bpc": 2.5}, "bn": {"bpc": 2.75}, "en": {"bpc": 2.25}}
+        seed = {"tokens_to_target": ttt, "step_time_ratio": 0.97, "final_old": val, "final_new": val}
+        return {"preset": preset, "steps": 200, "seeds": [1337], "summary": {
+            "best_lr": {"adamw-cosine": 0.003, "muon-linear": 0.01}, "per_seed": [seed]}} | (
+            {"split": split} if split else {})
+
+    for page, preset, split, ttt in (("recipe-small", "small", None, 2.10),
+                                     ("recipe-tiny-old-split", "tiny", "old (documents by hash)", 4.06),
+                                     ("recipe-tiny", "tiny", recipe.SPLIT, 4.21)):
+        (tmp_path / f"{page}.json").write_text(json.dumps(result(preset, split, ttt)))
+    (tmp_path / "recipe-tiny.partial.json").write_text("{}")  # an unfinished run is not a row
+    recipe.write_summary(tmp_path)
+    rows = [line for line in (tmp_path / "recipe.md").read_text().splitlines() if line.startswith("| [")]
+    assert [r.split(" | ")[:2] for r in rows] == [
+        ["| [tiny](recipe-tiny.md)", "whole works"], ["| [tiny](recipe-tiny-old-split.md)", "old (documents by hash)"],
+        ["| [small](recipe-small.md)", "not recorded"]]
+    assert "| 4.21× | 0.970 | bn 2.750 → 2.750, en 2.250 → 2.250 |" in rows[0]
+
+
+def test_prepare_scale_builds_one_cleaning_cost_table_for_both_reports():
+    from benchmarks import prepare_scale
+
+    mbs = {"no clean": {1: 2.0, 2: 3.5}, "prepare": {1: 1.6, 2: 2.8}}
+    wall = {1: [1.2, 1.3, 1.25], 2: [1.1, 1.4, 1.2]}
+    short = prepare_scale.clean_cost_table([1, 2], mbs, wall, {1: 1.31, 2: 1.4})
+    assert short == [
+        "| processes | no clean MB/s | prepare MB/s | prepare / no clean, wall (median of rounds) | by round | "
+        "CPU s: prepare / no clean |", "|---:|---:|---:|---:|---|---:|",
+        "| 1 | 2.00 | 1.60 | 1.25× | 1.20×, 1.30×, 1.25× | 1.31× |",
+        "| 2 | 3.50 | 2.80 | 1.20× | 1.10×, 1.40×, 1.20× | 1.40× |"]
+    full = prepare_scale.clean_cost_table([2], mbs, wall, {2: 1.4}, cpu_by_round={2: [1.5, 1.4, 1.3]})
+    assert full[0].endswith("wall (median) | by round | CPU s: prepare / no clean (median) | by round |")
+    assert full[1] == "|---:|---:|---:|---:|---|---:|---|"
+    assert full[2] == "| 2 | 3.50 | 2.80 | **1.20×** | 1.10×, 1.40×, 1.20× | 1.40× | 1.50×, 1.40×, 1.30× |"
