@@ -185,7 +185,7 @@ def parse(value: Any, name: str = "quantize") -> Scheme | None:
         v = ALIASES[v]
     if v not in NAMES:
         hint = (f" ({v} is llama.cpp's GGUF mix: python -m export.gguf BUNDLE --type {v})" if v in GGUF_ONLY else "")
-        raise QuantizeError(f"{name} is {value!r}; expected None or one of {', '.join(NAMES)}{hint}")
+        raise QuantizeError(f"{name} is {value!r}; expected one of {', '.join(NAMES)}{hint}")
     return None if v == NONE else SCHEMES[v]
 
 

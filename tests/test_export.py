@@ -574,7 +574,7 @@ def test_bad_val_data(ckpt, tmp_path, capsys):
 def test_bad_quantize_names(ckpt, tmp_path, capsys):
     """An unknown name, or a scheme no bundle form exists of, is one line naming it and what is allowed."""
     rc, _, err = run_cli([ckpt, "--out", tmp_path / "b", "--quantize", "q8_0", "int3"], capsys)
-    assert rc == 2 and "--quantize is 'int3'; expected None or one of none, q8_0, q4_0, q4_mix" in err
+    assert rc == 2 and "--quantize is 'int3'; expected one of none, q8_0, q4_0, q4_mix" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
     with pytest.raises(ExportError, match=r"--quantize is 'q4_k_m'; .*python -m export.gguf BUNDLE --type q4_k_m"):
         PL.parse_schemes(["q4_k_m"])             # llama.cpp's GGUF mix, not a bundle form

@@ -52,14 +52,14 @@ def test_parse_gives_the_scheme_and_passes_a_parsed_one_through(value, want):
 
 @pytest.mark.parametrize("value", [*PROBES, 8, b"q8_0"])
 def test_parse_refuses_what_is_not_a_name(value):
-    with pytest.raises(Q.QuantizeError, match=r"SHALIK_QUANTIZE is .*; expected None or one of none, q8_0, q4_0, q4_mix"):
+    with pytest.raises(Q.QuantizeError, match=r"SHALIK_QUANTIZE is .*; expected one of none, q8_0, q4_0, q4_mix"):
         Q.parse(value, "SHALIK_QUANTIZE")
 
 
 def test_an_unknown_name_is_one_line_listing_the_names_not_the_aliases():
     with pytest.raises(Q.QuantizeError) as e:
         Q.parse("int4")
-    assert str(e.value) == "quantize is 'int4'; expected None or one of none, q8_0, q4_0, q4_mix"
+    assert str(e.value) == "quantize is 'int4'; expected one of none, q8_0, q4_0, q4_mix"
 
 
 @pytest.mark.parametrize("value", ["int8", " INT8 "])
@@ -113,7 +113,7 @@ def test_check_backend_names_what_is_offered_and_where(monkeypatch):
     monkeypatch.setitem(Q.BACKEND_NAMES, "rust", ("none", "q8_0"))
     Q.check_backend(None, "rust")
     Q.check_backend(Q.SCHEMES["q4_mix"], "onnx")
-    with pytest.raises(Q.QuantizeError, match=r"quantize is 'Q4_K_M'; expected None or one of none, q8_0, q4_0, q4_mix "
+    with pytest.raises(Q.QuantizeError, match=r"quantize is 'Q4_K_M'; expected one of none, q8_0, q4_0, q4_mix "
                                               r"\(q4_k_m is llama.cpp's GGUF mix: python -m export.gguf BUNDLE --type "
                                               r"q4_k_m\)"):
         Q.parse("Q4_K_M")
@@ -196,4 +196,4 @@ def test_serve_generate_parses_its_quantize_once(capsys, caplog):
     with pytest.raises(SystemExit) as e:
         parse_args(["b", "--quantize", "int4"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 2 and err.endswith("--quantize is 'int4'; expected None or one of none, q8_0, q4_0, q4_mix")
+    assert e.value.code == 2 and err.endswith("--quantize is 'int4'; expected one of none, q8_0, q4_0, q4_mix")

@@ -98,7 +98,7 @@ impl Quantize {
         };
         let q = KINDS.iter().find(|(n, _)| *n == key).map(|(_, q)| *q).ok_or_else(|| {
             let names: Vec<String> = KINDS.iter().map(|(n, _)| format!("{n:?}")).collect();
-            Error::arg(format!("quantize is {s:?}; expected None or one of {}", names.join(", ")))
+            Error::arg(format!("quantize is {s:?}; expected one of {}", names.join(", ")))
         })?;
         Ok((q, note))
     }
