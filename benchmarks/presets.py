@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.recipe import recipe_sets, save_figure, side_by_side, train_run  # noqa: E402
+from benchmarks.recipe import SPLIT, recipe_sets, save_figure, side_by_side, train_run  # noqa: E402
+from benchmarks.timing import cpu_name  # noqa: E402
 from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train import compression  # noqa: E402
 from train.config import load_config  # noqa: E402
@@ -100,7 +101,8 @@ def report(res: dict) -> str:
     lines = [f"# The main job's shape at a fixed wall-clock budget ({res['budget_min']:g} min of training steps)", "",
              f"`python benchmarks/presets.py --budget-min {res['budget_min']:g} --lr {res['lr']:g}` "
              f"(recipe {RECIPE}, lr {res['lr']:g}, tokens/step {res['tokens_per_step']:,}, base `{res['base']}`; "
-             f"step times calibrated alone on 2 threads at load average {res['calib_load']:.1f}; measured "
+             f"step times calibrated alone on 2 threads of {res.get('cpu', 'an unnamed CPU')} at load average "
+             f"{res['calib_load']:.1f}; validation split: {res.get('split', 'hash of the text')}; measured "
              f"{res['date']}).", "",
              "| candidate | params | non-embedding | vocab | step (s) | steps | tokens | "
              + " | ".join(f"{s} bpc" for s in srcs) + " | distinct words (sampled) |",
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
     for name in args.only:  # every tokenizer and shard set once, here, so the children only read the cache
         prepare(load_config(args.base, CANDIDATES[name] + [f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"]))
     floor = compression.measure(base)
-    load0 = _load()
+    state.setdefault("calib_load", _load())  # the load and CPU the calibration met (kept across --resume)
+    state.setdefault("cpu", cpu_name())
     for name in args.only:
         if name in state["calib"]:
             continue
@@ -195,7 +198,8 @@ def main(argv=None) -> int:
     runs = {n: state["runs"][n] for n in args.only}
     winner = min(runs, key=lambda n: statistics.mean(runs[n]["final_bpc"][s] for s in bn_srcs))
     res = {"base": args.base, "budget_min": args.budget_min, "lr": args.lr, "seed": args.seed,
-           "tokens_per_step": tokens_per_step, "calib_load": load0, "date": time.strftime("%Y-%m-%d"),
+           "tokens_per_step": tokens_per_step, "calib_load": state["calib_load"], "cpu": state["cpu"],
+           "split": SPLIT, "date": time.strftime("%Y-%m-%d"),
            "calib": {n: state["calib"][n] for n in args.only}, "runs": runs, "winner": winner,
            "params": {n: params(n, args.base) for n in args.only}, "floor": floor}
     atomic_write_json(out / "presets.json", res)

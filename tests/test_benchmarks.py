@@ -198,3 +198,22 @@ def test_prepare_scale_builds_one_cleaning_cost_table_for_both_reports():
     assert full[0].endswith("wall (median) | by round | CPU s: prepare / no clean (median) | by round |")
     assert full[1] == "|---:|---:|---:|---:|---|---:|---|"
     assert full[2] == "| 2 | 3.50 | 2.80 | **1.20×** | 1.10×, 1.40×, 1.20× | 1.40× | 1.50×, 1.40×, 1.30× |"
+
+
+def test_presets_report_names_the_cpu_the_split_and_the_floor():
+    from benchmarks import presets
+
+    floor = {"sources": {"bn-literature": {"lang": "bn", "ppmd16": 2.754, "xz": 3.387},
+                         "en-literature": {"lang": "en", "ppmd16": 1.834, "xz": 2.252}}}
+    run = {"steps": 100, "final_bpc": {"bn-literature": 2.5, "en-literature": 1.9}, "distinct_sampled": 0.85}
+    res = {"budget_min": 12.0, "lr": 0.01, "tokens_per_step": 4096, "base": "small", "calib_load": 0.4,
+           "cpu": "AMD EPYC 9R14", "split": "whole works", "date": "2026-12-06", "winner": "d128-l4-v8k",
+           "runs": {"d128-l4-v8k": run}, "calib": {"d128-l4-v8k": {"step_s": 0.33}}, "floor": floor,
+           "params": {"d128-l4-v8k": {"params": 1811584, "non_embedding": 787584, "vocab": 8000}}}
+    page = presets.report(res).splitlines()
+    assert "2 threads of AMD EPYC 9R14 at load average 0.4; validation split: whole works; measured 2026-12-06" in page[2]
+    assert page[6] == ("| d128-l4-v8k **winner** | 1.8 M | 0.79 M | 8,000 | 0.33 | 100 | 409,600 | 2.500 | 1.900 "
+                       "| 0.85 |")
+    assert page[7] == "| PPMd-16 (floor) | | | | | | | 2.754 | 1.834 | |"
+    old = {k: v for k, v in res.items() if k not in ("cpu", "split")}  # a page measured before both were recorded
+    assert "of an unnamed CPU at load average 0.4; validation split: hash of the text;" in presets.report(old)
