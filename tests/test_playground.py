@@ -175,8 +175,10 @@ def test_bangla_streams_progressively_and_equals_the_non_streamed_answer(browser
         assert final == expected["choices"][0]["text"] == "".join(PIECES) * 3
         assert text(page, "#echo") == PROMPT
         assert all(final.startswith(t) for t in seen), seen  # it only ever grew
+        # shown part-way before the end: streamed, not all at once (one state, since a starved browser may paint
+        # several chunks at once: under CI beside a training job it painted 4 tokens, then all 12)
         partial = {t for t in seen if t and t != final}
-        assert len(partial) >= 2, seen  # seen at least twice before the end: streamed, not all at once
+        assert partial, seen
         assert text(page, "#tokens") == "12" == str(expected["usage"]["completion_tokens"])
         assert text(page, "#finish") == "length"
         assert re.fullmatch(r"\d+ ms", text(page, "#ttft")), text(page, "#ttft")
