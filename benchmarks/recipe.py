@@ -152,7 +152,7 @@ def summarise(runs: list[dict], grid_seed: int) -> dict:
     best = best_lrs(runs, grid_seed)
     old, new = list(RECIPES)
     per_seed = []
-    for seed in dict.fromkeys(r["seed"] for r in runs):  # the grid seed first
+    for seed in dict.fromkeys([grid_seed] + [r["seed"] for r in runs]):  # the grid seed first, even after --resume
         ro = next(r for r in runs if r["recipe"] == old and r["lr"] == best[old] and r["seed"] == seed)
         rn = next(r for r in runs if r["recipe"] == new and r["lr"] == best[new] and r["seed"] == seed)
         target = ro["evals"][-1]["val"]["all"]["nll"]

@@ -217,3 +217,19 @@ def test_presets_report_names_the_cpu_the_split_and_the_floor():
     assert page[7] == "| PPMd-16 (floor) | | | | | | | 2.754 | 1.834 | |"
     old = {k: v for k, v in res.items() if k not in ("cpu", "split")}  # a page measured before both were recorded
     assert "of an unnamed CPU at load average 0.4; validation split: hash of the text;" in presets.report(old)
+
+
+def test_recipe_summary_puts_the_grid_seed_first_even_when_a_resumed_run_did_not():
+    from benchmarks import recipe
+
+    def run(rec, lr, seed, nlls, tps):
+        evals = [{"step": 100 * i, "tokens": 1000 * i, "val": {"all": {"nll": n}}} for i, n in enumerate(nlls, 1)]
+        return {"recipe": rec, "lr": lr, "seed": seed, "evals": evals, "tokens_per_s": tps}
+
+    runs = [run("adamw-cosine", 0.003, 7, [8.0, 7.0], 100.0), run("muon-linear", 0.01, 7, [7.0, 6.0], 100.0),
+            run("adamw-cosine", 0.003, 1337, [8.0, 7.5], 110.0), run("muon-linear", 0.01, 1337, [7.5, 6.5], 100.0)]
+    s = recipe.summarise(runs, 1337)
+    assert [p["seed"] for p in s["per_seed"]] == [1337, 7]
+    assert s["best_lr"] == {"adamw-cosine": 0.003, "muon-linear": 0.01}
+    assert s["per_seed"][0]["tokens_to_target"] == 2.0 and s["per_seed"][0]["step_time_ratio"] == 1.1
+    assert s["per_seed"][1]["tokens_to_target"] == 2000 / 1000
