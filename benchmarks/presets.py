@@ -98,8 +98,9 @@ def params(name: str, base: str) -> dict:
 def report(res: dict) -> str:
     floor = res["floor"]["sources"]
     srcs = list(floor)
+    only = "" if set(res["runs"]) == set(CANDIDATES) else f" --only {' '.join(res['runs'])}"
     lines = [f"# The main job's shape at a fixed wall-clock budget ({res['budget_min']:g} min of training steps)", "",
-             f"`python benchmarks/presets.py --budget-min {res['budget_min']:g} --lr {res['lr']:g}` "
+             f"`python benchmarks/presets.py --budget-min {res['budget_min']:g} --lr {res['lr']:g}{only}` "
              f"(recipe {RECIPE}, lr {res['lr']:g}, tokens/step {res['tokens_per_step']:,}, base `{res['base']}`; "
              f"step times calibrated alone on 2 threads of {res.get('cpu', 'an unnamed CPU')} at load average "
              f"{res['calib_load']:.1f}; validation split: {res.get('split', 'hash of the text')}; measured "

@@ -211,6 +211,7 @@ def test_presets_report_names_the_cpu_the_split_and_the_floor():
            "runs": {"d128-l4-v8k": run}, "calib": {"d128-l4-v8k": {"step_s": 0.33}}, "floor": floor,
            "params": {"d128-l4-v8k": {"params": 1811584, "non_embedding": 787584, "vocab": 8000}}}
     page = presets.report(res).splitlines()
+    assert page[2].startswith("`python benchmarks/presets.py --budget-min 12 --lr 0.01 --only d128-l4-v8k` (recipe")
     assert "2 threads of AMD EPYC 9R14 at load average 0.4; validation split: whole works; measured 2026-12-06" in page[2]
     assert page[6] == ("| d128-l4-v8k **winner** | 1.8 M | 0.79 M | 8,000 | 0.33 | 100 | 409,600 | 2.500 | 1.900 "
                        "| 0.85 |")
