@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.recipe import SPLIT, recipe_sets, save_figure, side_by_side, train_run  # noqa: E402
-from benchmarks.timing import cpu_name  # noqa: E402
+from benchmarks.timing import cpu_name, loadavg  # noqa: E402
 from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
 from train import compression  # noqa: E402
 from train.config import load_config  # noqa: E402
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     for name in args.only:  # every tokenizer and shard set once, here, so the children only read the cache
         prepare(load_config(args.base, CANDIDATES[name] + [f"data.cache_dir={json.dumps(str(ROOT / 'cache'))}"]))
     floor = compression.measure(base)
-    state.setdefault("calib_load", _load())  # the load and CPU the calibration met (kept across --resume)
+    state.setdefault("calib_load", (loadavg() or [float("nan")])[0])  # the load and CPU the calibration met (kept across --resume)
     state.setdefault("cpu", cpu_name())
     for name in args.only:
         if name in state["calib"]:
@@ -209,13 +209,6 @@ def main(argv=None) -> int:
     partial.unlink(missing_ok=True)
     print(report(res))
     return 0
-
-
-def _load() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except OSError:
-        return float("nan")
 
 
 if __name__ == "__main__":
