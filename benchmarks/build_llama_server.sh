@@ -9,15 +9,20 @@
 # tests/examples, the server on) and only the `llama-server` target is built. The last line printed is the binary's
 # path.
 #
-# CPU flags: GGML_NATIVE=OFF with AVX2/FMA/F16C/AVX-512/AVX-512 VNNI/AVX-VNNI on and AMX off. On CPUs that advertise
-# AMX, ggml's AMX backend was seen to crash (SIGILL in `tilezero`) as soon as a q8_0 model ran; the CPU repack buffer
-# (llama.cpp's default) stays on.
+# CPU flags: GGML_NATIVE=OFF, AMX off, and each of AVX2, FMA, F16C, AVX-512 (avx512f), AVX-512 VNNI and AVX-VNNI on
+# exactly when this CPU's /proc/cpuinfo lists it. On CPUs that advertise AMX, ggml's AMX backend was seen to crash
+# (SIGILL in `tilezero`) as soon as a q8_0 model ran; an AMD Zen 4 has AVX-512 VNNI but not AVX-VNNI, and a build
+# with AVX-VNNI on stopped there with SIGILL on the first Q4_0 model. The CPU repack buffer (llama.cpp's default)
+# stays on. The flags the build was made with are written to isa.txt in the build folder (one cpuinfo name a line):
+# benchmarks/serve_batching.py only takes a build whose isa.txt this CPU satisfies, and running this script on
+# another CPU reconfigures the folder for it (only ggml's CPU backend is recompiled).
 #
 #   bash benchmarks/build_llama_server.sh            # prints .../llama-server
 #
 # Environment: LLAMA_CPP_PYTHON_VERSION (0.3.36), SHALIK_CACHE (${XDG_CACHE_HOME:-$HOME/.cache}/shalik),
 # LLAMA_SDIST_DIR (an already-extracted sdist to use instead of downloading), JOBS (2), PYTHON (python3).
-# Errors: exits non-zero naming the step (no sdist for the version, download failure, cmake/ninja install, build).
+# Errors: exits non-zero naming the step (no sdist for the version, download failure, cmake/ninja install, a CPU
+# without AVX2, build).
 set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${SHALIK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/shalik}
@@ -105,11 +110,23 @@ BUILD="$CACHE/llama-server-build-$VERSION"
 if [[ -f "$BUILD/CMakeCache.txt" ]] && ! grep -qxF "CMAKE_HOME_DIRECTORY:INTERNAL=$LLAMA" "$BUILD/CMakeCache.txt"; then
   rm -rf "$BUILD/CMakeCache.txt" "$BUILD/CMakeFiles"
 fi
+# each ggml ISA option on exactly when /proc/cpuinfo lists its flag (cpuinfo name:GGML option)
+CPU_FLAGS=" $( { grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true; } | cut -d: -f2) "
+[[ "$CPU_FLAGS" == *" avx2 "* ]] || { echo "build_llama_server: this CPU has no AVX2 (/proc/cpuinfo); expected an x86-64 CPU with AVX2" >&2; exit 1; }
+ISA_OPTS=()
+ISA=()
+for pair in avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512_vnni:AVX512_VNNI avx_vnni:AVX_VNNI; do
+  flag=${pair%%:*}
+  if [[ "$CPU_FLAGS" == *" $flag "* ]]; then ISA_OPTS+=("-DGGML_${pair#*:}=ON"); ISA+=("$flag")
+  else ISA_OPTS+=("-DGGML_${pair#*:}=OFF"); fi
+done
+echo "build_llama_server: instruction sets on: ${ISA[*]}" >&2
+rm -f "$BUILD/isa.txt"   # written again only after a build for this CPU succeeds
 cmake -S "$LLAMA" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
-  -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
-  -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF >&2
+  -DGGML_NATIVE=OFF "${ISA_OPTS[@]}" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF >&2
 cmake --build "$BUILD" --target llama-server -j "$JOBS" >&2
 BIN="$BUILD/bin/llama-server"
 [[ -x "$BIN" ]] || { echo "build_llama_server: $BIN was not built" >&2; exit 1; }
+printf '%s\n' "${ISA[@]}" > "$BUILD/isa.txt.tmp" && mv "$BUILD/isa.txt.tmp" "$BUILD/isa.txt"
 echo "$BIN"

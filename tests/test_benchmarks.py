@@ -145,6 +145,36 @@ def test_timed_scripts_run_by_path_and_use_the_timing_module(script):
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-500:]
 
 
+def test_default_llama_server_takes_only_a_build_this_cpu_can_run(tmp_path, monkeypatch):
+    """A build made with AVX-VNNI stops with SIGILL on an AMD Zen 4 (AVX-512 VNNI only): the default binary is the
+    newest build whose isa.txt this CPU's flags satisfy; a build without isa.txt is never taken."""
+    import benchmarks.serve_batching as serve_batching
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no llama-server on PATH to fall back to
+
+    def build(name: str, isa: list[str] | None, mtime: int) -> Path:
+        binary = tmp_path / f"llama-server-build-{name}" / "bin" / "llama-server"
+        binary.parent.mkdir(parents=True)
+        binary.write_text("")
+        os.utime(binary, (mtime, mtime))
+        if isa is not None:
+            (binary.parent.parent / "isa.txt").write_text("".join(f"{f}\n" for f in isa))
+        return binary
+
+    old = build("old", None, 3_000)                               # newest, but made before isa.txt existed
+    intel = build("intel", ["avx2", "avx512f", "avx512_vnni", "avx_vnni"], 2_000)
+    zen4 = build("zen4", ["avx2", "avx512f", "avx512_vnni"], 1_000)
+    pick = serve_batching.default_llama_server
+    assert pick(tmp_path, {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}) == str(zen4)
+    assert pick(tmp_path, {"avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile"}) == str(intel)
+    assert pick(tmp_path, {"avx2", "fma"}) is None
+    assert old.exists()
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n\nprocessor\t: 1\n")
+    assert serve_batching.cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512f", "avx512_vnni"}
+    assert serve_batching.cpu_flags(tmp_path / "absent") is None
+
+
 def test_serve_batching_http_lane_counts_every_token_through_uvicorn(bundle, tmp_path):
     """The ``http rust q4_0`` lane: Shalik's server on the fixture bundle, 2 slots; two concurrent streams of 5
     greedy tokens past end-of-text are counted exactly (run_concurrency, as the benchmark runs a cell)."""
