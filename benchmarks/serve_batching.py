@@ -131,29 +131,19 @@ class StepEngineClient:
         self.engine.close()
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
-    """The instruction-set flags of this CPU as Linux names them (the ``flags`` line of ``cpuinfo``), or None where
-    the file cannot be read (not Linux)."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return None
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
-
-
 def default_llama_server(cache: Path | None = None, flags: set[str] | None = None) -> str | None:
     """The llama-server binary: the newest build of benchmarks/build_llama_server.sh in its cache folder
     (``cache``; default ``$SHALIK_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/shalik``) that this CPU can run, else
     ``llama-server`` on PATH, else None.
 
     A build can run here when every instruction-set flag listed in its ``isa.txt`` (one Linux cpuinfo name a line,
-    written by the build script) is among ``flags`` (default :func:`cpu_flags`). A build without ``isa.txt`` (made
+    written by the build script) is among ``flags`` (default :func:`benchmarks.timing.cpu_flags`). A build without ``isa.txt`` (made
     before the script recorded it, with AVX-VNNI on: it stops with SIGILL on an AMD Zen 4) is never chosen; where
     the flags cannot be read (not Linux), a build with ``isa.txt`` is taken as it is."""
     if cache is None:
         cache = Path(os.environ.get("SHALIK_CACHE")
                      or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shalik")
-    flags = cpu_flags() if flags is None else flags
+    flags = timing.cpu_flags() if flags is None else flags
     runnable = []
     for binary in cache.glob("llama-server-build-*/bin/llama-server"):
         isa = binary.parent.parent / "isa.txt"

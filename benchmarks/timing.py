@@ -110,6 +110,16 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
+    """The instruction-set flags of this CPU as Linux names them (the ``flags`` line of ``cpuinfo``), or None where
+    the file cannot be read (not Linux)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
 def git_commit() -> str:
     """The repository's short HEAD commit ("" outside a git checkout)."""
     try:
