@@ -17,7 +17,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from contract.cpu import cpu_mhz
 
 
 def linears(cfg: dict) -> list[tuple[str, int, int]]:
@@ -94,10 +95,5 @@ def flop_per_cycle(avx512: bool) -> int:
 def stated_peak_gflops(threads: int, avx512: bool) -> tuple[float, float]:
     """(GHz, GFLOP/s): ``threads`` cores × :func:`flop_per_cycle` × the clock /proc/cpuinfo reports (0, 0 when it
     reports none)."""
-    try:
-        mhz = [float(ln.split(":")[1]) for ln in Path("/proc/cpuinfo").read_text().splitlines()
-               if ln.startswith("cpu MHz")]
-    except OSError:
-        mhz = []
-    ghz = max(mhz) / 1e3 if mhz else 0.0
+    ghz = (cpu_mhz() or 0.0) / 1e3
     return ghz, threads * flop_per_cycle(avx512) * ghz

@@ -26,6 +26,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from contract import cpu
+from contract.cpu import cpu_flags  # noqa: F401  (the benchmarks read the CPU here; contract.cpu owns it)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 T = TypeVar("T")
@@ -100,24 +103,8 @@ def cores() -> int:
 
 
 def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (else ``platform.processor()``, else "unknown CPU")."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
-    """The instruction-set flags of this CPU as Linux names them (the ``flags`` line of ``cpuinfo``), or None where
-    the file cannot be read (not Linux)."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return None
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    """The CPU's model name (:func:`contract.cpu.cpu_name`, else ``platform.processor()``, else "unknown CPU")."""
+    return cpu.cpu_name() or platform.processor() or "unknown CPU"
 
 
 def git_commit() -> str:

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import contract.cpu
 import train.device as device
 from tests.conftest import fast_config
 from train.device import AUTO_BF16_MIN_GAIN, auto_cpu_dtype, native_cpu_bf16
@@ -21,7 +22,7 @@ def cpuinfo(tmp_path, monkeypatch, extra: str) -> None:
     """Point the detector at a /proc/cpuinfo with the given extra flags on both processors."""
     f = tmp_path / "cpuinfo"
     f.write_text("".join(f"processor\t: {i}\nmodel name\t: test\nflags\t\t: {FLAGS} {extra}\n\n" for i in range(2)))
-    monkeypatch.setattr(device, "_CPUINFO", f)
+    monkeypatch.setattr(contract.cpu, "CPUINFO", f)
     monkeypatch.delenv(device.BF16_ENV, raising=False)
 
 
@@ -30,6 +31,22 @@ def cpuinfo(tmp_path, monkeypatch, extra: str) -> None:
 def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, monkeypatch, extra, want):
     cpuinfo(tmp_path, monkeypatch, extra)
     assert native_cpu_bf16() == want
+
+
+def test_cpuinfo_is_read_for_name_flags_and_clock(tmp_path):
+    """contract.cpu, the one reader of /proc/cpuinfo: the first processor's name and flags, the highest clock; a
+    missing file gives None, a file without the line gives an empty set / None."""
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B14\ncpu MHz\t\t: 2600.000\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                 "processor\t: 1\nmodel name\t: AMD EPYC 9B14\ncpu MHz\t\t: 3100.5\nflags\t\t: fpu avx2 avx512_bf16\n")
+    assert contract.cpu.cpu_name(f) == "AMD EPYC 9B14"
+    assert contract.cpu.cpu_flags(f) == {"fpu", "avx2", "avx512_bf16"}
+    assert contract.cpu.cpu_mhz(f) == 3100.5
+    bare = tmp_path / "bare"
+    bare.write_text("processor\t: 0\n")
+    assert (contract.cpu.cpu_name(bare), contract.cpu.cpu_flags(bare), contract.cpu.cpu_mhz(bare)) == (None, set(), None)
+    absent = tmp_path / "absent"
+    assert (contract.cpu.cpu_name(absent), contract.cpu.cpu_flags(absent), contract.cpu.cpu_mhz(absent)) == (None,) * 3
 
 
 def test_the_environment_variable_masks_the_flag(tmp_path, monkeypatch):

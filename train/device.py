@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from contract.cpu import cpu_flags
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Dense (no sparsity) peak tensor-core FLOP/s by GPU name fragment and dtype, from the vendors' datasheets.
@@ -55,24 +57,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # ``SHALIK_CPU_BF16=0`` hides them (bfloat16 is then never chosen by ``auto``): the fallback, testable anywhere.
 BF16_ENV = "SHALIK_CPU_BF16"
-_CPUINFO = Path("/proc/cpuinfo")
 
 
 def native_cpu_bf16() -> str | None:
     """The first of :data:`BF16_CPU_FLAGS` this CPU has (``"amx_bf16"`` or ``"avx512_bf16"``), else None.
 
-    Read from the ``flags`` line of ``/proc/cpuinfo`` (Linux); where that file is absent, from torch's own CPU
+    Read from the ``flags`` line of ``/proc/cpuinfo`` (Linux, :func:`contract.cpu.cpu_flags`); where that file is absent, from torch's own CPU
     probe (``torch.cpu._is_amx_tile_supported`` / ``_is_avx512_bf16_supported``, when this torch has them).
     The environment variable ``SHALIK_CPU_BF16=0`` masks both (returns None); any other value is ignored.
     """
     if os.environ.get(BF16_ENV, "").strip() == "0":
         return None
-    try:
-        text = _CPUINFO.read_text(errors="replace")
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         checks = (("amx_bf16", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"))
         return next((flag for flag, fn in checks if getattr(torch.cpu, fn, lambda: False)()), None)
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return next((f for f in BF16_CPU_FLAGS if f in flags), None)
 
 

@@ -1,0 +1,54 @@
+"""What this CPU is, as Linux's ``/proc/cpuinfo`` states it: the model name, the instruction-set flags, the clock.
+
+One reader for every stage: preflight's dtype choice (``train.device.native_cpu_bf16``), the benchmarks' page headers
+and llama-server's build choice (``benchmarks.timing``), and the roofline's stated peak (``benchmarks.roofline``).
+Each function takes the file to read (default :data:`CPUINFO`, looked up at call time so that a test can point it at
+a file of its own) and returns None where that file cannot be read (not Linux); none of them raises.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def _values(key: str, cpuinfo: Path | None) -> list[str] | None:
+    """The value of every ``key : value`` line of ``cpuinfo`` (one per logical processor), stripped; None where the
+    file cannot be read."""
+    try:
+        text = (CPUINFO if cpuinfo is None else cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None
+    out = []
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == key:
+            out.append(value.strip())
+    return out
+
+
+def cpu_name(cpuinfo: Path | None = None) -> str | None:
+    """The first processor's ``model name`` (e.g. ``"AMD EPYC 9B14"``); None where there is none or no file."""
+    names = _values("model name", cpuinfo)
+    return names[0] if names else None
+
+
+def cpu_flags(cpuinfo: Path | None = None) -> set[str] | None:
+    """The first processor's instruction-set flags as Linux names them (``avx2``, ``avx512_bf16``, ``amx_tile``, ...:
+    the ``flags`` line); an empty set where the file has no such line, None where it cannot be read."""
+    flags = _values("flags", cpuinfo)
+    if flags is None:
+        return None
+    return set(flags[0].split()) if flags else set()
+
+
+def cpu_mhz(cpuinfo: Path | None = None) -> float | None:
+    """The highest ``cpu MHz`` over the processors (the clock the kernel last saw, MHz); None where none is stated."""
+    mhz = []
+    for value in _values("cpu MHz", cpuinfo) or []:
+        try:
+            mhz.append(float(value))
+        except ValueError:
+            continue
+    return max(mhz) if mhz else None
