@@ -9,10 +9,11 @@
 # tests/examples, the server on) and only the `llama-server` target is built. The last line printed is the binary's
 # path.
 #
-# CPU flags: GGML_NATIVE=OFF, AMX off, and each of AVX2, FMA, F16C, AVX-512 (avx512f), AVX-512 VNNI and AVX-VNNI on
-# exactly when this CPU's /proc/cpuinfo lists it. On CPUs that advertise AMX, ggml's AMX backend was seen to crash
-# (SIGILL in `tilezero`) as soon as a q8_0 model ran; an AMD Zen 4 has AVX-512 VNNI but not AVX-VNNI, and a build
-# with AVX-VNNI on stopped there with SIGILL on the first Q4_0 model. The CPU repack buffer (llama.cpp's default)
+# CPU flags: GGML_NATIVE=OFF, AMX off, and each of AVX2, FMA, F16C, AVX-512 (avx512f), AVX-512 VNNI, AVX512-BF16,
+# AVX-512 VBMI and AVX-VNNI on exactly when this CPU's /proc/cpuinfo lists it (read by contract.cpu); SSE4.2, AVX and
+# BMI2 are ggml's defaults (on). So the peer runs every instruction set the CPU has but AMX. On CPUs that advertise
+# AMX, ggml's AMX backend was seen to crash (SIGILL in `tilezero`) as soon as a q8_0 model ran; an AMD Zen 4 has
+# AVX-512 VNNI but not AVX-VNNI, and a build with AVX-VNNI on stopped there with SIGILL on the first Q4_0 model. The CPU repack buffer (llama.cpp's default)
 # stays on. The flags the build was made with are written to isa.txt in the build folder (one cpuinfo name a line):
 # benchmarks/serve_batching.py only takes a build whose isa.txt this CPU satisfies, and running this script on
 # another CPU reconfigures the folder for it (only ggml's CPU backend is recompiled).
@@ -111,11 +112,12 @@ if [[ -f "$BUILD/CMakeCache.txt" ]] && ! grep -qxF "CMAKE_HOME_DIRECTORY:INTERNA
   rm -rf "$BUILD/CMakeCache.txt" "$BUILD/CMakeFiles"
 fi
 # each ggml ISA option on exactly when /proc/cpuinfo lists its flag (cpuinfo name:GGML option)
-CPU_FLAGS=" $( { grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true; } | cut -d: -f2) "
+CPU_FLAGS=" $(PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)" "$PY" -c 'from contract.cpu import cpu_flags; print(" ".join(sorted(cpu_flags() or ())))') "
 [[ "$CPU_FLAGS" == *" avx2 "* ]] || { echo "build_llama_server: this CPU has no AVX2 (/proc/cpuinfo); expected an x86-64 CPU with AVX2" >&2; exit 1; }
 ISA_OPTS=()
 ISA=()
-for pair in avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512_vnni:AVX512_VNNI avx_vnni:AVX_VNNI; do
+for pair in avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
+            avx512vbmi:AVX512_VBMI avx_vnni:AVX_VNNI; do
   flag=${pair%%:*}
   if [[ "$CPU_FLAGS" == *" $flag "* ]]; then ISA_OPTS+=("-DGGML_${pair#*:}=ON"); ISA+=("$flag")
   else ISA_OPTS+=("-DGGML_${pair#*:}=OFF"); fi
