@@ -12,6 +12,8 @@ id list on every engine (``<|endoftext|>`` + ``--prompt`` ids), ``--new`` greedy
 so that every lane produces exactly C × --new tokens (the tokens actually produced are counted and checked). Runs
 are interleaved (each round: every concurrency, every engine) so that load from other jobs hits every cell alike;
 tokens/s pools a cell's rounds (all tokens / all wall time). Writes benchmarks/results/serve_batching.{json,md,png}.
+The page starts with the command that made it, the CPU and the commit; a hand-written block under the title
+(between :data:`NOTES_BEGIN` and :data:`NOTES_END`) is kept by ``--replot``.
 
     python benchmarks/serve_batching.py [--preset small] [--threads 2] [--prompt 32] [--new 64]
         [--concurrency 1 2 4 8 16 32] [--rounds 1] [--token-budget 256] [--prefill-chunk N] [--engines ...]
@@ -53,6 +55,7 @@ import argparse
 import http.client
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,6 +73,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import bundles, lanes, timing  # noqa: E402
 from benchmarks.common import free_port  # noqa: E402
 from contract.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+from contract.quant import ALIASES  # noqa: E402
 
 # engine → the lane it serves (benchmarks/lanes.py); the lane's runtime picks the engine: rust → rust_runtime.Engine,
 # onnx → serve.engine.StepEngine, llama → llama-server on the lane's GGUF
@@ -83,6 +87,11 @@ PEERS = {"rust f32": "llama-server f32", "rust q8_0": "llama-server q8_0",  # Sh
          "http rust f32": "llama-server f32", "http rust q8_0": "llama-server q8_0",
          "http rust q4_0": "llama-server q4_0", "http rust q4_mix": "llama-server q4_k_m"}
 HTTP_PREFIX = "http "  # engines served by `uvicorn serve.app:app` (Shalik's server) and timed over HTTP
+# A page's hand-written part (conditions, the headline, what went wrong on the way) sits between these two lines, right
+# under the title; `--replot` keeps it, a new measurement starts the page without it.
+NOTES_BEGIN = "<!-- notes: written by hand, kept by --replot -->"
+NOTES_END = "<!-- /notes -->"
+
 BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
               "`--llama-server PATH` for a binary elsewhere")
 
@@ -355,13 +364,32 @@ def fmt(x: float, spec: str = ".2f") -> str:
     return "—" if x != x else format(x, spec)  # NaN → dash
 
 
-def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], missing: str | None) -> None:
-    """The md: the per-cell table, Shalik / llama-server per concurrency, llama-server client vs server side."""
+def page_notes(path: Path) -> str | None:
+    """The hand-written block of the page ``path`` (the lines between :data:`NOTES_BEGIN` and :data:`NOTES_END`,
+    markers included), or None where the page or the block is absent."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    start, end = text.find(NOTES_BEGIN), text.find(NOTES_END)
+    return text[start:end + len(NOTES_END)] if 0 <= start < end else None
+
+
+def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], missing: str | None,
+             notes: str | None = None) -> None:
+    """The md: the command and conditions of the run, ``notes`` (a hand-written block, :func:`page_notes`) when given,
+    the per-cell table, Shalik / llama-server per concurrency, llama-server client vs server side."""
     c0 = concurrency[0]
+    conditions = {k: v for k, v in meta.items() if k not in ("command", "cpu", "commit")}
     lines = [
-        f"# serve_batching ({meta})",
+        f"# serve_batching: {meta['shape']}, {meta['threads']} threads, {meta.get('cpu', 'CPU not recorded')}",
         "",
-        f"`python benchmarks/serve_batching.py --rounds {meta['rounds']}`. Every lane: the same {meta['prompt'] + 1} "
+        f"    {meta['command']}" if "command" in meta else "Command: not recorded (a run before pages kept it).",
+        "",
+        f"Commit {meta.get('commit') or 'not recorded'}. Conditions: `{json.dumps(conditions)}`.",
+        "",
+        *([notes, ""] if notes else []),
+        f"Every lane: the same {meta['prompt'] + 1} "
         f"token ids a stream (`<|endoftext|>` + {meta['prompt']}), {meta['new']} greedy tokens, end-of-text ignored; "
         f"× C={c0}: the figure over the same engine's at concurrency {c0}. ITL: gaps between consecutive tokens of "
         "one stream after its first token, pooled over streams. Shalik's engines are timed in-process, the "
@@ -380,7 +408,10 @@ def write_md(path: Path, meta: dict, rows: list[dict], concurrency: list[int], m
                                                               strict=True)) + " |"
         )
     cell = {(r["engine"], r["concurrency"]): r for r in rows}
-    pairs = [(a, b) for a, b in PEERS.items() if any(k[0] == a for k in cell) and any(k[0] == b for k in cell)]
+    # a page measured before a quantization was renamed (contract.quant.ALIASES: int8 → q8_0) pairs by today's name
+    by_name = {f"{head} {ALIASES.get(kind, kind)}": e for e in dict.fromkeys(k[0] for k in cell)
+               for head, _, kind in [e.rpartition(" ")]}
+    pairs = [(by_name[a], by_name[b]) for a, b in PEERS.items() if a in by_name and b in by_name]
     if pairs:
         lines += [
             "",
@@ -483,7 +514,8 @@ def main() -> None:
         saved = json.loads(args.out.with_suffix(".json").read_text())
         rows = saved["rows"]
         conc = sorted({r["concurrency"] for r in rows})
-        write_md(args.out.with_suffix(".md"), saved["meta"], rows, conc, saved.get("llama_server_missing"))
+        md = args.out.with_suffix(".md")
+        write_md(md, saved["meta"], rows, conc, saved.get("llama_server_missing"), page_notes(md))
         plot(args.out.with_suffix(".png"), rows, saved["meta"]["threads"])
         return
 
@@ -553,6 +585,9 @@ def main() -> None:
                     flush=True,
                 )
     meta = {
+        "command": shlex.join(["python", "benchmarks/serve_batching.py", *sys.argv[1:]]),
+        "cpu": timing.cpu_name(),
+        "commit": timing.git_commit(),
         "threads": args.threads,
         "prompt": args.prompt,
         "new": args.new,

@@ -128,6 +128,39 @@ def test_every_lane_names_a_known_runtime_and_the_peers_name_lanes():
     assert all(a in serve_batching.ENGINES and b in serve_batching.ENGINES for a, b in serve_batching.PEERS.items())
 
 
+def test_serve_batching_page_states_its_command_and_replot_keeps_the_notes(tmp_path):
+    """The page names the command that made it, the CPU and the commit; a hand-written block between the markers
+    survives a rewrite from the JSON (--replot); a run from before a quantization was renamed (int8 → q8_0) still
+    gets its Shalik / llama-server row."""
+    import benchmarks.serve_batching as sb
+
+    def row(engine, tok_s):
+        run = {"tokens": 64, "wall_s": 64 / tok_s, "merged": 0, "ttft": [0.01], "itl": [0.002] * 63}
+        r = sb.summarize(1, [run], [])
+        r.update(engine=engine, tokens_per_s_x_c1=1.0, itl_p99_x_c1=1.0)
+        return r
+
+    rows = [row("rust int8", 600.0), row("llama-server q8_0", 400.0)]
+    meta = {"command": "python benchmarks/serve_batching.py --concurrency 1 --rounds 1", "cpu": "Test CPU 9000",
+            "commit": "abc1234", "threads": 2, "prompt": 32, "new": 64, "shape": "small", "rounds": 1}
+    page = tmp_path / "page.md"
+    sb.write_md(page, meta, rows, [1], None)
+    text = page.read_text()
+    assert text.startswith("# serve_batching: small, 2 threads, Test CPU 9000\n")
+    assert "    python benchmarks/serve_batching.py --concurrency 1 --rounds 1\n" in text and "abc1234" in text
+    assert "| 1 | rust int8 / llama-server q8_0 | 1.50 |" in text
+    assert sb.page_notes(page) is None
+    notes = f"{sb.NOTES_BEGIN}\n**Measured quiet**, by hand.\n{sb.NOTES_END}"
+    page.write_text(text.replace("Every lane:", notes + "\n\nEvery lane:", 1))
+    assert sb.page_notes(page) == notes
+    sb.write_md(page, meta, rows, [1], None, sb.page_notes(page))
+    assert page.read_text().count("**Measured quiet**, by hand.") == 1
+    del meta["command"]
+    sb.write_md(page, meta, rows, [1], None)
+    assert "Command: not recorded" in page.read_text() and "by hand" not in page.read_text()
+    assert sb.page_notes(tmp_path / "absent.md") is None
+
+
 def test_no_script_loads_another_by_path():
     offenders = [f.name for f in (ROOT / "benchmarks").glob("*.py")
                  if re.search(r"spec_from_file_location|load_by_path|runpy\.", f.read_text(encoding="utf-8"))]
