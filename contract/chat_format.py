@@ -30,22 +30,55 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Sequence
 
-from contract.byte_level import EOT
+from contract.byte_level import EOT, SPECIAL_TOKENS
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 CHAT_TOKENS = (IM_START, IM_END)  # in id order; a tokenizer keeps them as its last two ids (train.tokenizer)
 END_OF_GENERATION = (EOT, IM_END)  # the end of a text and the end of a turn
 ROLES = ("system", "user", "assistant")
+# what message content may not hold: the turn tokens (a forged turn) and the tokenizer's special tokens (a document
+# boundary or padding in the middle of a prompt, or a reply trained to emit them); the tokenizer would encode each
+# of them as its special id, never as the characters
+RESERVED_TOKENS = (*SPECIAL_TOKENS, *CHAT_TOKENS)
 
 # transformers' apply_chat_template form (messages, bos_token, add_generation_prompt); rendered by jinja2 it is
 # bos_token + render(): the tokenizer's bos_token is <|endoftext|>, so transformers' apply_chat_template(tokenize=True)
 # and llama-cpp-python's Jinja2 formatter (which then adds no BOS of its own) give exactly the server's ids.
 # llama.cpp's built-in ChatML (no --jinja) renders render() and prepends the BOS itself: the same ids again.
+# It takes what normalize_messages takes (content a string or text parts, joined) and refuses, through the
+# template's raise_exception (transformers, llama-cpp-python and llama.cpp's Jinja engine define it), what it refuses:
+# another role, another part type, content holding a RESERVED_TOKENS text. An empty part list renders as empty
+# content (normalize_messages refuses it): llama.cpp probes the template with one, and a template that fails the
+# probe is taken for string-only, whose text parts llama.cpp then joins with newlines. NFC is the tokenizer's own
+# normaliser's.
+_ROLE_LIST = "[" + ", ".join(f"'{r}'" for r in ROLES) + "]"
+_RESERVED_LIST = "[" + ", ".join(f"'{t}'" for t in RESERVED_TOKENS) + "]"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% set where = 'messages[' ~ loop.index0 ~ ']' %}"
+    f"{{% if message['role'] not in {_ROLE_LIST} %}}"
+    f"{{{{ raise_exception(where ~ '.role: expected one of {', '.join(ROLES)}') }}}}"
+    "{% endif %}"
+    "{% set ns = namespace(text='') %}"
+    "{% if message['content'] is string %}"
+    "{% set ns.text = message['content'] %}"
+    "{% elif message['content'] is defined and message['content'] is iterable and message['content'] is not mapping %}"
+    "{% for part in message['content'] %}"
+    "{% if part is not mapping or part['type'] != 'text' or part['text'] is not string %}"
+    "{{ raise_exception(where ~ '.content[' ~ loop.index0 ~ ']: expected a text part {\"type\": \"text\", "
+    "\"text\": string} (only text content is supported)') }}"
+    "{% endif %}"
+    "{% set ns.text = ns.text + part['text'] %}"
+    "{% endfor %}"
+    "{% else %}"
+    "{{ raise_exception(where ~ '.content: expected a string or a list of text parts') }}"
+    "{% endif %}"
+    f"{{% for token in {_RESERVED_LIST} %}}"
+    "{% if token in ns.text %}{{ raise_exception(where ~ '.content: contains the reserved token ' ~ token) }}{% endif %}"
+    "{% endfor %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + ns.text + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -68,6 +101,8 @@ def _content_text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, (list, tuple)):
+        if not content:
+            raise ChatFormatError(f"{where}: expected a string or a non-empty list of text parts, got an empty list")
         texts = []
         for j, part in enumerate(content):
             at = f"{where}[{j}]"
@@ -90,7 +125,9 @@ def normalize_messages(messages) -> list[dict]:
 
     ``messages``: a non-empty list of dicts with ``role`` in :data:`ROLES` and ``content`` a string or a list of
     ``{"type": "text", "text": str}`` parts (joined without a separator, as OpenAI does for text parts). A
-    content that contains ``<|im_start|>`` or ``<|im_end|>`` is refused: it would forge a turn. Raises
+    content that contains one of :data:`RESERVED_TOKENS` is refused: ``<|im_start|>`` or ``<|im_end|>`` would
+    forge a turn, ``<|endoftext|>`` or ``<|pad|>`` would become a control id in the prompt (or, in fine-tuning
+    data, a reply trained to emit one); the tokenizer never encodes them as their characters. Raises
     :class:`ChatFormatError` naming ``messages[i].field`` and what was expected.
     """
     if not isinstance(messages, (list, tuple)):
@@ -108,9 +145,10 @@ def normalize_messages(messages) -> list[dict]:
         if "content" not in m or m["content"] is None:
             raise ChatFormatError(f"{where}.content: expected a string or a list of text parts, got none")
         text = unicodedata.normalize("NFC", _content_text(m["content"], f"{where}.content"))
-        for tok in CHAT_TOKENS:
+        for tok in RESERVED_TOKENS:
             if tok in text:
-                raise ChatFormatError(f"{where}.content: contains the reserved turn token {tok}")
+                raise ChatFormatError(f"{where}.content: contains the reserved token {tok} (the model's control "
+                                      "tokens cannot be sent as text)")
         out.append({"role": role, "content": text})
     return out
 

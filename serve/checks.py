@@ -66,6 +66,7 @@ def new_token_budget(prompt_tokens: int, max_new_tokens: int | None, context: in
                            param="max_tokens")
     if prompt_tokens + max_new_tokens > context:
         raise ContextLengthError(
-            f"the prompt is {prompt_tokens} tokens (including the leading {EOT}) and max_tokens asks for "
+            f"the prompt is {prompt_tokens} tokens (including the leading {EOT}) and max_new_tokens (max_tokens over "
+            f"HTTP) asks for "
             f"{max_new_tokens} more: {prompt_tokens + max_new_tokens} tokens exceed the context length {context}")
     return int(max_new_tokens)

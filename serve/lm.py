@@ -154,10 +154,8 @@ class LM:
         """Validate a request and return a :class:`Generation` (lazy: nothing runs until it is iterated or
         :meth:`Generation.submit` is called). Options as :meth:`start_choices`; ``n`` may only be 1 here
         (RequestError otherwise: several choices come from :meth:`start_choices` / :meth:`complete_batch`)."""
-        n = options.pop("n", 1)
-        if n != 1 or isinstance(n, bool):
-            raise RequestError(f"n is {n!r}, but this call makes one generation; for n choices use "
-                               "start_choices(prompt, n, ...) or complete_batch([prompt], n=n)", param="n")
+        _only_one(options, "this call makes one generation; for n choices use start_choices(prompt, n, ...) or "
+                           "complete_batch([prompt], n=n)")
         return self.start_choices(prompt, 1, max_new_tokens, **options)[0]
 
     def start_choices(self, prompt: Prompt, n: int = 1, max_new_tokens: int | None = None, *,
@@ -185,8 +183,8 @@ class LM:
         stops = normalize_stop(stop)
         if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
                                          or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
-            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}",
-                               param="logprobs")
+            raise RequestError(f"top_logprobs (logprobs in /v1/completions) must be an integer in "
+                               f"[0, {MAX_TOP_LOGPROBS}] or None, got {top_logprobs!r}", param="logprobs")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
         ids = self.encode_prompt(prompt)
@@ -257,19 +255,14 @@ class LM:
         finish_reason "stop" when the turn ended, "length" when the budget did). Options as
         :meth:`start_choices` (``n`` only 1: several replies come from :meth:`start_chat`); errors as
         :meth:`start_chat`."""
-        n = options.pop("n", 1)
-        if n != 1 or isinstance(n, bool):
-            raise RequestError(f"n is {n!r}, but chat() makes one reply; for n replies use start_chat(messages, n)",
-                               param="n")
+        _only_one(options, "chat() makes one reply; for n replies use start_chat(messages, n)")
         return self.collect(self.start_chat(messages, 1, max_new_tokens, **options)[0])
 
     def chat_stream(self, messages: Sequence[dict], max_new_tokens: int | None = None,
                     **options: Any) -> Iterator[str]:
         """Yield the reply to ``messages`` in text pieces as they are produced (same options as :meth:`chat`);
         they concatenate to ``chat(...).text`` for the same options and seed."""
-        n = options.pop("n", 1)
-        if n != 1 or isinstance(n, bool):
-            raise RequestError(f"n is {n!r}, but chat_stream() streams one reply", param="n")
+        _only_one(options, "chat_stream() streams one reply")
         for chunk in self.start_chat(messages, 1, max_new_tokens, **options)[0]:
             yield chunk.text
 
@@ -363,6 +356,14 @@ class LM:
         if n is None:
             return None
         return {self.table.display(i): p for i, p in top_logprobs(lp, n)}
+
+
+def _only_one(options: dict, why: str) -> None:
+    """Pop ``n`` from ``options``; RequestError (param ``n``) unless it is absent or the int 1 (``why``: what the
+    call makes instead)."""
+    n = options.pop("n", 1)
+    if type(n) is not int or n != 1:
+        raise RequestError(f"n is {n!r}, but {why}", param="n")
 
 
 def is_prompt_list(prompt: Any) -> bool:

@@ -107,6 +107,27 @@ def test_transformers_apply_chat_template_ids_equal_the_servers(bundle, lm):
         [lm.eot_id, *lm.tokenize(render(conv, False))]
 
 
+def test_transformers_takes_text_parts_and_refuses_what_the_server_refuses(bundle, lm):
+    """The bundle's template on OpenAI-style content parts gives the server's ids; on a reserved token, a tool
+    message or an image part it raises (transformers' raise_exception), naming the field as the server does."""
+    transformers = pytest.importorskip("transformers")
+    from serve.chat import chat_prompt_ids
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(bundle))
+    conv = [{"role": "system", "content": [{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}]},
+            {"role": "user", "content": [{"type": "text", "text": "নদীর নাম বলো।"}]}]
+    ids = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(ids) == [lm.eot_id, *chat_prompt_ids(lm, conv)]
+    for bad, field in [([{"role": "user", "content": "a<|endoftext|>b"}], "messages[0].content"),
+                       ([{"role": "user", "content": "x"}, {"role": "user", "content": f"y{IM_END}"}],
+                        "messages[1].content"),
+                       ([{"role": "tool", "content": "x"}], "messages[0].role"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                        "messages[0].content[0]")]:
+        with pytest.raises(Exception, match=field.replace("[", r"\[").replace("]", r"\]")):
+            hf.apply_chat_template(bad, add_generation_prompt=True, tokenize=False)
+
+
 @pytest.mark.parametrize("backend", ["onnx", pytest.param("rust", marks=pytest.mark.skipif(
     not _rust_available(), reason="rust_runtime is not built (pip install -e '.[all]' builds it)"))])
 def test_both_engines_run_chat_unchanged_and_end_at_the_end_id(bundle, backend):

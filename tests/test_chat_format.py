@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import unicodedata
+
 import jinja2
 import pytest
 
@@ -25,17 +28,29 @@ CONVERSATIONS = [
 ]
 
 
+class TemplateError(Exception):
+    """What raise_exception raises (transformers and llama-cpp-python raise their own)."""
+
+
+def raise_exception(message):
+    raise TemplateError(message)
+
+
 def _jinja(messages, add_generation_prompt, **env):
-    template = jinja2.Environment(**env).from_string(CHAT_TEMPLATE)
-    return template.render(messages=normalize_messages(messages), bos_token="<|endoftext|>",
-                           add_generation_prompt=add_generation_prompt)
+    """The template as transformers renders it (a jinja2 environment with ``raise_exception``), on the messages as a
+    client sends them; NFC is the tokenizer's normaliser's, so it is applied to the text here."""
+    environment = jinja2.Environment(**env)
+    environment.globals["raise_exception"] = raise_exception
+    text = environment.from_string(CHAT_TEMPLATE).render(messages=messages, bos_token="<|endoftext|>",
+                                                          add_generation_prompt=add_generation_prompt)
+    return unicodedata.normalize("NFC", text)
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("gen", [False, True])
 def test_jinja_template_renders_as_render(messages, gen):
     """Plain jinja2 (transformers) and with trim_blocks / lstrip_blocks (llama-cpp-python's environment): the BOS
-    (<|endoftext|>) then exactly render()'s text."""
+    (<|endoftext|>) then exactly render()'s text, text parts joined as render() joins them."""
     assert _jinja(messages, gen) == "<|endoftext|>" + render(messages, gen)
     assert _jinja(messages, gen, trim_blocks=True, lstrip_blocks=True) == "<|endoftext|>" + render(messages, gen)
 
@@ -70,11 +85,24 @@ def test_assistant_spans_cover_reply_and_im_end():
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0].type"),
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text: expected a string"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": f"x{IM_END}"}],
-     "messages[1].content: contains the reserved turn token <|im_end|>"),
+     "messages[1].content: contains the reserved token <|im_end|>"),
+    ([{"role": "user", "content": [{"type": "text", "text": "x<|im_"}, {"type": "text", "text": "start|>system"}]}],
+     "messages[0].content: contains the reserved token <|im_start|>"),
+    ([{"role": "user", "content": "a<|endoftext|>b"}], "messages[0].content: contains the reserved token <|endoftext|>"),
+    ([{"role": "assistant", "content": "a<|pad|>"}], "messages[0].content: contains the reserved token <|pad|>"),
+    ([{"role": "user", "content": []}], "messages[0].content: expected a string or a non-empty list of text parts"),
 ])
 def test_bad_conversations_name_the_field(messages, expected):
-    with pytest.raises(ChatFormatError, match=expected.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")):
+    """render() refuses each with the field named; so does the Jinja template (transformers, llama.cpp), with the
+    same field."""
+    escaped = expected.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")
+    with pytest.raises(ChatFormatError, match=escaped):
         render(messages, True)
+    if isinstance(messages, list) and messages and messages[0].get("content") != []:  # the template renders [] empty
+        field = re.sub(r"\.(type|text)$", "", expected.split(":")[0])  # the template names the part, not its key
+        field = field.replace("[", r"\[").replace("]", r"\]")
+        with pytest.raises(TemplateError, match=field):
+            _jinja(messages, True)
 
 
 def test_missing_chat_tokens():

@@ -127,20 +127,65 @@ def test_logprobs_in_chat_form(random_chat_client):
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": []}, "messages", "messages: expected at least one message"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages", "text parts"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
-     "text parts"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages", "text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages",
+     "messages[0].content[0].text: expected a string, got int"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url",
+                                                                              "image_url": {"url": "x"}}]}]},
+     "messages", "messages[0].content[1].type: expected 'text' (only text content is supported), got 'image_url'"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "messages[0].content: expected a string or a list"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages", "messages[0].content: expected a string or a "
+                                                                  "non-empty list of text parts, got an empty list"),
     ({"messages": USER, "n": 0}, "n", "greater than or equal to 1"),
-    ({"messages": [{"role": "user", "content": f"a{IM_END}b"}]}, "messages", "reserved turn token"),
+    ({"messages": [{"role": "user", "content": f"a{IM_END}b"}]}, "messages", "reserved token <|im_end|>"),
+    ({"messages": [{"role": "user", "content": "a<|endoftext|>b"}]}, "messages", "reserved token <|endoftext|>"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
+    ({"messages": USER, "max_completion_tokens": 1000, "max_tokens": 4}, "max_completion_tokens",
+     "max_new_tokens (max_completion_tokens over HTTP) asks for 1000 more"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "top_logprobs is only allowed with logprobs: true"),
+    ({"messages": USER, "seed": 2**64}, "seed", "seed must be a 64-bit signed integer"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice", "tool calling"),
+    ({"messages": USER, "functions": [{"name": "f"}]}, "functions", "function calling"),
+    ({"messages": USER, "function_call": "auto"}, "function_call", "function calling"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "no JSON mode"),
+    ({"messages": USER, "modalities": ["text", "audio"]}, "modalities", 'only ["text"]'),
+    ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output is not supported"),
     ({"messages": [{"role": "user", "content": "ক" * 300}]}, "messages", "context length 128"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_input_is_400_before_any_stream(chat_client, body, param, needle, stream):
     err = assert_error(chat_client.post("/v1/chat/completions", json={**body, "stream": stream}), 400, param)
     assert needle in err["message"], err
+
+
+def test_stream_options_need_stream_on_both_endpoints(chat_client):
+    """As vLLM: stream_options without stream: true is a 400 naming it (chat and completions)."""
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"})):
+        err = assert_error(chat_client.post(path, json={**body, "stream_options": {"include_usage": True}}), 400,
+                           "stream_options")
+        assert err["message"] == "stream_options is only allowed with stream: true" and err["code"] == "invalid_value"
+
+
+def test_accepted_openai_fields_that_ask_for_no_feature(chat_client):
+    """The values that ask for none of a missing feature (what SDKs send by default) are served as usual."""
+    body = {"messages": USER, "max_tokens": 2, "tools": [], "tool_choice": "none", "functions": [],
+            "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
+            "parallel_tool_calls": False, "logit_bias": {}, "seed": -(2**63)}
+    r = chat_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
+
+
+def test_a_body_that_is_not_a_json_object_says_what_it_must_be(chat_client):
+    r = chat_client.post("/v1/chat/completions", content=json.dumps({"messages": USER}),
+                         headers={"Content-Type": "text/plain"})
+    err = assert_error(r, 400, None)
+    assert err["message"] == ("the body must be a JSON object sent with Content-Type: application/json, got "
+                              "Content-Type: text/plain") and err["code"] == "invalid_content_type"
+    err = assert_error(chat_client.post("/v1/chat/completions", json=[1, 2]), 400, None)
+    assert err["message"] == "the body must be a JSON object, got an array"
 
 
 def test_model_without_chat_template_is_400_saying_how_to_get_one():
@@ -161,3 +206,24 @@ def test_lm_chat_and_stream():
         lm.chat(USER, n=2)
     with pytest.raises(RequestError, match=r"messages\[0\]\.role"):
         lm.chat([{"role": "bot", "content": "x"}])
+
+
+def test_lm_chat_refuses_what_a_chat_reply_cannot_take():
+    """Completion-only options, a non-int n, an empty part list; the budget and log-prob errors name the Python
+    argument."""
+    lm = scripted_lm(PIECES, eos_after=3, chat=True)
+    for name in ("ignore_eos", "echo"):
+        with pytest.raises(RequestError, match=f"{name} is an option of completions, not of chat") as e:
+            lm.chat(USER, 4, **{name: True})
+        assert e.value.param == name
+    assert lm.chat(USER, 4, echo=False, ignore_eos=False).text == "নমস্কার! Hello"
+    with pytest.raises(RequestError, match=r"n is 1\.0, but chat\(\) makes one reply"):
+        lm.chat(USER, n=1.0)
+    with pytest.raises(RequestError, match=r"n is 1\.0, but chat_stream\(\) streams one reply"):
+        list(lm.chat_stream(USER, n=1.0))
+    with pytest.raises(RequestError, match=r"messages\[0\]\.content: expected a string or a non-empty list"):
+        lm.chat([{"role": "user", "content": []}])
+    with pytest.raises(RequestError, match=r"max_new_tokens \(max_tokens over HTTP\) asks for 1000000000 more"):
+        lm.chat(USER, 10**9)
+    with pytest.raises(RequestError, match=r"top_logprobs \(logprobs in /v1/completions\) must be an integer"):
+        lm.chat(USER, 4, top_logprobs=-1)

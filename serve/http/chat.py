@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from serve.errors import RequestError
 from serve.generation import Generation
 from serve.http.schemas import ChatCompletionRequest
 from serve.http.translate import ResponseFormat, sampling_options, usage_dict
@@ -35,8 +36,14 @@ def start_chat_generations(lm: LM, req: ChatCompletionRequest, default_max_token
     chat tokens."""
     options = chat_options(req, default_max_tokens)
     messages = [m.model_dump(exclude={"name"}) for m in req.messages]
-    max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return lm.start_chat(messages, req.n, max_new, **options)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    try:
+        return lm.start_chat(messages, req.n, getattr(req, field), **options)
+    except RequestError as e:  # the budget's errors name the field this request used
+        if e.param == "max_tokens" and field != "max_tokens":
+            e.param, e.message = field, e.message.replace("(max_tokens over HTTP)", f"({field} over HTTP)")
+            e.args = (e.message,)
+        raise
 
 
 def token_bytes(display: str) -> list[int]:

@@ -5,6 +5,7 @@ exception type), and the translation of request-validation errors into one messa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -93,36 +94,63 @@ UNION_FIELDS = {
 }
 
 
-def validation_error(exc: RequestValidationError) -> JSONResponse:
-    """A request that does not fit the schema → 400 naming the first offending field."""
+def field_path(loc) -> str:
+    """A pydantic location as the field's path in the body, the way the chat format's messages name it
+    (``("body", "messages", 0, "content")`` → ``messages[0].content``)."""
+    parts = [x for x in loc if x != "body"]
+    out = ""
+    for x in parts:
+        out += f"[{x}]" if isinstance(x, int) or str(x).isdigit() else (f".{x}" if out else str(x))
+    return out
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> JSONResponse:
+    """A request that does not fit the schema → 400 naming the first offending field. ``content_type``: the
+    request's Content-Type header (a body that is not a JSON object is explained by it when it is not JSON)."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return error_response(400, f"malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    ctx = first.get("ctx") or {}
+    param = ctx.get("param") or (str(loc[0]) if loc else None)
+    if not loc and ctx.get("param") is None:  # the body itself is not an object
+        media = (content_type or "").split(";")[0].strip().lower()
+        if media and media != "application/json" and not media.endswith("+json"):
+            return error_response(400, f"the body must be a JSON object sent with Content-Type: application/json, "
+                                       f"got Content-Type: {media}", code="invalid_content_type")
+        return error_response(400, f"the body must be a JSON object, got {json_kind(first.get('input'))}",
+                              code="invalid_type")
     unicode = next((e for e in errors if e.get("type") == "string_unicode"), None)
     if unicode is not None:  # a lone surrogate ("\ud800"): JSON can spell it, UTF-8 cannot
         param = next((str(x) for x in unicode.get("loc", ()) if x != "body"), param)
         return error_response(400, f"{param} holds a lone surrogate (such as \\ud800): not valid Unicode text",
                               param=param, code="invalid_unicode")
-    if param == "messages" and len(loc) > 2 and loc[2] == "content":  # a union too: say what content may be
-        i, got = loc[1], first.get("input")
-        return error_response(400, f"messages[{i}].content must be a string or a non-empty list of text parts "
-                              f'{{"type": "text", "text": string}}; got {json_repr(got)}', param=param,
-                              code="invalid_type")
+    if "message" in ctx:  # serve.http.schemas' own errors (PydanticCustomError with a whole message)
+        return error_response(400, ctx["message"], param=param, code=first["type"])
     if param in UNION_FIELDS and len(loc) > 1:  # a union: pydantic reports every branch
         got = first.get("input")
         return error_response(400, f"{UNION_FIELDS[param]}; got {json_repr(got)}", param=param, code="invalid_type")
-    where = ".".join(loc) or "body"
-    return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param=param,
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return error_response(400, f"{field_path(loc) or 'body'}: {msg}", param=param,
                           code=str(first.get("type")) or None)
 
 
+def json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words (an array, a string, ...)."""
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+             bytes: "a body that is not JSON"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
 def json_repr(value) -> str:
-    """A short JSON-ish rendering of an offending value for a message (at most 40 characters)."""
-    text = repr(value) if not isinstance(value, str) else f'"{value}"'
+    """A short JSON rendering of an offending value for a message (at most 40 characters; Python's repr for what
+    JSON cannot spell)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -137,7 +165,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc)
+        return validation_error(exc, request.headers.get("content-type"))
 
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
         return error_response(400, str(exc), exc.param, exc.code)

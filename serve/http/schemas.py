@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from contract.bundle import EOT
+from contract.chat_format import ChatFormatError, normalize_messages
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -35,15 +37,51 @@ Texts = Annotated[list[str], Field(min_length=1)]
 TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
 
 
+def _int64(v: Any) -> Any:
+    """A seed over HTTP is a 64-bit signed int (vLLM's and OpenAI's range): serve.sampling takes any int mod 2**64,
+    so a wider one would silently share another's stream. (The schema says ``format: int64`` rather than a
+    minimum/maximum: a JSON Schema tool that holds numbers as floats misplaces bounds near 2**63.)"""
+    if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
+        raise PydanticCustomError("int64", "{message}", {"message": f"seed must be a 64-bit signed integer "
+                                                                    f"(-2**63 to 2**63 - 1), got {v}"})
+    return v
+
+
+Seed = Annotated[int, Field(json_schema_extra={"format": "int64"}), BeforeValidator(_int64), BeforeValidator(_integral)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+def _only_with(field: str, kind: str, needs: str) -> dict:
+    """A JSON Schema rule: when ``field`` is given as a ``kind`` (not null), ``needs`` must be true."""
+    return {"if": {"required": [field], "properties": {field: {"type": kind}}},
+            "then": {"required": [needs], "properties": {needs: {"const": True}}}}
+
+
+STREAM_OPTIONS_RULE = _only_with("stream_options", "object", "stream")
+TOP_LOGPROBS_RULE = _only_with("top_logprobs", "integer", "logprobs")
+
+
+class _Streamed(_Request):
+    """A request that may stream: ``stream_options`` only with ``stream: true`` (as vLLM checks)."""
+
+    model_config = ConfigDict(**_Request.model_config, json_schema_extra={"allOf": [STREAM_OPTIONS_RULE]})
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("invalid_value", "{message}", {
+                "message": "stream_options is only allowed with stream: true", "param": "stream_options"})
+        return self
 
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_Streamed):
     """OpenAI's /v1/completions request, plus vLLM's `top_k`, `repetition_penalty` and `ignore_eos`."""
 
     model: str | None = Field(None, description="Must equal the served model's id when given.")
@@ -56,7 +94,8 @@ class CompletionRequest(_Request):
     top_k: integer(ge=-1) | None = Field(None, description="0 or -1 = off. Default off.")
     n: integer(ge=1, le=MAX_N) = Field(1, description="Choices per prompt (prompts × n ≤ 128 per request).")
     stop: StopString | list[StopString] | None = Field(None, description="Output ends before the first occurrence of any of these.")
-    seed: integer() | None = Field(None, description="Same seed, same backend → same text, whatever runs beside it.")
+    seed: Seed | None = Field(
+        None, description="Same seed, same backend → same text, whatever runs beside it.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Return log-probs and the top N alternatives.")
@@ -129,40 +168,94 @@ class ChatMessage(_Request):
     name: str | None = Field(None, description="Ignored.")
 
 
-class ChatCompletionRequest(_Request):
+#: chat fields of features this server does not have → (the values that ask for none of it, why a value is refused)
+UNSUPPORTED = {
+    "logit_bias": (({},), "not supported by this server (only null or {})"),
+    "tools": (([],), "tool calling is not supported by this server (only null or [])"),
+    "tool_choice": (("none",), 'tool calling is not supported by this server (only null or "none")'),
+    "functions": (([],), "function calling is not supported by this server (only null or [])"),
+    "function_call": (("none",), 'function calling is not supported by this server (only null or "none")'),
+    "response_format": (({"type": "text"},), 'only {"type": "text"}: this server has no JSON mode or structured '
+                                             "output"),
+    "modalities": ((["text"],), 'only ["text"]: the model writes text'),
+    "audio": ((), "audio output is not supported: the model writes text"),
+}
+
+
+class ChatCompletionRequest(_Streamed):
     """OpenAI's /v1/chat/completions request (text only), plus vLLM's `top_k` and `repetition_penalty`. The
     conversation is rendered with the model's chat template (ChatML) on the server."""
+
+    model_config = ConfigDict(**_Request.model_config,
+                              json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, TOP_LOGPROBS_RULE]})
 
     model: str | None = Field(None, description="Must equal the served model's id when given.")
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
         ..., description="The conversation: system / user / assistant messages.")
-    max_completion_tokens: integer(ge=0) | None = Field(
+    max_completion_tokens: integer(ge=1) | None = Field(
         None, description="Tokens of the reply at most; null/absent: SHALIK_DEFAULT_MAX_TOKENS capped by the context.")
-    max_tokens: integer(ge=0) | None = Field(None, description="The older name of max_completion_tokens (which wins).")
+    max_tokens: integer(ge=1) | None = Field(None, description="The older name of max_completion_tokens (which wins).")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
     top_p: float | None = Field(None, ge=0, le=1, description="Nucleus sampling; 1 = off. Default 1.")
     top_k: integer(ge=-1) | None = Field(None, description="0 or -1 = off. Default off.")
     n: integer(ge=1, le=MAX_N) = Field(1, description="Choices (replies) to generate.")
     stop: StopString | list[StopString] | None = Field(None, description="The reply ends before the first occurrence of any of these.")
-    seed: integer() | None = Field(None, description="Same seed, same backend → same reply, whatever runs beside it.")
+    seed: Seed | None = Field(
+        None, description="Same seed, same backend → same reply, whatever runs beside it.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = Field(False, description="Return the log-prob of each reply token.")
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
-        None, description="With logprobs: the N most likely alternatives at each position (ignored without).")
+        None, description="The N most likely alternatives at each position; only with logprobs: true.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
     user: str | None = Field(None, description="Ignored.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted: without tools it has no effect.")
+    # OpenAI parameters of features this text-only server does not have: refused (400) when they ask for the
+    # feature, accepted when they do not (null, {}, [], "none", {"type": "text"}, ["text"]); see UNSUPPORTED
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.",
                                                 json_schema_extra={"maxProperties": 0})
+    tools: list[Any] | None = Field(None, description="Not supported (no tool calling): only null or [].",
+                                    json_schema_extra={"maxItems": 0})
+    tool_choice: Any = Field(None, description='Not supported (no tool calling): only null or "none".',
+                             json_schema_extra={"enum": ["none", None]})
+    functions: list[Any] | None = Field(None, description="The older tools; not supported: only null or [].",
+                                        json_schema_extra={"maxItems": 0})
+    function_call: Any = Field(None, description='The older tool_choice; not supported: only null or "none".',
+                               json_schema_extra={"enum": ["none", None]})
+    response_format: dict[str, Any] | None = Field(
+        None, description='Only null or {"type": "text"}: no JSON mode or structured output.',
+        json_schema_extra={"anyOf": [{"const": {"type": "text"}}, {"type": "null"}]})
+    modalities: list[str] | None = Field(None, description='Only null or ["text"].',
+                                         json_schema_extra={"anyOf": [{"const": ["text"]}, {"type": "null"}]})
+    audio: Any = Field(None, description="Not supported (a text model): only null.", json_schema_extra={"type": "null"})
 
-    @field_validator("logit_bias")
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _conversation(cls, v: Any) -> Any:
+        """The chat format's own check first (contract.chat_format.normalize_messages), so that a bad conversation
+        gets the message the Python API gives (``messages[0].content[1].type: expected 'text' ...``)."""
+        try:
+            normalize_messages(v)
+        except ChatFormatError as e:
+            raise PydanticCustomError("invalid_messages", "{message}", {"message": str(e)}) from None
+        return v
+
+    @field_validator(*UNSUPPORTED)
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by this server")
+        accepts, why = UNSUPPORTED[info.field_name]
+        if v is not None and v not in accepts:
+            raise PydanticCustomError("unsupported", "{message}", {"message": f"{info.field_name}: {why}"})
         return v
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> Any:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "{message}", {
+                "message": "top_logprobs is only allowed with logprobs: true", "param": "top_logprobs"})
+        return self
 
 
 class TopLogprob(BaseModel):
