@@ -371,6 +371,95 @@ def test_the_built_set_holds_works_out_by_work_and_keeps_licences(tmp_path):
     assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
 
 
+def build_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "train.sft.build", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def corpus_row(text_chars: int = 300, **meta) -> dict:
+    return {"text": ("The river ran past the old mill. " * 20)[:text_chars], "source": "s", "license": "public-domain",
+            **meta}
+
+
+def test_build_refuses_bad_out_and_unreadable_corpus_in_one_line_and_writes_nothing(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [corpus_row(title="A tale", author="Someone")])
+    (tmp_path / "nonutf8.jsonl").write_bytes(b'{"text": "caf\xe9 au lait", "title": "t"}\n')
+    (tmp_path / "bad.jsonl.gz").write_bytes(b'{"text": "plain, not gzip", "title": "t"}\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "a \\ud800 b", "title": "t"}\n')
+    short = write_jsonl(tmp_path / "short.jsonl", [corpus_row(60, title="Short"), corpus_row(title=None),
+                                                   corpus_row(title=["x"])])
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    expected = "expected a file path ending in .jsonl.gz (gzipped JSON Lines) or .jsonl (plain)"
+    cases = [
+        (["--out", f"{tmp_path}/outdir/"], f"--out '{tmp_path}/outdir/' is a folder: {expected}"),
+        (["--out", str(tmp_path / "outdir")], f"--out '{tmp_path}/outdir' is a folder: {expected}"),
+        (["--out", ""], f"--out is empty: {expected}"),
+        (["--out", str(tmp_path / "set.json")], f"--out '{tmp_path}/set.json': {expected}"),
+        (["--out", str(tmp_path / "afile" / "set.jsonl")],
+         f"--out '{tmp_path}/afile/set.jsonl': '{tmp_path}/afile' is a file, not a folder: {expected} in a folder"),
+        (["--data", str(tmp_path / "nonutf8.jsonl")],
+         f"corpus file '{tmp_path}/nonutf8.jsonl': not valid UTF-8 at byte offset 13 in the file (invalid "
+         f"continuation byte); expected the corpus's JSON Lines (UTF-8, gzipped or not as the name says)"),
+        (["--data", str(tmp_path / "bad.jsonl.gz")],
+         f"corpus file '{tmp_path}/bad.jsonl.gz': cannot read it as gzip (Not a gzipped file (b'{{\"')); expected "
+         f"the corpus's JSON Lines (UTF-8, gzipped or not as the name says)"),
+        (["--data", str(tmp_path / "surrogate.jsonl")],
+         f"{tmp_path}/surrogate.jsonl:1: field \"text\" holds a lone surrogate U+D800 (expected Unicode text; a JSON "
+         f"\\ud800-\\udfff escape needs its pair)"),
+        (["--data", str(short)],
+         f"{short}: no conversation to write: read 3 documents; 1 without a title, 1 with a title that is not a "
+         f"string, 1 shorter than 120 characters, 0 with no task that fits (a later part without an author, too "
+         f"short to continue); expected the corpus's JSON Lines: objects with a string \"title\" (and \"author\") "
+         f"and a \"text\" of at least 120 characters"),
+        (["--data", str(good), "--out", str(good)],
+         f"--out '{good}' is one of the corpus files read (--data): expected another file, so the corpus is kept"),
+    ]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for args, msg in cases:
+        args = args if "--data" in args else ["--data", str(good), *args]
+        args = args if "--out" in args else [*args, "--out", str(tmp_path / "set.jsonl.gz")]
+        out = build_cli(*args)
+        assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {msg}\n"), args
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, no temporary left
+    assert good.read_text().startswith('{"text"')
+
+
+def test_build_output_compression_follows_its_suffix_and_train_sft_reads_both(tmp_path):
+    plain, packed = tmp_path / "set.jsonl", tmp_path / "set.jsonl.gz"
+    for f in (plain, packed):
+        out = build_cli("--data", str(MINI), "--out", str(f))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1] == str(f)
+    assert plain.read_bytes()[:1] == b"{" and packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    stats = ReadStats()
+    assert len(read_conversations([str(plain)], 0.05, stats=stats)) == len(plain.read_text().splitlines())
+    assert stats.skipped == [] and stats.rows > 100
+
+
+def test_build_skips_and_counts_titles_and_authors_that_are_not_strings(tmp_path):
+    from train.sft.build import build
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    write_jsonl(d / "c.jsonl", [corpus_row(title="Good title", author="Real Author"),
+                                corpus_row(title={"a": 1}, author="Somebody"),
+                                corpus_row(title="Another title", author=["x"])])
+    (d / "README.md").write_text("the corpus\n")
+    rows, summary = build([str(d)], seed=0)
+    assert summary["documents"] == {"read": 3, "used": 2, "no_title": 0, "title_not_a_string": 1,
+                                    "author_not_a_string": 1, "too_short": 0, "no_task": 0}
+    assert summary["skipped_files"] == [str(d / "README.md")]
+    answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    assert "Real Author" in answers and "Another title" in answers
+    assert not [a for a in answers if "{'a': 1}" in a or "['x']" in a or "Somebody" in a]
+    assert {r["group"] for r in rows} == {"s/Good title", "s/Another title"}
+    assert not [r for r in rows if r["group"] == "s/Another title" and r["task"] in ("author", "author_of_title")]
+    out = build_cli("--data", str(d), "--out", str(tmp_path / "set.jsonl.gz"))
+    assert out.returncode == 0 and json.loads(out.stdout.splitlines()[0])["documents"] == summary["documents"]
+
+
 def test_a_continuation_stops_at_the_first_line_or_sentence_end_past_the_minimum():
     from train.sft.build import CONTINUE_MAX, CONTINUE_MIN, continuation
 
