@@ -63,6 +63,67 @@ def test_bad_rows_are_skipped_with_file_and_line_and_strict_makes_them_an_error(
         read_conversations([str(f)], 0.05, strict=True)
 
 
+def test_alpaca_and_sharegpt_errors_name_the_rows_own_keys():
+    cases = [({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]},
+              "conversations[1].value: expected a string or a list of text parts, got none"),
+             ({"conversations": [{"from": "human", "value": "a <|im_end|> b"}]},
+              "conversations[0].value: contains the reserved turn token <|im_end|>"),
+             ({"conversations": []}, "conversations: expected at least one turn, got an empty list"),
+             ({"instruction": "Do", "input": 7, "output": "done"}, "input: expected a string, got int"),
+             ({"instruction": "Do", "system": 9, "output": "done"}, "system: expected a string, got int"),
+             ({"instruction": None, "output": "done"}, "instruction: expected a string, got none"),
+             ({"instruction": "Do", "output": ["done"]}, "output: expected a string, got list"),
+             ({"instruction": "Do", "input": "x <|im_start|>", "output": "done"},
+              "input: contains the reserved turn token <|im_start|>")]
+    for row, msg in cases:
+        with pytest.raises(ValueError) as e:
+            to_messages(row)
+        assert str(e.value) == msg, row
+    # null input / system (a datasets row without them) is no input / system
+    assert to_messages({"instruction": "Do", "input": None, "system": None, "output": "done"}) == [
+        {"role": "user", "content": "Do"}, {"role": "assistant", "content": "done"}]
+
+
+def test_an_alpaca_row_with_a_non_string_input_or_system_is_malformed_not_trained(tmp_path):
+    f = write_jsonl(tmp_path / "a.jsonl", [CONVS[1], {"instruction": "Do", "input": 7, "output": "done"},
+                                           {"instruction": "Do", "system": 9, "output": "done"}])
+    stats = ReadStats()
+    convs = read_conversations([str(f)], 0.05, stats=stats)
+    assert len(convs) == 1 and stats.rows == 3
+    assert stats.skipped == [f"skipped {f}:2: input: expected a string, got int",
+                             f"skipped {f}:3: system: expected a string, got int"]
+    with pytest.raises(DataError) as e:
+        read_conversations([str(f)], 0.05, strict=True)
+    assert str(e.value) == (f"skipped {f}:2: input: expected a string, got int (strict mode: fix the input or drop "
+                            f"--strict)")
+
+
+def test_a_data_folder_reads_its_jsonl_files_and_skips_the_others(tmp_path):
+    d = tmp_path / "convs"
+    (d / "more").mkdir(parents=True)
+    write_jsonl(d / "a.jsonl", CONVS[:2])
+    (d / "more" / "b.jsonl.gz").write_bytes(gzip.compress((json.dumps(CONVS[2]) + "\n").encode()))
+    (d / "README.txt").write_text("about these conversations\n")
+    (d / "notes.md").write_text("# notes\n")
+    stats = ReadStats()
+    convs = read_conversations([str(d)], 0.05, stats=stats)
+    assert len(convs) == 3 and stats.skipped == []
+    assert stats.skipped_files == [str(d / "README.txt"), str(d / "notes.md")]
+    # a file named on its own must be JSON Lines; the message lists what fine-tuning reads, not .txt
+    with pytest.raises(DataError) as e:
+        read_conversations([str(d / "README.txt")], 0.05)
+    assert str(e.value) == (f"data file {str(d / 'README.txt')!r}: conversations are read from files ending in "
+                            f".jsonl or .jsonl.gz (JSON Lines, gzipped or not), folders of them or "
+                            f"hf:NAME[:CONFIG][:SPLIT] sources")
+    txt_only = tmp_path / "txt"
+    txt_only.mkdir()
+    (txt_only / "pairs.txt").write_text("q\n\na\n")
+    with pytest.raises(DataError) as e:
+        read_conversations([str(txt_only)], 0.05)
+    assert str(e.value) == (f"folder {str(txt_only)!r} holds no JSON Lines files: expected files ending in .jsonl "
+                            f"or .jsonl.gz (it holds 1 other file(s), e.g. 'pairs.txt')")
+
+
 def test_split_follows_the_row_then_the_group(tmp_path):
     rows = [{**CONVS[0], "split": "validation"}, {**CONVS[1], "split": "train"}]
     rows += [{**CONVS[0], "group": "work-a"}, {**CONVS[1], "group": "work-a"}]
@@ -255,9 +316,16 @@ def test_sft_run_end_to_end_resumes_exactly_and_exports(base_without_chat_tokens
 
 
 def test_preflight_checks_the_masked_loss(trained_run, conv_file, tmp_path):
-    out = sft(str(trained_run), "--data", str(conv_file), "--name", "pf",
+    folder = tmp_path / "convs"
+    folder.mkdir()
+    (folder / conv_file.name).write_bytes(conv_file.read_bytes())
+    (folder / "README.txt").write_text("where these conversations come from\n")
+    out = sft(str(trained_run), "--data", str(folder), "--name", "pf",
               *fast_sets(tmp_path, **{"train.preflight": True, "train.max_steps": 1}))
     assert out.returncode == 0, out.stderr[-2000:]
+    # a README beside the conversations is skipped, and the log says so
+    assert (f"sft data: skipped 1 file(s) in the data folders that are not .jsonl or .jsonl.gz: "
+            f"{folder / 'README.txt'}") in (tmp_path / "runs" / "pf" / "train.log").read_text()
     report = json.loads((tmp_path / "runs" / "pf" / "preflight.json").read_text())
     assert report["ok"] and report["checks"][0]["name"] == "gradient_flow" and report["checks"][0]["ok"]
 
@@ -265,12 +333,20 @@ def test_preflight_checks_the_masked_loss(trained_run, conv_file, tmp_path):
 def test_bad_input_is_one_line_exit_2_and_no_run_folder(trained_run, tmp_path):
     empty = write_jsonl(tmp_path / "none.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}],
                         ["not json\n"])
-    cases = [(["no/such/run"], "not a trained run"),
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    (txt / "README.txt").write_text("not conversations\n")
+    cases = [([str(trained_run), "--data", str(txt / "README.txt")],
+              "conversations are read from files ending in .jsonl or .jsonl.gz (JSON Lines, gzipped or not)"),
+             ([str(trained_run), "--data", str(txt)], "holds no JSON Lines files: expected files ending in .jsonl "
+                                                      "or .jsonl.gz (it holds 1 other file(s), e.g. 'README.txt')"),
+             (["no/such/run"], "not a trained run"),
              ([str(trained_run), "--data", str(tmp_path / "missing.jsonl")], "does not exist"),
              ([str(trained_run), "--data", str(empty)], "no training conversation left"),
              ([str(trained_run), "--data", str(empty), "--strict"], f"{empty}:2: not valid JSON"),
              ([str(trained_run), "--set", "train.nope=1"], "unknown key train.nope")]
     for args, msg in cases:
+        assert ".txt," not in msg
         out = sft(*args, *fast_sets(tmp_path))
         assert out.returncode == 2, (args, out.stderr[-1500:])
         last = out.stderr.strip().splitlines()[-1]
@@ -293,6 +369,95 @@ def test_the_built_set_holds_works_out_by_work_and_keeps_licences(tmp_path):
     write(rows, tmp_path / "a.jsonl.gz")
     write(build([str(MINI)], seed=0)[0], tmp_path / "b.jsonl.gz")
     assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
+
+
+def build_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "train.sft.build", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def corpus_row(text_chars: int = 300, **meta) -> dict:
+    return {"text": ("The river ran past the old mill. " * 20)[:text_chars], "source": "s", "license": "public-domain",
+            **meta}
+
+
+def test_build_refuses_bad_out_and_unreadable_corpus_in_one_line_and_writes_nothing(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [corpus_row(title="A tale", author="Someone")])
+    (tmp_path / "nonutf8.jsonl").write_bytes(b'{"text": "caf\xe9 au lait", "title": "t"}\n')
+    (tmp_path / "bad.jsonl.gz").write_bytes(b'{"text": "plain, not gzip", "title": "t"}\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "a \\ud800 b", "title": "t"}\n')
+    short = write_jsonl(tmp_path / "short.jsonl", [corpus_row(60, title="Short"), corpus_row(title=None),
+                                                   corpus_row(title=["x"])])
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    expected = "expected a file path ending in .jsonl.gz (gzipped JSON Lines) or .jsonl (plain)"
+    cases = [
+        (["--out", f"{tmp_path}/outdir/"], f"--out '{tmp_path}/outdir/' is a folder: {expected}"),
+        (["--out", str(tmp_path / "outdir")], f"--out '{tmp_path}/outdir' is a folder: {expected}"),
+        (["--out", ""], f"--out is empty: {expected}"),
+        (["--out", str(tmp_path / "set.json")], f"--out '{tmp_path}/set.json': {expected}"),
+        (["--out", str(tmp_path / "afile" / "set.jsonl")],
+         f"--out '{tmp_path}/afile/set.jsonl': '{tmp_path}/afile' is a file, not a folder: {expected} in a folder"),
+        (["--data", str(tmp_path / "nonutf8.jsonl")],
+         f"corpus file '{tmp_path}/nonutf8.jsonl': not valid UTF-8 at byte offset 13 in the file (invalid "
+         f"continuation byte); expected the corpus's JSON Lines (UTF-8, gzipped or not as the name says)"),
+        (["--data", str(tmp_path / "bad.jsonl.gz")],
+         f"corpus file '{tmp_path}/bad.jsonl.gz': cannot read it as gzip (Not a gzipped file (b'{{\"')); expected "
+         f"the corpus's JSON Lines (UTF-8, gzipped or not as the name says)"),
+        (["--data", str(tmp_path / "surrogate.jsonl")],
+         f"{tmp_path}/surrogate.jsonl:1: field \"text\" holds a lone surrogate U+D800 (expected Unicode text; a JSON "
+         f"\\ud800-\\udfff escape needs its pair)"),
+        (["--data", str(short)],
+         f"{short}: no conversation to write: read 3 documents; 1 without a title, 1 with a title that is not a "
+         f"string, 1 shorter than 120 characters, 0 with no task that fits (a later part without an author, too "
+         f"short to continue); expected the corpus's JSON Lines: objects with a string \"title\" (and \"author\") "
+         f"and a \"text\" of at least 120 characters"),
+        (["--data", str(good), "--out", str(good)],
+         f"--out '{good}' is one of the corpus files read (--data): expected another file, so the corpus is kept"),
+    ]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for args, msg in cases:
+        args = args if "--data" in args else ["--data", str(good), *args]
+        args = args if "--out" in args else [*args, "--out", str(tmp_path / "set.jsonl.gz")]
+        out = build_cli(*args)
+        assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {msg}\n"), args
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, no temporary left
+    assert good.read_text().startswith('{"text"')
+
+
+def test_build_output_compression_follows_its_suffix_and_train_sft_reads_both(tmp_path):
+    plain, packed = tmp_path / "set.jsonl", tmp_path / "set.jsonl.gz"
+    for f in (plain, packed):
+        out = build_cli("--data", str(MINI), "--out", str(f))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1] == str(f)
+    assert plain.read_bytes()[:1] == b"{" and packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    stats = ReadStats()
+    assert len(read_conversations([str(plain)], 0.05, stats=stats)) == len(plain.read_text().splitlines())
+    assert stats.skipped == [] and stats.rows > 100
+
+
+def test_build_skips_and_counts_titles_and_authors_that_are_not_strings(tmp_path):
+    from train.sft.build import build
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    write_jsonl(d / "c.jsonl", [corpus_row(title="Good title", author="Real Author"),
+                                corpus_row(title={"a": 1}, author="Somebody"),
+                                corpus_row(title="Another title", author=["x"])])
+    (d / "README.md").write_text("the corpus\n")
+    rows, summary = build([str(d)], seed=0)
+    assert summary["documents"] == {"read": 3, "used": 2, "no_title": 0, "title_not_a_string": 1,
+                                    "author_not_a_string": 1, "too_short": 0, "no_task": 0}
+    assert summary["skipped_files"] == [str(d / "README.md")]
+    answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    assert "Real Author" in answers and "Another title" in answers
+    assert not [a for a in answers if "{'a': 1}" in a or "['x']" in a or "Somebody" in a]
+    assert {r["group"] for r in rows} == {"s/Good title", "s/Another title"}
+    assert not [r for r in rows if r["group"] == "s/Another title" and r["task"] in ("author", "author_of_title")]
+    out = build_cli("--data", str(d), "--out", str(tmp_path / "set.jsonl.gz"))
+    assert out.returncode == 0 and json.loads(out.stdout.splitlines()[0])["documents"] == summary["documents"]
 
 
 def test_a_continuation_stops_at_the_first_line_or_sentence_end_past_the_minimum():

@@ -19,6 +19,13 @@ nothing is invented), asked and answered in one language:
 
 Some conversations carry a system message (Bangla or English) asking for replies in the question's language.
 
+Input: the corpus's ``.jsonl[.gz]`` files, or folders of them (other files there are skipped and listed in the
+summary). A document without a title, or whose ``title`` is not a string, gives no conversation; one whose
+``author`` is not a string gives none about its author; the summary line counts both (``documents``). A file that
+is not valid gzip or UTF-8, a line that is not a JSON object with a string ``text``, an ``--out`` that is not a
+``.jsonl.gz`` (written gzipped) or ``.jsonl`` (plain) file path, or a corpus that gives no conversation is exit 2
+with one ``error:`` line, and nothing is written.
+
 Held out by work, not by line: a piece of a novel (a chapter, a part) belongs to the novel, every other piece
 (a poem, a song, a story, an article's parts) to itself; the validation split takes, for every source, the
 works whose sha256 of ``source/work`` falls lowest, until :data:`VAL_SHARE` of that source's documents. Every
@@ -33,6 +40,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import os
 import random
 import re
 import sys
@@ -42,7 +50,8 @@ from pathlib import Path
 
 from contract.atomic import atomic_write_bytes
 from contract.text import detect_language, nfc
-from train.corpus import DataError, list_input_files
+from train.corpus import DataError, unreadable_reason
+from train.sft.formats import SUFFIXES, jsonl_files
 
 DEFAULT_OUT = "data/sft/shalik-sft.jsonl.gz"
 VAL_SHARE = 0.08  # share of each source's documents whose works go to validation
@@ -55,6 +64,9 @@ WRAPPED_SOURCES = ("100-english-novels",)  # hard-wrapped prose (lines of about 
 _PART = re.compile(r"\s*\((?:অংশ|part)\s*[0-9০-৯]+\)\s*$")
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _SENTENCE_BN = re.compile(r"^(.+?[।?!])(?:\s|$)", re.S)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+READS = "the corpus is read from"  # what the input errors say is read
+SHORTEST = 120  # a document's cleaned text shorter than this gives no conversation
 
 SYSTEM = {"bn": "তুমি একজন সহায়ক সহকারী। প্রশ্ন যে ভাষায় করা হয়, সেই ভাষায় উত্তর দাও।",
           "en": "You are a helpful assistant. Answer in the language of the question."}
@@ -88,32 +100,57 @@ class Piece:
     license: str | None
 
 
-def read_corpus(paths: list[str]) -> list[Piece]:
+def read_corpus(paths: list[str], counts: Counter | None = None,
+                skipped_files: list[str] | None = None) -> list[Piece]:
     """The titled documents of the corpus's JSON Lines files (``text``, ``title``, ``author``, ``source``,
-    ``license``; gzipped or not). Language by script, as training decides it. Raises DataError naming a file and
-    line that is not such an object, or when no titled document is found."""
+    ``license``; gzipped or not; in a folder, the ``.jsonl[.gz]`` files, the others skipped and appended to
+    ``skipped_files``). Language by script, as training decides it.
+
+    A document without a title, or whose ``title`` is not a string, gives no piece; one whose ``author`` is not a
+    string gives a piece without an author (no question about the author): ``counts`` gets ``read`` (documents)
+    and ``no_title``, ``title_not_a_string``, ``author_not_a_string``. Raises DataError naming the path for an
+    input that cannot be read (:func:`train.sft.formats.jsonl_files`; a file that is not valid gzip or UTF-8) and
+    ``file:line`` for a line that is not a JSON object with a string ``text`` or whose kept fields hold a lone
+    surrogate."""
+    counts = counts if counts is not None else Counter()
     out = []
-    for f in list_input_files(paths):
-        if ".jsonl" not in Path(f).name:
-            raise DataError(f"{f}: expected the corpus's JSON Lines (.jsonl[.gz]) with title and author fields")
+    files, skipped = jsonl_files(paths, reads=READS, hf=False)
+    if skipped_files is not None:
+        skipped_files += skipped
+    for f in files:
+        reason = unreadable_reason(f)
+        if reason:
+            raise DataError(f"corpus file {f!r}: {reason}; expected the corpus's JSON Lines (UTF-8, gzipped or not "
+                            f"as the name says)")
         with (gzip.open(f, "rt", encoding="utf-8") if f.endswith(".gz") else open(f, encoding="utf-8")) as fh:
             for n, line in enumerate(fh, start=1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{f}:{n}: not valid JSON ({e})") from None
+                except (ValueError, RecursionError) as e:
+                    raise DataError(f"{f}:{n}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
                 if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                     raise DataError(f"{f}:{n}: expected a JSON object with a string field \"text\"")
-                if not row.get("title"):
+                for key in ("text", "title", "author", "source", "license"):
+                    m = _SURROGATE.search(row[key]) if isinstance(row.get(key), str) else None
+                    if m:
+                        raise DataError(f"{f}:{n}: field \"{key}\" holds a lone surrogate U+{ord(m.group()):04X} "
+                                        f"(expected Unicode text; a JSON \\ud800-\\udfff escape needs its pair)")
+                counts["read"] += 1
+                title, author = row.get("title"), row.get("author")
+                if title is not None and not isinstance(title, str):
+                    counts["title_not_a_string"] += 1
                     continue
+                if not title:
+                    counts["no_title"] += 1
+                    continue
+                if author is not None and not isinstance(author, str):
+                    counts["author_not_a_string"] += 1
+                    author = None
                 text = nfc(row["text"])
                 out.append(Piece(text, detect_language(text), str(row.get("source") or Path(f).name.split(".")[0]),
-                                 nfc(str(row["title"])), nfc(str(row["author"])) if row.get("author") else None,
-                                 row.get("license")))
-    if not out:
-        raise DataError(f"{', '.join(paths)}: no documents with a title (expected the corpus's JSON Lines form)")
+                                 nfc(title), nfc(author) if author else None, row.get("license")))
     return out
 
 
@@ -208,7 +245,7 @@ def conversations_of(doc, rng: random.Random, per_doc: int) -> list[tuple[str, l
     """``[(task, messages)]`` for one document (see the module doc); at most ``per_doc`` continuation passages."""
     lang, text = doc.lang, clean(doc.text)
     other = "en" if lang == "bn" else "bn"
-    if len(text) < 120:
+    if len(text) < SHORTEST:
         return []
     out: list[tuple[str, list[dict]]] = []
     pick = rng.choice
@@ -264,49 +301,104 @@ def _asked(task: str, lang: str) -> str:
 def build(paths: list[str], seed: int = 0, per_doc: dict[str, dict[str, int]] | None = None
           ) -> tuple[list[dict], dict]:
     """The set's rows (see the module doc) from the corpus at ``paths`` and a summary
-    ``{rows, by_split: {split: {lang: n}}, by_task: {task: n}, works: {split: n}}``. ``per_doc``: continuation
-    passages per document by split and language (:data:`PER_DOC`: training works give Bangla two, so the
-    continuation task, where replies are longest, is not outnumbered by the one-name answers; held-out works keep
-    one, the validation mix of tasks as before). Raises DataError for unreadable input or a corpus without
-    titles."""
+    ``{rows, by_split: {split: {lang: n}}, by_task: {task: n}, works: {split: n}, documents: {...}, skipped_files:
+    [path]}``: ``documents`` counts those ``read``, ``used`` (that gave a conversation) and those that gave none or
+    fewer: ``no_title``, ``title_not_a_string`` (no conversation), ``author_not_a_string`` (none about the author),
+    ``too_short`` (under :data:`SHORTEST` characters), ``no_task`` (titled and long enough, yet no task fits: a
+    later part without an author and too short for a continuation); ``skipped_files`` are the files of the data
+    folders that are not ``.jsonl[.gz]``. ``per_doc``: continuation passages per document by split and language
+    (:data:`PER_DOC`: training works give Bangla two, so the continuation task, where replies are longest, is not
+    outnumbered by the one-name answers; held-out works keep one, the validation mix of tasks as before). Raises
+    DataError for unreadable input, and naming the counts when no document gives a conversation."""
     per_doc = per_doc or PER_DOC
-    docs = read_corpus(paths)
+    counts: Counter = Counter()
+    skipped_files: list[str] = []
+    docs = read_corpus(paths, counts, skipped_files)
     val = _val_works(docs)
     rng = random.Random(seed)
     rows = []
     for d in docs:
         split = "validation" if (d.source, work_of(d)) in val else "train"
-        for task, msgs in conversations_of(d, rng, per_doc[split].get(d.lang, 1)):
+        convs = conversations_of(d, rng, per_doc[split].get(d.lang, 1))
+        if convs:
+            counts["used"] += 1
+        else:
+            counts["too_short" if len(clean(d.text)) < SHORTEST else "no_task"] += 1
+        for task, msgs in convs:
             rows.append({"messages": msgs, "task": task, "lang": _asked(task, d.lang), "split": split,
                          "group": f"{d.source}/{work_of(d)}", "source": d.source, "license": d.license})
+    documents = {k: counts[k] for k in ("read", "used", "no_title", "title_not_a_string", "author_not_a_string",
+                                        "too_short", "no_task")}
+    if not rows:
+        files = f"; skipped {len(skipped_files)} file(s) that are not .jsonl or .jsonl.gz" if skipped_files else ""
+        raise DataError(
+            f"{', '.join(paths)}: no conversation to write: read {documents['read']} documents; "
+            f"{documents['no_title']} without a title, {documents['title_not_a_string']} with a title that is not a "
+            f"string, {documents['too_short']} shorter than {SHORTEST} characters, {documents['no_task']} with no "
+            f"task that fits (a later part without an author, too short to continue){files}; expected the corpus's "
+            f"JSON Lines: objects with a string \"title\" (and \"author\") and a \"text\" of at least {SHORTEST} "
+            f"characters")
     by_split: dict = defaultdict(Counter)
     for r in rows:
         by_split[r["split"]][r["lang"]] += 1
     works = {s: len({r["group"] for r in rows if r["split"] == s}) for s in ("train", "validation")}
     summary = {"rows": len(rows), "by_split": {k: dict(v) for k, v in by_split.items()},
-               "by_task": dict(Counter(r["task"] for r in rows)), "works": works}
+               "by_task": dict(Counter(r["task"] for r in rows)), "works": works, "documents": documents,
+               "skipped_files": skipped_files}
     return rows, summary
 
 
+def out_path(out: str, data: list[str]) -> Path:
+    """``--out`` checked before any work: a file path ending in ``.jsonl.gz`` (written gzipped) or ``.jsonl``
+    (plain), not a folder, under a folder (or where one can be made), and not one of the corpus files of ``data``.
+    Raises DataError naming it and what was expected."""
+    expected = "expected a file path ending in .jsonl.gz (gzipped JSON Lines) or .jsonl (plain)"
+    if not out.strip():
+        raise DataError(f"--out is empty: {expected}")
+    path = Path(out)
+    if out.endswith(("/", os.sep)) or path.is_dir():
+        raise DataError(f"--out {out!r} is a folder: {expected}")
+    if not out.endswith(SUFFIXES):
+        raise DataError(f"--out {out!r}: {expected}")
+    above = path.absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise DataError(f"--out {out!r}: {str(above)!r} is a file, not a folder: {expected} in a folder")
+    if path.resolve() in {Path(f).resolve() for f in jsonl_files(data, reads=READS, hf=False)[0]}:
+        raise DataError(f"--out {out!r} is one of the corpus files read (--data): expected another file, so the "
+                        f"corpus is kept")
+    return path
+
+
 def write(rows: list[dict], out: Path) -> None:
-    """Rows as gzipped JSON Lines (mtime 0, so the same rows give the same bytes), written atomically."""
+    """Rows as JSON Lines, gzipped (mtime 0, so the same rows give the same bytes) when ``out`` ends in ``.gz``,
+    written atomically (nothing at ``out`` changes when writing fails). Raises OSError as the file system does."""
     body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-    atomic_write_bytes(out, gzip.compress(body, compresslevel=9, mtime=0))
+    atomic_write_bytes(out, gzip.compress(body, compresslevel=9, mtime=0) if str(out).endswith(".gz") else body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m train.sft.build``."""
+    """Entry point of ``python -m train.sft.build``: exit 0 written (the summary line, then the path), 2 bad input
+    (one ``error:`` line; nothing written)."""
     p = argparse.ArgumentParser(prog="python -m train.sft.build", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", nargs="+", default=["data/sample"], help="the corpus (JSON Lines with title/author)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="the gzipped JSON Lines file to write")
+    p.add_argument("--data", nargs="+", default=["data/sample"],
+                   help="the corpus: .jsonl[.gz] files or folders of them (JSON Lines with title/author)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="the file to write: .jsonl.gz (gzipped JSON Lines) or .jsonl (plain)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
+        out = out_path(args.out, args.data)
         rows, summary = build(args.data, args.seed)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write(rows, Path(args.out))
+    try:
+        write(rows, out)
+    except OSError as e:
+        print(f"error: cannot write --out {args.out!r}: {e.strerror or e}; nothing was written", file=sys.stderr)
+        return 2
     print(json.dumps(summary, ensure_ascii=False))
     print(args.out)
     return 0

@@ -26,12 +26,12 @@ from contract.chat_format import CHAT_TOKENS, missing_chat_tokens
 from train import windows as W
 from train.components.checkpoint import CheckpointError, find_checkpoint
 from train.config import Config
-from train.corpus import DataError, is_hf_spec, list_input_files
+from train.corpus import DataError, is_hf_spec
 from train.errors import TrainError
 from train.inputs import scan_inputs
 from train.loader import EpochLoader
 from train.sft.encode import encode_conversations, pad_windows, to_window
-from train.sft.formats import ReadStats, read_conversations
+from train.sft.formats import ReadStats, jsonl_files, read_conversations
 from train.tokenizer import EOT, PAD, TokenizerError, add_chat_tokens, load_tokenizer, token_char_counts
 
 POOL_STEPS = 50  # steps per length-sorted pool
@@ -159,6 +159,10 @@ class SFTData:
             src[0] += 1
             src[1] += sum(len(m["content"]) for m in c.messages)
             (train if c.split == "train" else val.setdefault(c.lang, [])).append(w)
+        if stats.skipped_files:
+            names = ", ".join(stats.skipped_files[:5]) + (" …" if len(stats.skipped_files) > 5 else "")
+            log(f"sft data: skipped {len(stats.skipped_files)} file(s) in the data folders that are not .jsonl or "
+                f".jsonl.gz: {names}")
         for msg in stats.skipped[:5]:
             log(msg)
         if len(stats.skipped) > 5:
@@ -174,7 +178,7 @@ class SFTData:
         val = {lang: [pad_windows([w], pad_id, 32)[0] for w in spread(ws, cfg.train.eval_tokens)]
                for lang, ws in val.items()}
         loader = ConversationLoader(train, step_size, cfg.train.seq_len, cfg.run.seed, pad_id, fixed_length)
-        files = list_input_files(cfg.data.paths)
+        files = jsonl_files(cfg.data.paths)[0]
         inputs = [i.fingerprint() for i in scan_inputs([f for f in files if not is_hf_spec(f)])]
         inputs += [{"path": f, "sha256": None, "bytes": None} for f in files if is_hf_spec(f)]
         return cls(tokenizer=tok, eot_id=eot_id, pad_id=pad_id,

@@ -1,13 +1,18 @@
 """Reading conversations: JSON Lines in the OpenAI / Hugging Face ``messages`` form, and Alpaca and ShareGPT rows
-converted on read, from files, folders or ``hf:`` sources (the inputs ``train.run`` reads text from:
-:func:`train.corpus.list_input_files`, :func:`train.corpus.parse_hf_spec`).
+converted on read, from ``.jsonl`` / ``.jsonl.gz`` files, folders of them (searched recursively, in sorted order;
+other files there are skipped and listed in :attr:`ReadStats.skipped_files`) or ``hf:`` sources
+(:func:`train.corpus.parse_hf_spec`). A file named on its own must be ``.jsonl[.gz]``: :func:`jsonl_files`.
 
 Row forms (one JSON object a line, or one ``datasets`` row):
 
 * ``{"messages": [{"role": "system"|"user"|"assistant", "content": str | [text parts]}, ...]}``;
 * Alpaca: ``{"instruction": str, "input": str (optional), "output": str, "system": str (optional)}`` →
-  user ``instruction`` (and ``input`` after a blank line), assistant ``output``;
+  user ``instruction`` (and ``input`` after a blank line), assistant ``output`` (``input`` / ``system`` may be
+  null or absent; any other non-string makes the row malformed);
 * ShareGPT: ``{"conversations": [{"from": "system"|"human"|"user"|"gpt"|"assistant", "value": str}, ...]}``.
+
+An error about an Alpaca or ShareGPT row names the row's own keys (``input``, ``conversations[2].value``), not the
+``messages`` it becomes.
 
 Optional keys of any form: ``lang`` (the language asked; by default the script of the last user message),
 ``split`` ("train" or "validation"/"val"; by default the hash of ``group``, else of the rendered conversation,
@@ -22,16 +27,20 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.chat_format import ChatFormatError, normalize_messages
 from contract.text import detect_language, is_val
-from train.corpus import DataError, is_hf_spec, list_input_files, parse_hf_spec, unreadable_reason
+from train.config import resolve_path
+from train.corpus import DataError, is_hf_spec, parse_hf_spec, unreadable_reason
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 VAL_NAMES = ("validation", "val", "valid", "test")
+SUFFIXES = (".jsonl", ".jsonl.gz")  # the files conversations (and train.sft.build's corpus) are read from
+_CONTENT_AT = re.compile(r"^messages\[(\d+)\]\.content")
 
 
 @dataclass
@@ -51,11 +60,71 @@ class Conversation:
 
 @dataclass
 class ReadStats:
-    """What reading skipped: ``skipped`` warnings (``file:line: why``), conversations ``no_assistant``."""
+    """What reading skipped: ``skipped`` warnings (``file:line: why``), conversations ``no_assistant``, and
+    ``skipped_files``: the files in data folders that are not ``.jsonl[.gz]`` (a README beside the data)."""
 
     skipped: list[str] = field(default_factory=list)
     no_assistant: int = 0
     rows: int = 0
+    skipped_files: list[str] = field(default_factory=list)
+
+
+def jsonl_files(paths: list[str], reads: str = "conversations are read from", hf: bool = True
+                ) -> tuple[list[str], list[str]]:
+    """``(files, skipped)``: the ``.jsonl`` / ``.jsonl.gz`` files of ``paths`` (folders searched recursively, in
+    sorted order; ``hf:`` specs kept as they are when ``hf``), and the other files found in those folders, which
+    are not read. Raises DataError naming the path for an empty or missing path, a file named on its own that is
+    not ``.jsonl[.gz]``, an ``hf:`` spec when not ``hf``, and a folder without a ``.jsonl[.gz]`` file; ``reads``
+    says in those messages what is read (``"the corpus is read from"``)."""
+    accepted = "files ending in .jsonl or .jsonl.gz (JSON Lines, gzipped or not)" + (
+        ", folders of them or hf:NAME[:CONFIG][:SPLIT] sources" if hf else " or folders of them")
+    if not paths:
+        raise DataError(f"no data paths given: {reads} {accepted}")
+    files: list[str] = []
+    skipped: list[str] = []
+    for raw in paths:
+        p = str(raw).strip()
+        if not p:
+            raise DataError(f"data path is empty: {reads} {accepted}")
+        if is_hf_spec(p):
+            if not hf:
+                raise DataError(f"data source {p!r}: {reads} {accepted}, not hf: sources")
+            parse_hf_spec(p)
+            files.append(p)
+            continue
+        path = resolve_path(p)
+        if not path.exists():
+            raise DataError(f"data path {p!r} does not exist")
+        if path.is_dir():
+            found = sorted(str(f) for f in path.rglob("*") if f.is_file())
+            mine = [f for f in found if f.endswith(SUFFIXES)]
+            if not mine:
+                others = f" (it holds {len(found)} other file(s), e.g. {Path(found[0]).name!r})" if found else ""
+                raise DataError(f"folder {p!r} holds no JSON Lines files: expected files ending in .jsonl or "
+                                f".jsonl.gz{others}")
+            files += mine
+            skipped += [f for f in found if not f.endswith(SUFFIXES)]
+        elif str(path).endswith(SUFFIXES):
+            files.append(str(path))
+        else:
+            raise DataError(f"data file {p!r}: {reads} {accepted}")
+    return files, skipped
+
+
+def _kind(v) -> str:
+    return "none" if v is None else type(v).__name__
+
+
+def _named(msgs: list[dict], names: list[str]) -> list[dict]:
+    """:func:`normalize_messages` of ``msgs``; an error about ``messages[i].content`` names ``names[i]`` instead
+    (the key of the row the message came from)."""
+    try:
+        return normalize_messages(msgs)
+    except ChatFormatError as e:
+        m = _CONTENT_AT.match(str(e))
+        if m is None:
+            raise
+        raise ChatFormatError(names[int(m.group(1))] + str(e)[m.end():]) from None
 
 
 def to_messages(row) -> list[dict]:
@@ -68,24 +137,30 @@ def to_messages(row) -> list[dict]:
     if "conversations" in row:
         turns = row["conversations"]
         if not isinstance(turns, list):
-            raise ValueError(f"conversations: expected a list, got {type(turns).__name__}")
+            raise ValueError(f"conversations: expected a list of turns, got {_kind(turns)}")
+        if not turns:
+            raise ValueError("conversations: expected at least one turn, got an empty list")
         msgs = []
         for i, t in enumerate(turns):
             if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES:
                 got = t.get("from") if isinstance(t, dict) else type(t).__name__
                 raise ValueError(f"conversations[{i}].from: expected one of {', '.join(SHAREGPT_ROLES)}, got {got!r}")
             msgs.append({"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")})
-        return normalize_messages(msgs)
+        return _named(msgs, [f"conversations[{i}].value" for i in range(len(msgs))])
     if "instruction" in row and "output" in row:
-        user = row["instruction"]
-        if not isinstance(user, str) or not isinstance(row["output"], str):
-            raise ValueError("instruction / output: expected strings")
-        extra = row.get("input")
-        if isinstance(extra, str) and extra.strip():
+        for key in ("instruction", "output", "input", "system"):
+            v = row.get(key)
+            if v is None and key in ("input", "system"):
+                continue
+            if not isinstance(v, str):
+                raise ValueError(f"{key}: expected a string, got {_kind(v)}")
+            _named([{"role": "user", "content": v}], [key])
+        user, extra, system = row["instruction"], row.get("input"), row.get("system")
+        if extra is not None and extra.strip():
             user = f"{user}\n\n{extra}"
         msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
-        if isinstance(row.get("system"), str) and row["system"].strip():
-            msgs.insert(0, {"role": "system", "content": row["system"]})
+        if system is not None and system.strip():
+            msgs.insert(0, {"role": "system", "content": system})
         return normalize_messages(msgs)
     raise ValueError("expected a conversation: \"messages\", Alpaca \"instruction\"/\"output\" or ShareGPT "
                      "\"conversations\"")
@@ -126,8 +201,6 @@ def _rows(path: str) -> Iterator[tuple[str, object]]:
         for n, row in enumerate(ds, start=1):
             yield f"{path}:{n}", row
         return
-    if ".jsonl" not in Path(path).name:
-        raise DataError(f"data file {path!r}: conversations are read from JSON Lines (.jsonl or .jsonl.gz)")
     reason = unreadable_reason(path)
     if reason:
         raise DataError(f"data file {path!r}: {reason}")
@@ -144,10 +217,12 @@ def _rows(path: str) -> Iterator[tuple[str, object]]:
 def read_conversations(paths: list[str], val_fraction: float, strict: bool = False,
                        stats: ReadStats | None = None) -> list[Conversation]:
     """Every conversation of ``paths`` (see the module doc), in reading order. Raises DataError for a path that
-    does not exist or cannot be read, and in ``strict`` mode for the first row that is not a conversation."""
+    does not exist or cannot be read (:func:`jsonl_files`), and in ``strict`` mode for the first row that is not a
+    conversation."""
     stats = stats if stats is not None else ReadStats()
     out = []
-    for path in list_input_files(paths):
+    files, stats.skipped_files = jsonl_files(paths)
+    for path in files:
         for origin, row in _rows(path):
             stats.rows += 1
             try:
