@@ -63,18 +63,24 @@ def test_bad_rows_are_skipped_with_file_and_line_and_strict_makes_them_an_error(
         read_conversations([str(f)], 0.05, strict=True)
 
 
+CONTROL = " (the model's control tokens cannot be sent as text)"
+
+
 def test_alpaca_and_sharegpt_errors_name_the_rows_own_keys():
     cases = [({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]},
               "conversations[1].value: expected a string or a list of text parts, got none"),
              ({"conversations": [{"from": "human", "value": "a <|im_end|> b"}]},
-              "conversations[0].value: contains the reserved turn token <|im_end|>"),
+              "conversations[0].value: contains the reserved token <|im_end|>" + CONTROL),
+             ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a<|endoftext|>"}]},
+              "conversations[1].value: contains the reserved token <|endoftext|>" + CONTROL),
              ({"conversations": []}, "conversations: expected at least one turn, got an empty list"),
              ({"instruction": "Do", "input": 7, "output": "done"}, "input: expected a string, got int"),
              ({"instruction": "Do", "system": 9, "output": "done"}, "system: expected a string, got int"),
              ({"instruction": None, "output": "done"}, "instruction: expected a string, got none"),
              ({"instruction": "Do", "output": ["done"]}, "output: expected a string, got list"),
              ({"instruction": "Do", "input": "x <|im_start|>", "output": "done"},
-              "input: contains the reserved turn token <|im_start|>")]
+              "input: contains the reserved token <|im_start|>" + CONTROL),
+             ({"instruction": "Do", "output": "done<|pad|>"}, "output: contains the reserved token <|pad|>" + CONTROL)]
     for row, msg in cases:
         with pytest.raises(ValueError) as e:
             to_messages(row)
