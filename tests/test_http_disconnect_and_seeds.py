@@ -36,6 +36,12 @@ def choice_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
+def as_int64(seed: int) -> int:
+    """A 64-bit seed as the HTTP API takes it (a signed 64-bit int): its two's-complement value, the same generator
+    (seeds are taken mod 2**64)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
@@ -152,7 +158,7 @@ def test_every_choice_of_any_n_follows_the_seed_rule(bundle):
         choices = sorted(r.json()["choices"], key=lambda ch: ch["index"])
         assert [ch["index"] for ch in choices] == list(range(12))
         for i, ch in enumerate(choices):
-            one = c.post(f"{url}/v1/completions", json={**body, "n": 1, "seed": choice_seed(7, i)})
+            one = c.post(f"{url}/v1/completions", json={**body, "n": 1, "seed": as_int64(choice_seed(7, i))})
             assert one.status_code == 200, one.text
             alone = one.json()["choices"][0]
             assert (ch["text"], ch["logprobs"]["tokens"]) == (alone["text"], alone["logprobs"]["tokens"]), i

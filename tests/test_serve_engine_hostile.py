@@ -39,7 +39,7 @@ def test_bad_n_is_refused_before_anything_is_built(n):
 @pytest.mark.parametrize("k", [-1, True, 1.5, "3", MAX_TOP_LOGPROBS + 1, 2**64])
 def test_bad_top_logprobs_is_refused_up_front(k):
     lm = scripted_lm(["ab"], context=64)
-    with pytest.raises(RequestError, match=r"logprobs must be an integer in \[0, 1000\]"):
+    with pytest.raises(RequestError, match=r"top_logprobs \(logprobs in /v1/completions\) must be an integer in \[0, 1000\]"):
         lm.start("x", 2, top_logprobs=k)  # 2**64 used to reach Rust and raise OverflowError while iterating
 
 
