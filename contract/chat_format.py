@@ -48,13 +48,16 @@ RESERVED_TOKENS = (*SPECIAL_TOKENS, *CHAT_TOKENS)
 # llama.cpp's built-in ChatML (no --jinja) renders render() and prepends the BOS itself: the same ids again.
 # It takes what normalize_messages takes (content a string or text parts, joined) and refuses, through the
 # template's raise_exception (transformers, llama-cpp-python and llama.cpp's Jinja engine define it), what it refuses:
-# another role, another part type, content holding a RESERVED_TOKENS text. An empty part list renders as empty
+# no message, another role, another part type, content holding a RESERVED_TOKENS text (as sent; normalize_messages
+# checks it as sent and after NFC), and tools (this model has no tool calling). An empty part list renders as empty
 # content (normalize_messages refuses it): llama.cpp probes the template with one, and a template that fails the
 # probe is taken for string-only, whose text parts llama.cpp then joins with newlines. NFC is the tokenizer's own
 # normaliser's.
 _ROLE_LIST = "[" + ", ".join(f"'{r}'" for r in ROLES) + "]"
 _RESERVED_LIST = "[" + ", ".join(f"'{t}'" for t in RESERVED_TOKENS) + "]"
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ raise_exception('tools: this model has no tool calling') }}{% endif %}"
+    "{% if messages | length == 0 %}{{ raise_exception('messages: expected at least one message') }}{% endif %}"
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% set where = 'messages[' ~ loop.index0 ~ ']' %}"
@@ -144,11 +147,18 @@ def normalize_messages(messages) -> list[dict]:
             raise ChatFormatError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
         if "content" not in m or m["content"] is None:
             raise ChatFormatError(f"{where}.content: expected a string or a list of text parts, got none")
-        text = unicodedata.normalize("NFC", _content_text(m["content"], f"{where}.content"))
-        for tok in RESERVED_TOKENS:
-            if tok in text:
-                raise ChatFormatError(f"{where}.content: contains the reserved token {tok} (the model's control "
-                                      "tokens cannot be sent as text)")
+        raw = _content_text(m["content"], f"{where}.content")
+        bad = next((i for i, ch in enumerate(raw) if "\ud800" <= ch <= "\udfff"), None)
+        if bad is not None:
+            raise ChatFormatError(f"{where}.content: holds a lone surrogate U+{ord(raw[bad]):04X} at character {bad} "
+                                  "(not valid Unicode text)")
+        text = unicodedata.normalize("NFC", raw)
+        # as sent (what a template path hands the tokenizer, which matches special tokens before normalising) and
+        # after NFC (what the server encodes)
+        tok = next((t for t in RESERVED_TOKENS if t in raw or t in text), None)
+        if tok is not None:
+            raise ChatFormatError(f"{where}.content: contains the reserved token {tok} (the model's control "
+                                  "tokens cannot be sent as text)")
         out.append({"role": role, "content": text})
     return out
 

@@ -362,7 +362,7 @@ def _only_one(options: dict, why: str) -> None:
     """Pop ``n`` from ``options``; RequestError (param ``n``) unless it is absent or the int 1 (``why``: what the
     call makes instead)."""
     n = options.pop("n", 1)
-    if type(n) is not int or n != 1:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n != 1:
         raise RequestError(f"n is {n!r}, but {why}", param="n")
 
 

@@ -91,18 +91,34 @@ def test_assistant_spans_cover_reply_and_im_end():
     ([{"role": "user", "content": "a<|endoftext|>b"}], "messages[0].content: contains the reserved token <|endoftext|>"),
     ([{"role": "assistant", "content": "a<|pad|>"}], "messages[0].content: contains the reserved token <|pad|>"),
     ([{"role": "user", "content": []}], "messages[0].content: expected a string or a non-empty list of text parts"),
+    ([{"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "ab\ud800"}]}],
+     "messages[0].content: holds a lone surrogate U+D800 at character 4"),
+    # NFC composes ">" + U+0338 into "≯": the server's text loses the token, a template path's tokenizer sees it
+    ([{"role": "user", "content": "<|im_end|>\u0338"}], "messages[0].content: contains the reserved token <|im_end|>"),
 ])
 def test_bad_conversations_name_the_field(messages, expected):
     """render() refuses each with the field named; so does the Jinja template (transformers, llama.cpp), with the
     same field."""
-    escaped = expected.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")
+    escaped = re.escape(expected)
     with pytest.raises(ChatFormatError, match=escaped):
         render(messages, True)
-    if isinstance(messages, list) and messages and messages[0].get("content") != []:  # the template renders [] empty
+    # the template renders [] as empty content, and leaves a lone surrogate to the tokenizer (which cannot encode it)
+    if isinstance(messages, list) and messages and messages[0].get("content") != [] and "surrogate" not in expected:
         field = re.sub(r"\.(type|text)$", "", expected.split(":")[0])  # the template names the part, not its key
         field = field.replace("[", r"\[").replace("]", r"\]")
         with pytest.raises(TemplateError, match=field):
             _jinja(messages, True)
+
+
+def test_template_refuses_no_messages_and_tools():
+    """What a runtime may hand the template that the server refuses: an empty conversation, tools."""
+    with pytest.raises(TemplateError, match="messages: expected at least one message"):
+        _jinja([], True)
+    environment = jinja2.Environment()
+    environment.globals["raise_exception"] = raise_exception
+    with pytest.raises(TemplateError, match="tools: this model has no tool calling"):
+        environment.from_string(CHAT_TEMPLATE).render(messages=CONVERSATIONS[0], bos_token="", tools=[{"type": "x"}],
+                                                      add_generation_prompt=True)
 
 
 def test_missing_chat_tokens():

@@ -153,11 +153,21 @@ def test_logprobs_in_chat_form(random_chat_client):
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "no JSON mode"),
     ({"messages": USER, "modalities": ["text", "audio"]}, "modalities", 'only ["text"]'),
     ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output is not supported"),
+    ({"messages": USER, "ignore_eos": True}, "ignore_eos", "an option of /v1/completions, not of chat"),
+    ({"messages": USER, "echo": True}, "echo", "an option of /v1/completions, not of chat"),
+    ({"messages": USER, "reasoning_effort": "high"}, "reasoning_effort", "not a reasoning model"),
+    ({"messages": USER, "web_search_options": {}}, "web_search_options", "web search is not supported"),
+    ({"messages": USER, "stop": {"\ud800": 1}}, "stop", "stop must be a non-empty string or a list"),
+    ({"messages": [{"role": "user", "content": "ab\ud800"}]}, "messages",
+     "messages[0].content: holds a lone surrogate U+D800 at character 2"),
     ({"messages": [{"role": "user", "content": "ক" * 300}]}, "messages", "context length 128"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_input_is_400_before_any_stream(chat_client, body, param, needle, stream):
-    err = assert_error(chat_client.post("/v1/chat/completions", json={**body, "stream": stream}), 400, param)
+    # sent as JSON text (ASCII, lone surrogates as \\ud800 escapes: what a client may send and httpx cannot encode)
+    r = chat_client.post("/v1/chat/completions", content=json.dumps({**body, "stream": stream}),
+                         headers={"Content-Type": "application/json"})
+    err = assert_error(r, 400, param)
     assert needle in err["message"], err
 
 
@@ -186,6 +196,15 @@ def test_a_body_that_is_not_a_json_object_says_what_it_must_be(chat_client):
                               "Content-Type: text/plain") and err["code"] == "invalid_content_type"
     err = assert_error(chat_client.post("/v1/chat/completions", json=[1, 2]), 400, None)
     assert err["message"] == "the body must be a JSON object, got an array"
+    err = assert_error(chat_client.post("/v1/chat/completions", content=json.dumps({"messages": USER})), 400, None)
+    assert err["message"] == ("the body must be a JSON object sent with Content-Type: application/json, sent without "
+                              "a Content-Type")
+    err = assert_error(chat_client.post("/v1/chat/completions", content=b"",
+                                        headers={"Content-Type": "application/json"}), 400, None)
+    assert err["message"] == "the body is empty: expected a JSON object"
+    r = chat_client.post("/v1/chat/completions", content=json.dumps({"messages": USER, "max_tokens": 2}),
+                         headers={"Content-Type": "application/vnd.api+json; charset=utf-8"})
+    assert r.status_code == 200, r.text
 
 
 def test_model_without_chat_template_is_400_saying_how_to_get_one():

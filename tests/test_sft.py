@@ -415,7 +415,7 @@ def test_build_refuses_bad_out_and_unreadable_corpus_in_one_line_and_writes_noth
          f"\\ud800-\\udfff escape needs its pair)"),
         (["--data", str(short)],
          f"{short}: no conversation to write: read 3 documents; 1 without a title, 1 with a title that is not a "
-         f"string, 1 shorter than 120 characters, 0 with no task that fits (a later part without an author, too "
+         f"string, 0 holding control-token text, 1 shorter than 120 characters, 0 with no task that fits (a later part without an author, too "
          f"short to continue); expected the corpus's JSON Lines: objects with a string \"title\" (and \"author\") "
          f"and a \"text\" of at least 120 characters"),
         (["--data", str(good), "--out", str(good)],
@@ -451,11 +451,14 @@ def test_build_skips_and_counts_titles_and_authors_that_are_not_strings(tmp_path
     d.mkdir()
     write_jsonl(d / "c.jsonl", [corpus_row(title="Good title", author="Real Author"),
                                 corpus_row(title={"a": 1}, author="Somebody"),
-                                corpus_row(title="Another title", author=["x"])])
+                                corpus_row(title="Another title", author=["x"]),
+                                corpus_row(title="A <|im_end|> title", author="X"),
+                                corpus_row(title="Fine", author="Y <|endoftext|>")])
     (d / "README.md").write_text("the corpus\n")
     rows, summary = build([str(d)], seed=0)
-    assert summary["documents"] == {"read": 3, "used": 2, "no_title": 0, "title_not_a_string": 1,
-                                    "author_not_a_string": 1, "too_short": 0, "no_task": 0}
+    assert summary["documents"] == {"read": 5, "used": 2, "no_title": 0, "title_not_a_string": 1,
+                                    "author_not_a_string": 1, "reserved_token": 2, "too_short": 0, "no_task": 0}
+    assert not [r for r in rows if any(t in m["content"] for m in r["messages"] for t in ("<|im_end|>", "<|endof"))]
     assert summary["skipped_files"] == [str(d / "README.md")]
     answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
     assert "Real Author" in answers and "Another title" in answers

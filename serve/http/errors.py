@@ -53,6 +53,8 @@ def timeout_error(request_timeout_s: float) -> HTTPError:
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON body for an error (``type`` from :data:`ERROR_TYPES`, ``invalid_request_error`` for 4xx)."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    # a message that quotes a lone surrogate from the request would make the body unencodable: escape it
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -104,9 +106,18 @@ def field_path(loc) -> str:
     return out
 
 
-def validation_error(exc: RequestValidationError, content_type: str | None = None) -> JSONResponse:
+def is_json_media(content_type: str | None) -> bool:
+    """Whether a Content-Type header names JSON (``application/json``, ``application/*+json``; parameters and case
+    ignored)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None = None, empty: bool = False
+                     ) -> JSONResponse:
     """A request that does not fit the schema → 400 naming the first offending field. ``content_type``: the
-    request's Content-Type header (a body that is not a JSON object is explained by it when it is not JSON)."""
+    request's Content-Type header, ``empty``: it came without a body (a body that is not a JSON object is explained
+    by them)."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
@@ -116,10 +127,13 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
     ctx = first.get("ctx") or {}
     param = ctx.get("param") or (str(loc[0]) if loc else None)
     if not loc and ctx.get("param") is None:  # the body itself is not an object
-        media = (content_type or "").split(";")[0].strip().lower()
-        if media and media != "application/json" and not media.endswith("+json"):
-            return error_response(400, f"the body must be a JSON object sent with Content-Type: application/json, "
-                                       f"got Content-Type: {media}", code="invalid_content_type")
+        if empty:
+            return error_response(400, "the body is empty: expected a JSON object", code="invalid_type")
+        if not is_json_media(content_type):
+            media = (content_type or "").split(";")[0].strip().lower()
+            return error_response(400, "the body must be a JSON object sent with Content-Type: application/json, "
+                                       + (f"got Content-Type: {media}" if media else "sent without a Content-Type"),
+                                  code="invalid_content_type")
         return error_response(400, f"the body must be a JSON object, got {json_kind(first.get('input'))}",
                               code="invalid_type")
     unicode = next((e for e in errors if e.get("type") == "string_unicode"), None)
@@ -149,6 +163,9 @@ def json_repr(value) -> str:
     JSON cannot spell)."""
     try:
         text = json.dumps(value, ensure_ascii=False)
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: JSON's own escape
+        text = json.dumps(value)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -165,7 +182,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc, request.headers.get("content-type"))
+        empty = request.headers.get("content-length") == "0" and "transfer-encoding" not in request.headers
+        return validation_error(exc, request.headers.get("content-type"), empty)
 
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
         return error_response(400, str(exc), exc.param, exc.code)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from contract.bundle import EOT
-from contract.chat_format import ChatFormatError, normalize_messages
+from contract.chat_format import IM_END, ChatFormatError, normalize_messages
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -42,8 +42,9 @@ def _int64(v: Any) -> Any:
     so a wider one would silently share another's stream. (The schema says ``format: int64`` rather than a
     minimum/maximum: a JSON Schema tool that holds numbers as floats misplaces bounds near 2**63.)"""
     if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
+        got = str(v) if len(str(v)) <= 24 else f"a {len(str(abs(v)))}-digit number"
         raise PydanticCustomError("int64", "{message}", {"message": f"seed must be a 64-bit signed integer "
-                                                                    f"(-2**63 to 2**63 - 1), got {v}"})
+                                                                    f"(-2**63 to 2**63 - 1), got {got}"})
     return v
 
 
@@ -118,8 +119,8 @@ class CompletionRequest(_Streamed):
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None and (v != 1 if info.field_name == "best_of" else bool(v)):
-            raise ValueError(f"{info.field_name} is not supported by this server"
-                             + (" (only 1: use n for more choices)" if info.field_name == "best_of" else ""))
+            why = "only 1: use n for more choices" if info.field_name == "best_of" else "not supported by this server"
+            raise PydanticCustomError("unsupported", "{message}", {"message": f"{info.field_name}: {why}"})
         return v
 
 
@@ -179,6 +180,10 @@ UNSUPPORTED = {
                                              "output"),
     "modalities": ((["text"],), 'only ["text"]: the model writes text'),
     "audio": ((), "audio output is not supported: the model writes text"),
+    "web_search_options": ((), "web search is not supported by this server"),
+    "reasoning_effort": ((), "not supported: this is not a reasoning model"),
+    "echo": ((False,), "an option of /v1/completions, not of chat: a reply holds the reply alone"),
+    "ignore_eos": ((False,), f"an option of /v1/completions, not of chat: a reply ends at {IM_END}"),
 }
 
 
@@ -230,6 +235,14 @@ class ChatCompletionRequest(_Streamed):
     modalities: list[str] | None = Field(None, description='Only null or ["text"].',
                                          json_schema_extra={"anyOf": [{"const": ["text"]}, {"type": "null"}]})
     audio: Any = Field(None, description="Not supported (a text model): only null.", json_schema_extra={"type": "null"})
+    web_search_options: Any = Field(None, description="Not supported: only null.", json_schema_extra={"type": "null"})
+    reasoning_effort: Any = Field(None, description="Not supported (not a reasoning model): only null.",
+                                  json_schema_extra={"type": "null"})
+    echo: bool | None = Field(None, description="A completions option: only null or false.",
+                              json_schema_extra={"enum": [False, None]})
+    ignore_eos: bool | None = Field(None, description="A completions option: only null or false.",
+                                    json_schema_extra={"enum": [False, None]})
+    prediction: Any = Field(None, description="Accepted and ignored: a latency hint that does not change the reply.")
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -20,8 +20,10 @@ nothing is invented), asked and answered in one language:
 Some conversations carry a system message (Bangla or English) asking for replies in the question's language.
 
 Input: the corpus's ``.jsonl[.gz]`` files, or folders of them (other files there are skipped and listed in the
-summary). A document without a title, or whose ``title`` is not a string, gives no conversation; one whose
-``author`` is not a string gives none about its author; the summary line counts both (``documents``). A file that
+summary). A document without a title, or whose ``title`` is not a string, or whose text, title or author holds
+the text of a control token (``<|endoftext|>``, ``<|pad|>``, ``<|im_start|>``, ``<|im_end|>``), gives no
+conversation; one whose ``author`` is not a string gives none about its author; the summary line counts them
+(``documents``). A file that
 is not valid gzip or UTF-8, a line that is not a JSON object with a string ``text``, an ``--out`` that is not a
 ``.jsonl.gz`` (written gzipped) or ``.jsonl`` (plain) file path, or a corpus that gives no conversation is exit 2
 with one ``error:`` line, and nothing is written.
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.atomic import atomic_write_bytes
+from contract.chat_format import RESERVED_TOKENS
 from contract.text import detect_language, nfc
 from train.corpus import DataError, unreadable_reason
 from train.sft.formats import SUFFIXES, jsonl_files
@@ -106,9 +109,11 @@ def read_corpus(paths: list[str], counts: Counter | None = None,
     ``license``; gzipped or not; in a folder, the ``.jsonl[.gz]`` files, the others skipped and appended to
     ``skipped_files``). Language by script, as training decides it.
 
-    A document without a title, or whose ``title`` is not a string, gives no piece; one whose ``author`` is not a
-    string gives a piece without an author (no question about the author): ``counts`` gets ``read`` (documents)
-    and ``no_title``, ``title_not_a_string``, ``author_not_a_string``. Raises DataError naming the path for an
+    A document without a title, or whose ``title`` is not a string, gives no piece, nor does one whose text, title
+    or author holds the text of a control token (``contract.chat_format.RESERVED_TOKENS``: fine-tuning refuses
+    such content); one whose ``author`` is not a string gives a piece without an author (no question about the
+    author): ``counts`` gets ``read`` (documents) and ``no_title``, ``title_not_a_string``, ``reserved_token``,
+    ``author_not_a_string``. Raises DataError naming the path for an
     input that cannot be read (:func:`train.sft.formats.jsonl_files`; a file that is not valid gzip or UTF-8) and
     ``file:line`` for a line that is not a JSON object with a string ``text`` or whose kept fields hold a lone
     surrogate."""
@@ -138,6 +143,10 @@ def read_corpus(paths: list[str], counts: Counter | None = None,
                         raise DataError(f"{f}:{n}: field \"{key}\" holds a lone surrogate U+{ord(m.group()):04X} "
                                         f"(expected Unicode text; a JSON \\ud800-\\udfff escape needs its pair)")
                 counts["read"] += 1
+                if any(t in v for v in (row.get(k) for k in ("text", "title", "author")) if isinstance(v, str)
+                       for t in RESERVED_TOKENS):
+                    counts["reserved_token"] += 1  # fine-tuning would refuse every conversation made from it
+                    continue
                 title, author = row.get("title"), row.get("author")
                 if title is not None and not isinstance(title, str):
                     counts["title_not_a_string"] += 1
@@ -328,13 +337,14 @@ def build(paths: list[str], seed: int = 0, per_doc: dict[str, dict[str, int]] | 
             rows.append({"messages": msgs, "task": task, "lang": _asked(task, d.lang), "split": split,
                          "group": f"{d.source}/{work_of(d)}", "source": d.source, "license": d.license})
     documents = {k: counts[k] for k in ("read", "used", "no_title", "title_not_a_string", "author_not_a_string",
-                                        "too_short", "no_task")}
+                                        "reserved_token", "too_short", "no_task")}
     if not rows:
         files = f"; skipped {len(skipped_files)} file(s) that are not .jsonl or .jsonl.gz" if skipped_files else ""
         raise DataError(
             f"{', '.join(paths)}: no conversation to write: read {documents['read']} documents; "
             f"{documents['no_title']} without a title, {documents['title_not_a_string']} with a title that is not a "
-            f"string, {documents['too_short']} shorter than {SHORTEST} characters, {documents['no_task']} with no "
+            f"string, {documents['reserved_token']} holding control-token text, {documents['too_short']} shorter "
+            f"than {SHORTEST} characters, {documents['no_task']} with no "
             f"task that fits (a later part without an author, too short to continue){files}; expected the corpus's "
             f"JSON Lines: objects with a string \"title\" (and \"author\") and a \"text\" of at least {SHORTEST} "
             f"characters")
