@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks.common import free_port  # noqa: E402
+from contract.atomic import atomic_write_text  # noqa: E402
 from contract.bundle import MANIFEST, ONNX, ONNX_Q8_0, TOKENIZER, WEIGHTS, external_data  # noqa: E402
+from contract.chat_format import RESERVED_TOKENS  # noqa: E402
 
 MINI = ROOT / "tests" / "data" / "mini"
 OUT_MD = ROOT / "benchmarks" / "results" / os.environ.get("BATTERY_OUT", "hostile_battery.md")
@@ -136,6 +138,55 @@ S = "\\ud800"  # a lone surrogate, JSON-escaped
 C = "/v1/completions"
 
 
+H = "/v1/chat/completions"
+USER = [{"role": "user", "content": "নদীর নাম বলো।"}]
+
+
+def chat_cases(wrong: list) -> list[tuple[str, str, str, int | None]]:
+    """Chat requests: well-formed ones (200), conversations the chat format refuses, features the server does not
+    have, and every wrong type in every field (any 4xx)."""
+    def j(d) -> str:
+        return json.dumps(d)
+
+    def part(text: str) -> dict:
+        return {"type": "text", "text": text}
+
+    cases = [
+        (H, j({"messages": USER, "max_tokens": 2}), "chat", 200),
+        (H, j({"messages": USER, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}),
+         "chat streamed", 200),
+        (H, j({"messages": [{"role": "user", "content": [part("a"), part("b")]}], "max_tokens": 2}), "text parts", 200),
+        (H, j({"messages": USER, "max_tokens": 2, "tools": [], "tool_choice": "none",
+               "response_format": {"type": "text"}}), "feature fields that ask for nothing", 200),
+        (H, '{"messages": [{"role": "user", "content": "a' + S + '"}]}', "content lone surrogate", 400),
+        (H, j({"messages": []}), "no messages", 400),
+        (H, j({"messages": [{"role": "tool", "content": "x"}]}), "tool role", 400),
+        (H, j({"messages": [{"role": "user"}]}), "no content", 400),
+        (H, j({"messages": [{"role": "user", "content": []}]}), "empty part list", 400),
+        (H, j({"messages": [{"role": "user", "content": [part("a"), {"type": "image_url", "image_url": {}}]}]}),
+         "image part", 400),
+        (H, j({"messages": [{"role": "user", "content": [part("<|im_"), part("end|>")]}]}),
+         "turn token split across parts", 400),
+        (H, j({"messages": [{"role": "user", "content": "ক" * 100_000}]}), "conversation past the context", 400),
+        (H, j({"messages": USER * 3000, "max_tokens": 1}), "3000 turns", 400),
+        (H, j({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools", 400),
+        (H, j({"messages": USER, "tool_choice": "required"}), "tool_choice required", 400),
+        (H, j({"messages": USER, "response_format": {"type": "json_object"}}), "JSON mode", 400),
+        (H, j({"messages": USER, "max_completion_tokens": 0}), "max_completion_tokens 0", 400),
+        (H, j({"messages": USER, "top_logprobs": 2}), "top_logprobs without logprobs", 400),
+        (H, j({"messages": USER, "stream_options": {"include_usage": True}}), "stream_options without stream", 400),
+        (H, j({"messages": USER, "seed": 2 ** 64}), "seed 2^64", 400),
+        (H, "[]", "array body", 400),
+    ]
+    cases += [(H, j({"messages": [{"role": "user", "content": f"a{tok}b"}]}), f"content with {tok}", 400)
+              for tok in RESERVED_TOKENS]
+    for f in ["messages", "max_tokens", "max_completion_tokens", "n", "stop", "seed", "stream", "logprobs",
+              "top_logprobs", "tools", "tool_choice", "functions", "response_format", "modalities", "audio",
+              "stream_options", "logit_bias"]:
+        cases += [(H, j({"messages": USER, "max_tokens": 1, f: w}), f"chat {f}={w!r}", None) for w in wrong]
+    return cases
+
+
 def http_battery(port: int, tag: str) -> None:
     def j(d) -> str:
         return json.dumps(d)
@@ -198,12 +249,15 @@ def http_battery(port: int, tag: str) -> None:
     for w in wrong:
         cases.append(("/detokenize", j({"tokens": w}), f"detokenize tokens={w!r}", None))
         cases.append(("/v1/score", j({"text": w}), f"score text={w!r}", None))
+    cases += chat_cases(wrong)
     for path, body, label, expect in cases:
         r = http_case(port, path, body, f"[{tag}] {label}", expect=expect)
         if r and label == "echo+logprobs" and r[0] == 200:
             lp = json.loads(r[1])["choices"][0]["logprobs"]["token_logprobs"]
             if lp[0] is not None:
                 fail("unclear errors", f"POST {C} [{tag}] echo+logprobs", f"first token_logprob {lp[0]} (want null)")
+    http_case(port, H, json.dumps({"messages": USER}), f"[{tag}] chat sent as text/plain",
+              {"Content-Type": "text/plain"})
     # bodies that are not JSON text
     for label, body in [("invalid UTF-8", b'{"prompt": "\xff\xfe"}'), ("NUL bytes", b'{"prompt": "a\x00"}'),
                         ("latin-1 body", '{"prompt": "é"}'.encode("latin-1"))]:
@@ -499,7 +553,7 @@ def main() -> int:
              f"{load[0]:.2f} (2 shared cores), sections: {', '.join(sections)}.", "",
              "| category | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in counts.items()]
     lines += ["", "## Failures", ""] + (failures or ["none"]) + ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    OUT_MD.write_text("\n".join(lines) + "\n")
+    atomic_write_text(OUT_MD, "\n".join(lines) + "\n")
     print("\n".join(lines))
     if not reuse:
         shutil.rmtree(tmp, ignore_errors=True)
