@@ -6,6 +6,7 @@ Run: ``python benchmarks/hostile_battery.py`` (a few minutes on 2 cores: trains 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from benchmarks import timing  # noqa: E402
 from benchmarks.common import free_port  # noqa: E402
 from contract.atomic import atomic_write_text  # noqa: E402
 from contract.bundle import MANIFEST, ONNX, ONNX_Q8_0, TOKENIZER, WEIGHTS, external_data  # noqa: E402
@@ -139,6 +141,7 @@ C = "/v1/completions"
 
 
 H = "/v1/chat/completions"
+WRONG = [None, True, 1.5, -3, "s", [], {}, [[1, "a"]], 10 ** 30]  # a wrong value of every JSON type
 USER = [{"role": "user", "content": "নদীর নাম বলো।"}]
 
 
@@ -235,7 +238,7 @@ def http_battery(port: int, tag: str) -> None:
         (C, "[]", "array body", 400),
         (C, "null", "null body", 400),
     ]
-    wrong = [None, True, 1.5, -3, "s", [], {}, [[1, "a"]], 10 ** 30]
+    wrong = WRONG
     fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "logprobs",
               "echo", "presence_penalty", "frequency_penalty", "repetition_penalty", "stream_options", "best_of",
               "logit_bias", "suffix", "model", "user"]
@@ -394,8 +397,10 @@ def fast_sets(tmp: Path, cache: Path, data: Path, **extra) -> list[str]:
 
 
 def data_battery(tmp: Path) -> None:
-    good = [json.dumps({"text": f"আমি ভাত খাই {i}। সে বই পড়ে আর গান গায়।" if i % 2 else
-                        f"Line {i}: the cat sat on the mat and read a book."}) for i in range(200)]
+    # the good lines: the mini corpus's own documents (real text, so that the cleaning stage keeps them and the
+    # hostile line goes through reading and cleaning alike)
+    good = [ln for f in sorted(MINI.glob("*.jsonl.gz")) for ln in gzip.decompress(f.read_bytes()).decode().splitlines()
+            if ln.strip()]
     cases = {
         "5000-digit integer": '{"text": "abc", "n": ' + "1" * 5000 + "}",
         "200k-deep nesting": '{"text": "abc", "x": ' + "[" * 200_000 + "]" * 200_000 + "}",
@@ -406,7 +411,8 @@ def data_battery(tmp: Path) -> None:
     for label, line in cases.items():
         d = tmp / f"data-{label.replace(' ', '_')}"
         d.mkdir()
-        (d / "c.jsonl").write_text("\n".join(good[:100] + [line] + good[100:]) + "\n")
+        half = len(good) // 2
+        (d / "c.jsonl").write_text("\n".join(good[:half] + [line] + good[half:]) + "\n")
         t0 = time.time()
         r = cli(["-m", "train.data", "prepare", "--config", "tiny", "--data", str(d),
                  *fast_sets(tmp, tmp / f"cache-{d.name}", d)], timeout=60,
@@ -550,7 +556,11 @@ def main() -> int:
     elapsed = time.time() - t_start
     load = os.getloadavg()
     lines = ["# Hostile-input battery", "", f"`python benchmarks/hostile_battery.py` — {elapsed:.0f} s, load average "
-             f"{load[0]:.2f} (2 shared cores), sections: {', '.join(sections)}.", "",
+             f"{load[0]:.2f} ({timing.cores()} cores, {timing.cpu_name()}), commit {timing.git_commit()}, sections: "
+             f"{', '.join(sections)}.", "",
+             f"HTTP: both backends (onnx, rust), 127.0.0.1 only; each gets {len(chat_cases(WRONG)) + 1} chat requests "
+             "(`/v1/chat/completions`: well-formed ones, conversations the chat format refuses, features the server "
+             "lacks, a wrong type in each field, a body sent as text/plain).", "",
              "| category | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in counts.items()]
     lines += ["", "## Failures", ""] + (failures or ["none"]) + ["", "## Notes", ""] + [f"- {n}" for n in notes]
     atomic_write_text(OUT_MD, "\n".join(lines) + "\n")
