@@ -105,7 +105,7 @@ def test_bad_paths(paths, match):
 
 def test_folder_without_documents(tmp_path):
     (tmp_path / "README.md").write_text("nothing here")
-    with pytest.raises(DataError, match="holds no documents"):
+    with pytest.raises(DataError, match="holds no input files: documents are read from files ending in"):
         list_input_files([str(tmp_path)])
 
 

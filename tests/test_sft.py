@@ -119,15 +119,15 @@ def test_a_data_folder_reads_its_jsonl_files_and_skips_the_others(tmp_path):
     with pytest.raises(DataError) as e:
         read_conversations([str(d / "README.txt")], 0.05)
     assert str(e.value) == (f"data file {str(d / 'README.txt')!r}: conversations are read from files ending in "
-                            f".jsonl or .jsonl.gz (JSON Lines, gzipped or not), folders of them or "
-                            f"hf:NAME[:CONFIG][:SPLIT] sources")
+                            f".jsonl or .jsonl.gz, folders of them or hf:NAME[:CONFIG][:SPLIT] sources")
     txt_only = tmp_path / "txt"
     txt_only.mkdir()
     (txt_only / "pairs.txt").write_text("q\n\na\n")
     with pytest.raises(DataError) as e:
         read_conversations([str(txt_only)], 0.05)
-    assert str(e.value) == (f"folder {str(txt_only)!r} holds no JSON Lines files: expected files ending in .jsonl "
-                            f"or .jsonl.gz (it holds 1 other file(s), e.g. 'pairs.txt')")
+    assert str(e.value) == (f"folder {str(txt_only)!r} holds no input files: conversations are read from files "
+                            f"ending in .jsonl or .jsonl.gz, folders of them or hf:NAME[:CONFIG][:SPLIT] sources "
+                            f"(it holds 1 other file(s), e.g. 'pairs.txt')")
 
 
 def test_split_follows_the_row_then_the_group(tmp_path):
@@ -343,9 +343,11 @@ def test_bad_input_is_one_line_exit_2_and_no_run_folder(trained_run, tmp_path):
     txt.mkdir()
     (txt / "README.txt").write_text("not conversations\n")
     cases = [([str(trained_run), "--data", str(txt / "README.txt")],
-              "conversations are read from files ending in .jsonl or .jsonl.gz (JSON Lines, gzipped or not)"),
-             ([str(trained_run), "--data", str(txt)], "holds no JSON Lines files: expected files ending in .jsonl "
-                                                      "or .jsonl.gz (it holds 1 other file(s), e.g. 'README.txt')"),
+              "conversations are read from files ending in .jsonl or .jsonl.gz, folders of them or hf:"),
+             ([str(trained_run), "--data", str(txt)], "holds no input files: conversations are read from files "
+                                                      "ending in .jsonl or .jsonl.gz, folders of them or hf:NAME"
+                                                      "[:CONFIG][:SPLIT] sources (it holds 1 other file(s), e.g. "
+                                                      "'README.txt')"),
              (["no/such/run"], "not a trained run"),
              ([str(trained_run), "--data", str(tmp_path / "missing.jsonl")], "does not exist"),
              ([str(trained_run), "--data", str(empty)], "no training conversation left"),

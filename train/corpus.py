@@ -91,36 +91,53 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config, split
 
 
-def list_input_files(paths: list[str]) -> list[str]:
-    """Expand folders into their corpus files; keep ``hf:`` specs as they are.
+def expand_paths(paths: list[str], suffixes: tuple[str, ...] = SUFFIXES, reads: str = "documents are read from",
+                 hf: bool = True) -> tuple[list[str], list[str]]:
+    """``(files, others)``: the files of ``paths`` that end in one of ``suffixes`` (folders searched recursively, in
+    sorted order; ``hf:`` specs kept as they are when ``hf``), and the other files found in those folders, which
+    are not read.
 
-    Returns a list of file paths (as strings) and ``hf:`` specs, in a deterministic order. Raises DataError
-    for an empty path, a missing path, a file with an unsupported suffix or a folder with no corpus files.
-    """
-    out: list[str] = []
+    Raises DataError naming the path for no paths, an empty or missing path, a file named on its own with another
+    suffix, an ``hf:`` spec when not ``hf`` (or one :func:`parse_hf_spec` refuses), and a folder with no such file;
+    ``reads`` says in those messages what is read from the inputs (``"conversations are read from"``)."""
+    accepted = f"files ending in {', '.join(suffixes[:-1])} or {suffixes[-1]}" + (
+        ", folders of them or hf:NAME[:CONFIG][:SPLIT] sources" if hf else " or folders of them")
     if not paths:
-        raise DataError("no data paths given: expected at least one folder, file or hf:NAME source")
+        raise DataError(f"no data paths given: {reads} {accepted}")
+    files: list[str] = []
+    others: list[str] = []
     for raw in paths:
         p = str(raw).strip()
         if not p:
-            raise DataError("data path is empty: expected a folder, a .jsonl/.txt[.gz] file or hf:NAME[:CONFIG][:SPLIT]")
+            raise DataError(f"data path is empty: {reads} {accepted}")
         if is_hf_spec(p):
+            if not hf:
+                raise DataError(f"data source {p!r}: {reads} {accepted}, not hf: sources")
             parse_hf_spec(p)
-            out.append(p)
+            files.append(p)
             continue
         path = resolve_path(p)
         if not path.exists():
             raise DataError(f"data path {p!r} does not exist")
         if path.is_dir():
-            found = sorted(str(f) for f in path.rglob("*") if f.is_file() and str(f).endswith(SUFFIXES))
-            if not found:
-                raise DataError(f"folder {p!r} holds no documents: expected files ending in {', '.join(SUFFIXES)}")
-            out.extend(found)
-        elif str(path).endswith(SUFFIXES):
-            out.append(str(path))
+            found = sorted(str(f) for f in path.rglob("*") if f.is_file())
+            mine = [f for f in found if f.endswith(suffixes)]
+            if not mine:
+                held = f" (it holds {len(found)} other file(s), e.g. {Path(found[0]).name!r})" if found else ""
+                raise DataError(f"folder {p!r} holds no input files: {reads} {accepted}{held}")
+            files += mine
+            others += [f for f in found if not f.endswith(suffixes)]
+        elif str(path).endswith(suffixes):
+            files.append(str(path))
         else:
-            raise DataError(f"data file {p!r}: unsupported type; expected one of {', '.join(SUFFIXES)}")
-    return out
+            raise DataError(f"data file {p!r}: {reads} {accepted}")
+    return files, others
+
+
+def list_input_files(paths: list[str]) -> list[str]:
+    """The corpus files (:data:`SUFFIXES`) and ``hf:`` specs of ``paths``, folders expanded, in a deterministic
+    order (:func:`expand_paths`; other files in folders are not corpus and not read). Raises DataError as it."""
+    return expand_paths(paths)[0]
 
 
 def _make_doc(text: str, meta: dict, default_source: str, origin: str) -> Document | None:

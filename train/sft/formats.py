@@ -34,8 +34,7 @@ from pathlib import Path
 
 from contract.chat_format import ChatFormatError, normalize_messages
 from contract.text import detect_language, is_val
-from train.config import resolve_path
-from train.corpus import DataError, is_hf_spec, parse_hf_spec, unreadable_reason
+from train.corpus import DataError, expand_paths, is_hf_spec, parse_hf_spec, unreadable_reason
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 VAL_NAMES = ("validation", "val", "valid", "test")
@@ -71,44 +70,10 @@ class ReadStats:
 
 def jsonl_files(paths: list[str], reads: str = "conversations are read from", hf: bool = True
                 ) -> tuple[list[str], list[str]]:
-    """``(files, skipped)``: the ``.jsonl`` / ``.jsonl.gz`` files of ``paths`` (folders searched recursively, in
-    sorted order; ``hf:`` specs kept as they are when ``hf``), and the other files found in those folders, which
-    are not read. Raises DataError naming the path for an empty or missing path, a file named on its own that is
-    not ``.jsonl[.gz]``, an ``hf:`` spec when not ``hf``, and a folder without a ``.jsonl[.gz]`` file; ``reads``
-    says in those messages what is read (``"the corpus is read from"``)."""
-    accepted = "files ending in .jsonl or .jsonl.gz (JSON Lines, gzipped or not)" + (
-        ", folders of them or hf:NAME[:CONFIG][:SPLIT] sources" if hf else " or folders of them")
-    if not paths:
-        raise DataError(f"no data paths given: {reads} {accepted}")
-    files: list[str] = []
-    skipped: list[str] = []
-    for raw in paths:
-        p = str(raw).strip()
-        if not p:
-            raise DataError(f"data path is empty: {reads} {accepted}")
-        if is_hf_spec(p):
-            if not hf:
-                raise DataError(f"data source {p!r}: {reads} {accepted}, not hf: sources")
-            parse_hf_spec(p)
-            files.append(p)
-            continue
-        path = resolve_path(p)
-        if not path.exists():
-            raise DataError(f"data path {p!r} does not exist")
-        if path.is_dir():
-            found = sorted(str(f) for f in path.rglob("*") if f.is_file())
-            mine = [f for f in found if f.endswith(SUFFIXES)]
-            if not mine:
-                others = f" (it holds {len(found)} other file(s), e.g. {Path(found[0]).name!r})" if found else ""
-                raise DataError(f"folder {p!r} holds no JSON Lines files: expected files ending in .jsonl or "
-                                f".jsonl.gz{others}")
-            files += mine
-            skipped += [f for f in found if not f.endswith(SUFFIXES)]
-        elif str(path).endswith(SUFFIXES):
-            files.append(str(path))
-        else:
-            raise DataError(f"data file {p!r}: {reads} {accepted}")
-    return files, skipped
+    """``(files, skipped)``: the ``.jsonl`` / ``.jsonl.gz`` files of ``paths`` and the other files found in their
+    folders, which are not read (:func:`train.corpus.expand_paths` with :data:`SUFFIXES`: its errors, ``reads``
+    saying what is read, ``hf`` whether ``hf:`` sources are taken)."""
+    return expand_paths(paths, SUFFIXES, reads, hf)
 
 
 def _kind(v) -> str:
