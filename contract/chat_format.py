@@ -21,16 +21,16 @@ the other runtimes; never encode pieces separately.
 
 Generation ends at ``<|im_end|>`` (a chat reply) or ``<|endoftext|>``: :data:`END_OF_GENERATION`.
 
-Part of ``contract/`` (standard library only, nothing outside ``contract/``) so that every stage may import it. NFC is
-``unicodedata.normalize("NFC", ...)``, the same normalisation as ``contract.text.nfc`` and the tokenizer's own.
+Part of ``contract/`` (the standard library and ``contract/`` only) so that every stage may import it. NFC is
+``contract.text.nfc``, the tokenizer's own normalisation.
 """
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 
 from contract.byte_level import EOT, SPECIAL_TOKENS
+from contract.text import lone_surrogate, nfc
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -148,19 +148,24 @@ def normalize_messages(messages) -> list[dict]:
         if "content" not in m or m["content"] is None:
             raise ChatFormatError(f"{where}.content: expected a string or a list of text parts, got none")
         raw = _content_text(m["content"], f"{where}.content")
-        bad = next((i for i, ch in enumerate(raw) if "\ud800" <= ch <= "\udfff"), None)
+        bad = lone_surrogate(raw)
         if bad is not None:
             raise ChatFormatError(f"{where}.content: holds a lone surrogate U+{ord(raw[bad]):04X} at character {bad} "
                                   "(not valid Unicode text)")
-        text = unicodedata.normalize("NFC", raw)
+        text = nfc(raw)
         # as sent (what a template path hands the tokenizer, which matches special tokens before normalising) and
         # after NFC (what the server encodes)
-        tok = next((t for t in RESERVED_TOKENS if t in raw or t in text), None)
+        tok = reserved_token(raw) or reserved_token(text)
         if tok is not None:
             raise ChatFormatError(f"{where}.content: contains the reserved token {tok} (the model's control "
                                   "tokens cannot be sent as text)")
         out.append({"role": role, "content": text})
     return out
+
+
+def reserved_token(text: str) -> str | None:
+    """The first of :data:`RESERVED_TOKENS` whose text ``text`` holds, or None."""
+    return next((t for t in RESERVED_TOKENS if t in text), None)
 
 
 def _turn(role: str, content: str) -> str:

@@ -24,6 +24,16 @@ _BENGALI_LETTERS = frozenset(chr(c) for c in range(0x0980, 0x0A00) if _BENGALI_L
 _LETTER_KINDS: np.ndarray | None = None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index (code points) of the first lone surrogate in ``text`` (U+D800-U+DFFF: what a JSON ``\\ud800``
+    escape without its pair decodes to; such a string has no UTF-8 form), or None where there is none."""
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
 def nfc(text: str) -> str:
     """NFC-normalise ``text`` (ZWJ/ZWNJ are kept; nukta letters decompose, see the module doc)."""
     return unicodedata.normalize("NFC", text)

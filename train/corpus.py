@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contract.text import bengali_letter_share, language_of_share, nfc
+from contract.text import bengali_letter_share, language_of_share, lone_surrogate, nfc
 from train.config import resolve_path
 
 LANG_NAMES = {"bn": "Bangla", "en": "English"}
@@ -307,19 +307,15 @@ def iter_chunks(files: list[str], unreadable: dict[str, str | None] | None = Non
 
 
 _META = ("source", "license", "title", "author", "work", "group")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _lone_surrogate(obj: dict, origin: str, where: int) -> str | None:
     """A warning when a field we keep (text, source, license, title) holds a lone surrogate: such a string is not
     Unicode text (it has no UTF-8 form) and would abort the run later, when it is hashed or written."""
     for key in ("text", *_META):
         v = obj.get(key)
-        if isinstance(v, str):
-            m = _SURROGATE.search(v)
-            if m:
-                return (f"skipped {origin}:{where}: field \"{key}\" holds a lone surrogate U+{ord(m.group()):04X} at "
-                        f"character {m.start()} (expected Unicode text; a JSON \\ud800-\\udfff escape needs its pair)")
+        at = lone_surrogate(v) if isinstance(v, str) else None
+        if at is not None:
+            return (f"skipped {origin}:{where}: field \"{key}\" holds a lone surrogate U+{ord(v[at]):04X} at "
+                    f"character {at} (expected Unicode text; a JSON \\ud800-\\udfff escape needs its pair)")
     return None
 
 

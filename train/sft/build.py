@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.atomic import atomic_write_bytes
-from contract.chat_format import RESERVED_TOKENS
-from contract.text import detect_language, nfc
+from contract.chat_format import reserved_token
+from contract.text import detect_language, lone_surrogate, nfc
 from train.corpus import DataError, unreadable_reason
 from train.sft.formats import SUFFIXES, jsonl_files
 
@@ -67,7 +67,6 @@ WRAPPED_SOURCES = ("100-english-novels",)  # hard-wrapped prose (lines of about 
 _PART = re.compile(r"\s*\((?:অংশ|part)\s*[0-9০-৯]+\)\s*$")
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _SENTENCE_BN = re.compile(r"^(.+?[।?!])(?:\s|$)", re.S)
-_SURROGATE = re.compile("[\ud800-\udfff]")
 READS = "the corpus is read from"  # what the input errors say is read
 SHORTEST = 120  # a document's cleaned text shorter than this gives no conversation
 
@@ -138,13 +137,13 @@ def read_corpus(paths: list[str], counts: Counter | None = None,
                 if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                     raise DataError(f"{f}:{n}: expected a JSON object with a string field \"text\"")
                 for key in ("text", "title", "author", "source", "license"):
-                    m = _SURROGATE.search(row[key]) if isinstance(row.get(key), str) else None
-                    if m:
-                        raise DataError(f"{f}:{n}: field \"{key}\" holds a lone surrogate U+{ord(m.group()):04X} "
+                    at = lone_surrogate(row[key]) if isinstance(row.get(key), str) else None
+                    if at is not None:
+                        raise DataError(f"{f}:{n}: field \"{key}\" holds a lone surrogate U+{ord(row[key][at]):04X} "
                                         f"(expected Unicode text; a JSON \\ud800-\\udfff escape needs its pair)")
                 counts["read"] += 1
-                if any(t in v for v in (row.get(k) for k in ("text", "title", "author")) if isinstance(v, str)
-                       for t in RESERVED_TOKENS):
+                if any(reserved_token(v) for v in (row.get(k) for k in ("text", "title", "author"))
+                       if isinstance(v, str)):
                     counts["reserved_token"] += 1  # fine-tuning would refuse every conversation made from it
                     continue
                 title, author = row.get("title"), row.get("author")
