@@ -6,7 +6,7 @@ infinities, and ignore unknown fields (as vLLM does; lm-evaluation-harness sends
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -51,30 +51,27 @@ def _int64(v: Any) -> Any:
 Seed = Annotated[int, Field(json_schema_extra={"format": "int64"}), BeforeValidator(_int64), BeforeValidator(_integral)]
 
 
+def _only_with_rules(schema: dict, cls: type) -> None:
+    """The JSON Schema of ``cls.ONLY_WITH``: when a field is given and not null, the boolean it needs is true."""
+    rules = [{"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+              "then": {"required": [needs], "properties": {needs: {"const": True}}}} for field, needs in cls.ONLY_WITH]
+    if rules:
+        schema["allOf"] = rules
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", json_schema_extra=_only_with_rules)
 
-
-def _only_with(field: str, kind: str, needs: str) -> dict:
-    """A JSON Schema rule: when ``field`` is given as a ``kind`` (not null), ``needs`` must be true."""
-    return {"if": {"required": [field], "properties": {field: {"type": kind}}},
-            "then": {"required": [needs], "properties": {needs: {"const": True}}}}
-
-
-STREAM_OPTIONS_RULE = _only_with("stream_options", "object", "stream")
-TOP_LOGPROBS_RULE = _only_with("top_logprobs", "integer", "logprobs")
-
-
-class _Streamed(_Request):
-    """A request that may stream: ``stream_options`` only with ``stream: true`` (as vLLM checks)."""
-
-    model_config = ConfigDict(**_Request.model_config, json_schema_extra={"allOf": [STREAM_OPTIONS_RULE]})
+    #: (field, the boolean field it needs true): a field allowed only beside another (vLLM's checks); the validator
+    #: below and the schema (:func:`_only_with_rules`) both read it
+    ONLY_WITH: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> Any:
-        if self.stream_options is not None and not self.stream:
-            raise PydanticCustomError("invalid_value", "{message}", {
-                "message": "stream_options is only allowed with stream: true", "param": "stream_options"})
+    def _only_with(self) -> Any:
+        for field, needs in self.ONLY_WITH:
+            if getattr(self, field) is not None and not getattr(self, needs):
+                raise PydanticCustomError("invalid_value", "{message}", {
+                    "message": f"{field} is only allowed with {needs}: true", "param": field})
         return self
 
 
@@ -82,8 +79,10 @@ class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
 
 
-class CompletionRequest(_Streamed):
+class CompletionRequest(_Request):
     """OpenAI's /v1/completions request, plus vLLM's `top_k`, `repetition_penalty` and `ignore_eos`."""
+
+    ONLY_WITH = (("stream_options", "stream"),)
 
     model: str | None = Field(None, description="Must equal the served model's id when given.")
     prompt: str | Texts | TokenIds | TokenIdLists = Field(
@@ -187,12 +186,11 @@ UNSUPPORTED = {
 }
 
 
-class ChatCompletionRequest(_Streamed):
+class ChatCompletionRequest(_Request):
     """OpenAI's /v1/chat/completions request (text only), plus vLLM's `top_k` and `repetition_penalty`. The
     conversation is rendered with the model's chat template (ChatML) on the server."""
 
-    model_config = ConfigDict(**_Request.model_config,
-                              json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, TOP_LOGPROBS_RULE]})
+    ONLY_WITH = (("stream_options", "stream"), ("top_logprobs", "logprobs"))
 
     model: str | None = Field(None, description="Must equal the served model's id when given.")
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
@@ -263,12 +261,6 @@ class ChatCompletionRequest(_Streamed):
             raise PydanticCustomError("unsupported", "{message}", {"message": f"{info.field_name}: {why}"})
         return v
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> Any:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise PydanticCustomError("invalid_value", "{message}", {
-                "message": "top_logprobs is only allowed with logprobs: true", "param": "top_logprobs"})
-        return self
 
 
 class TopLogprob(BaseModel):
