@@ -106,10 +106,13 @@ def field_path(loc) -> str:
     return out
 
 
-def is_json_media(content_type: str | None) -> bool:
-    """Whether a Content-Type header names JSON (``application/json``, ``application/*+json``; parameters and case
-    ignored)."""
-    media = (content_type or "").split(";")[0].strip().lower()
+def media_type(content_type: str | None) -> str:
+    """The media type of a Content-Type header, lower case, without parameters ("" for none)."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def is_json_media(media: str) -> bool:
+    """Whether a media type (:func:`media_type`) is JSON: ``application/json`` or ``application/*+json``."""
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
@@ -129,8 +132,8 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
     if not loc and ctx.get("param") is None:  # the body itself is not an object
         if empty:
             return error_response(400, "the body is empty: expected a JSON object", code="invalid_type")
-        if not is_json_media(content_type):
-            media = (content_type or "").split(";")[0].strip().lower()
+        media = media_type(content_type)
+        if not is_json_media(media):
             return error_response(400, "the body must be a JSON object sent with Content-Type: application/json, "
                                        + (f"got Content-Type: {media}" if media else "sent without a Content-Type"),
                                   code="invalid_content_type")
@@ -162,10 +165,7 @@ def json_repr(value) -> str:
     """A short JSON rendering of an offending value for a message (at most 40 characters; Python's repr for what
     JSON cannot spell)."""
     try:
-        text = json.dumps(value, ensure_ascii=False)
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: JSON's own escape
-        text = json.dumps(value)
+        text = json.dumps(value, ensure_ascii=False)  # a lone surrogate in it is escaped by error_body
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
