@@ -29,9 +29,8 @@ class ChatLM(Protocol):
                       end_ids: frozenset[int] = frozenset(), **options: Any) -> list[Generation]: ...
 
 NO_CHAT_TOKENS = "chat_template_missing"  # the error code of a model whose tokenizer cannot encode the format
-# options of start_choices a chat reply cannot take: it ends at <|im_end|> (ignore_eos would run past the turn)
-# and is the reply alone (echo would repeat the rendered conversation)
-COMPLETION_ONLY = ("echo", "ignore_eos")
+#: options of start_choices a chat reply cannot take → why (HTTP refuses them as fields: serve.http.schemas)
+COMPLETION_ONLY = {"echo": "a reply holds the reply alone", "ignore_eos": f"a reply ends at {IM_END}"}
 
 
 def missing_tokens(tokenizer: Any) -> list[str]:
@@ -75,10 +74,9 @@ def start_chat(lm: ChatLM, messages: Any, n: int = 1, max_new_tokens: int | None
     reply in the context raises ContextLengthError (param ``messages``); a completion-only option
     (:data:`COMPLETION_ONLY`) set raises RequestError naming it; other RequestErrors as :func:`chat_prompt_ids` and
     ``start_choices``."""
-    for name in COMPLETION_ONLY:
+    for name, why in COMPLETION_ONLY.items():
         if options.get(name):
-            raise RequestError(f"{name} is an option of completions, not of chat: a reply ends at {IM_END} and "
-                               "holds the reply alone", param=name)
+            raise RequestError(f"{name} is an option of completions, not of chat: {why}", param=name)
     ids = chat_prompt_ids(lm, messages)
     if len(ids) + 1 >= lm.context_length:
         raise ContextLengthError(

@@ -12,7 +12,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from contract.bundle import EOT
-from contract.chat_format import IM_END, ChatFormatError, normalize_messages
+from contract.chat_format import ChatFormatError, normalize_messages
+from serve.chat import COMPLETION_ONLY
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -181,8 +182,7 @@ UNSUPPORTED = {
     "audio": ((), "audio output is not supported: the model writes text"),
     "web_search_options": ((), "web search is not supported by this server"),
     "reasoning_effort": ((), "not supported: this is not a reasoning model"),
-    "echo": ((False,), "an option of /v1/completions, not of chat: a reply holds the reply alone"),
-    "ignore_eos": ((False,), f"an option of /v1/completions, not of chat: a reply ends at {IM_END}"),
+    **{name: ((False,), f"an option of /v1/completions, not of chat: {why}") for name, why in COMPLETION_ONLY.items()},
 }
 
 
