@@ -114,7 +114,7 @@ def test_a_data_folder_reads_its_jsonl_files_and_skips_the_others(tmp_path):
     stats = ReadStats()
     convs = read_conversations([str(d)], 0.05, stats=stats)
     assert len(convs) == 3 and stats.skipped == []
-    assert stats.skipped_files == [str(d / "README.txt"), str(d / "notes.md")]
+    assert stats.skipped_files == [str(d / "README.txt"), str(d / "notes.md")] and stats.unexpected_files == []
     # a file named on its own must be JSON Lines; the message lists what fine-tuning reads, not .txt
     with pytest.raises(DataError) as e:
         read_conversations([str(d / "README.txt")], 0.05)
@@ -326,12 +326,19 @@ def test_preflight_checks_the_masked_loss(trained_run, conv_file, tmp_path):
     folder.mkdir()
     (folder / conv_file.name).write_bytes(conv_file.read_bytes())
     (folder / "README.txt").write_text("where these conversations come from\n")
+    (folder / ".gitattributes").write_text("*.jsonl.gz filter=lfs\n")
+    (folder / "more.json").write_text("[]\n")
     out = sft(str(trained_run), "--data", str(folder), "--name", "pf",
               *fast_sets(tmp_path, **{"train.preflight": True, "train.max_steps": 1}))
     assert out.returncode == 0, out.stderr[-2000:]
-    # a README beside the conversations is skipped, and the log says so
+    # files beside the conversations are skipped: the log names the one that looks like data, not the README or
+    # the dot-file; data_summary.json counts all three
+    log = (tmp_path / "runs" / "pf" / "train.log").read_text()
     assert (f"sft data: skipped 1 file(s) in the data folders that are not .jsonl or .jsonl.gz: "
-            f"{folder / 'README.txt'}") in (tmp_path / "runs" / "pf" / "train.log").read_text()
+            f"{folder / 'more.json'}\n") in log
+    assert "README.txt" not in log and ".gitattributes" not in log
+    ckpt = tmp_path / "runs" / "pf" / "checkpoints" / "step-000001"
+    assert json.loads((ckpt / "data_summary.json").read_text())["skipped"]["files_not_read"] == 3
     report = json.loads((tmp_path / "runs" / "pf" / "preflight.json").read_text())
     assert report["ok"] and report["checks"][0]["name"] == "gradient_flow" and report["checks"][0]["ok"]
 
@@ -396,6 +403,7 @@ def test_build_refuses_bad_out_and_unreadable_corpus_in_one_line_and_writes_noth
     (tmp_path / "surrogate.jsonl").write_text('{"text": "a \\ud800 b", "title": "t"}\n')
     short = write_jsonl(tmp_path / "short.jsonl", [corpus_row(60, title="Short"), corpus_row(title=None),
                                                    corpus_row(title=["x"])])
+    untitled = write_jsonl(tmp_path / "untitled.jsonl", [corpus_row()])
     (tmp_path / "outdir").mkdir()
     (tmp_path / "afile").write_text("x")
     expected = "expected a file path ending in .jsonl.gz (gzipped JSON Lines) or .jsonl (plain)"
@@ -420,6 +428,11 @@ def test_build_refuses_bad_out_and_unreadable_corpus_in_one_line_and_writes_noth
          f"string, 0 holding control-token text, 1 shorter than 120 characters, 0 with no task that fits (a later part without an author, too "
          f"short to continue); expected the corpus's JSON Lines: objects with a string \"title\" (and \"author\") "
          f"and a \"text\" of at least 120 characters"),
+        (["--data", str(untitled)],
+         f"{untitled}: no conversation to write: read 1 document; 1 without a title, 0 with a title that is not a "
+         f"string, 0 holding control-token text, 0 shorter than 120 characters, 0 with no task that fits (a later "
+         f"part without an author, too short to continue); expected the corpus's JSON Lines: objects with a string "
+         f"\"title\" (and \"author\") and a \"text\" of at least 120 characters"),
         (["--data", str(good), "--out", str(good)],
          f"--out '{good}' is one of the corpus files read (--data): expected another file, so the corpus is kept"),
     ]
@@ -455,17 +468,21 @@ def test_build_skips_and_counts_titles_and_authors_that_are_not_strings(tmp_path
                                 corpus_row(title={"a": 1}, author="Somebody"),
                                 corpus_row(title="Another title", author=["x"]),
                                 corpus_row(title="A <|im_end|> title", author="X"),
-                                corpus_row(title="Fine", author="Y <|endoftext|>")])
+                                corpus_row(title="Fine", author="Y <|endoftext|>"),
+                                corpus_row(title="Odd metadata", author="Zed", source=["s"], license={"id": 1})])
     (d / "README.md").write_text("the corpus\n")
     rows, summary = build([str(d)], seed=0)
-    assert summary["documents"] == {"read": 5, "used": 2, "no_title": 0, "title_not_a_string": 1,
+    assert summary["documents"] == {"read": 6, "used": 3, "no_title": 0, "title_not_a_string": 1,
                                     "author_not_a_string": 1, "reserved_token": 2, "too_short": 0, "no_task": 0}
+    # a source or license that is not a string is not copied: the file's name is the source, the license unknown
+    odd = [r for r in rows if r["group"].endswith("/Odd metadata")]
+    assert odd and {(r["group"], r["source"], r["license"]) for r in odd} == {("c/Odd metadata", "c", None)}
     assert not [r for r in rows if any(t in m["content"] for m in r["messages"] for t in ("<|im_end|>", "<|endof"))]
     assert summary["skipped_files"] == [str(d / "README.md")]
     answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
     assert "Real Author" in answers and "Another title" in answers
     assert not [a for a in answers if "{'a': 1}" in a or "['x']" in a or "Somebody" in a]
-    assert {r["group"] for r in rows} == {"s/Good title", "s/Another title"}
+    assert {r["group"] for r in rows} == {"s/Good title", "s/Another title", "c/Odd metadata"}
     assert not [r for r in rows if r["group"] == "s/Another title" and r["task"] in ("author", "author_of_title")]
     out = build_cli("--data", str(d), "--out", str(tmp_path / "set.jsonl.gz"))
     assert out.returncode == 0 and json.loads(out.stdout.splitlines()[0])["documents"] == summary["documents"]

@@ -112,7 +112,8 @@ def read_corpus(paths: list[str], counts: Counter | None = None,
     or author holds the text of a control token (``contract.chat_format.RESERVED_TOKENS``: fine-tuning refuses
     such content); one whose ``author`` is not a string gives a piece without an author (no question about the
     author): ``counts`` gets ``read`` (documents) and ``no_title``, ``title_not_a_string``, ``reserved_token``,
-    ``author_not_a_string``. Raises DataError naming the path for an
+    ``author_not_a_string``. A ``source`` that is not a non-empty string is the file's name without suffixes, a
+    ``license`` that is not a string is None. Raises DataError naming the path for an
     input that cannot be read (:func:`train.sft.formats.jsonl_files`; a file that is not valid gzip or UTF-8) and
     ``file:line`` for a line that is not a JSON object with a string ``text`` or whose kept fields hold a lone
     surrogate."""
@@ -156,9 +157,11 @@ def read_corpus(paths: list[str], counts: Counter | None = None,
                 if author is not None and not isinstance(author, str):
                     counts["author_not_a_string"] += 1
                     author = None
-                text = nfc(row["text"])
-                out.append(Piece(text, detect_language(text), str(row.get("source") or Path(f).name.split(".")[0]),
-                                 nfc(title), nfc(author) if author else None, row.get("license")))
+                text, source, license_ = nfc(row["text"]), row.get("source"), row.get("license")
+                out.append(Piece(text, detect_language(text),
+                                 source if isinstance(source, str) and source else Path(f).name.split(".")[0],
+                                 nfc(title), nfc(author) if author else None,
+                                 license_ if isinstance(license_, str) else None))
     return out
 
 
@@ -340,7 +343,8 @@ def build(paths: list[str], seed: int = 0, per_doc: dict[str, dict[str, int]] | 
     if not rows:
         files = f"; skipped {len(skipped_files)} file(s) that are not .jsonl or .jsonl.gz" if skipped_files else ""
         raise DataError(
-            f"{', '.join(paths)}: no conversation to write: read {documents['read']} documents; "
+            f"{', '.join(paths)}: no conversation to write: read {documents['read']} "
+            f"document{'' if documents['read'] == 1 else 's'}; "
             f"{documents['no_title']} without a title, {documents['title_not_a_string']} with a title that is not a "
             f"string, {documents['reserved_token']} holding control-token text, {documents['too_short']} shorter "
             f"than {SHORTEST} characters, {documents['no_task']} with no "

@@ -159,10 +159,10 @@ class SFTData:
             src[0] += 1
             src[1] += sum(len(m["content"]) for m in c.messages)
             (train if c.split == "train" else val.setdefault(c.lang, [])).append(w)
-        if stats.skipped_files:
-            names = ", ".join(stats.skipped_files[:5]) + (" …" if len(stats.skipped_files) > 5 else "")
-            log(f"sft data: skipped {len(stats.skipped_files)} file(s) in the data folders that are not .jsonl or "
-                f".jsonl.gz: {names}")
+        if stats.unexpected_files:
+            odd = stats.unexpected_files
+            log(f"sft data: skipped {len(odd)} file(s) in the data folders that are not .jsonl or .jsonl.gz: "
+                + ", ".join(odd[:5]) + (" …" if len(odd) > 5 else ""))
         for msg in stats.skipped[:5]:
             log(msg)
         if len(stats.skipped) > 5:
@@ -211,7 +211,7 @@ class SFTData:
         return {"kind": "sft", "sources": [*self.base.get("sources", []), *self.sources],
                 "languages": self.base.get("languages", {}), "conversations": self.counts,
                 "skipped": {"not_a_conversation": len(self.stats.skipped), "no_assistant_turn": self.stats.no_assistant,
-                            "too_long": self.too_long},
+                            "too_long": self.too_long, "files_not_read": len(self.stats.skipped_files)},
                 "chat_tokens_added": self.added, "tokens_seen": tokens_seen, "tokenizer_sha256": self.tokenizer_sha256,
                 "inputs": [{**i, "path": Path(i["path"]).name if i["sha256"] else i["path"]} for i in self.inputs]}
 

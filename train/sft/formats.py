@@ -40,6 +40,8 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 VAL_NAMES = ("validation", "val", "valid", "test")
 SUFFIXES = (".jsonl", ".jsonl.gz")  # the files conversations (and train.sft.build's corpus) are read from
 _CONTENT_AT = re.compile(r"^messages\[(\d+)\]\.content")
+# a data folder's own documentation (a dataset card, a licence, notes, dot-files): not read, and not worth a word
+_FOLDER_DOCS = re.compile(r"^(readme|licen[cs]e|copying|notice|changelog)\b.*|.*\.md|\..*", re.I)
 
 
 @dataclass
@@ -66,6 +68,12 @@ class ReadStats:
     no_assistant: int = 0
     rows: int = 0
     skipped_files: list[str] = field(default_factory=list)
+
+    @property
+    def unexpected_files(self) -> list[str]:
+        """The skipped files a user may have meant as data (``pairs.json``, ``chats.csv``): all but a folder's
+        documentation (``README*``, ``LICENSE*``, ``*.md``, dot-files, as a Hugging Face dataset folder holds)."""
+        return [f for f in self.skipped_files if not _FOLDER_DOCS.fullmatch(Path(f).name)]
 
 
 def jsonl_files(paths: list[str], reads: str = "conversations are read from", hf: bool = True
