@@ -1,0 +1,88 @@
+"""What the terminal commands (``python -m serve.generate``, ``python -m serve.chat_cli``) share: the options that
+load a bundle and set its sampling, and loading it with a one-line error instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from contract.bundle import MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
+from contract.quant import NAMES, QuantizeError, Scheme, parse
+from serve.lm import LM
+from serve.loader import BACKENDS, load
+
+SETTINGS = SAMPLING_KEYS  # the options that override the bundle's sampling
+
+
+class CommandError(Exception):
+    """A bundle that cannot be loaded or used by the command: the message is the whole ``error:`` line."""
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The bundle (positional) and how to load it: ``--backend``, ``--quantize``, ``--no-verify``,
+    ``--allow-ungated``, ``--threads`` (:func:`serve.loader.load`'s arguments)."""
+    p.add_argument("bundle", help="bundle directory (runs/NAME/bundle)")
+    p.add_argument("--backend", choices=BACKENDS, default="onnx")
+    p.add_argument("--quantize", type=_quantize, default="none", metavar="|".join(NAMES),
+                   help="weights (contract/quant.py): onnx reads the bundle's graph of the scheme; rust quantizes at load")
+    p.add_argument("--no-verify", action="store_true", help=f"skip checking the files' sha256 against {MANIFEST}")
+    p.add_argument("--allow-ungated", action="store_true",
+                   help="serve a quantized form the export's quality gate did not pass (logged; serve/verdict.py)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p``, ``--repetition-penalty`` (default: the bundle's, see
+    :func:`sampling_settings`) and ``--seed``."""
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the bundle's)")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off (default: the bundle's)")
+    p.add_argument("--top-p", type=float, default=None, help="1 = off (default: the bundle's)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="1 = off (default: the bundle's)")
+    p.add_argument("--seed", type=int, default=1234, help="random seed (same seed, same text)")
+
+
+def _quantize(value: str) -> Scheme | None:
+    """``--quantize`` parsed here, once (:func:`contract.quant.parse`: an old name is taken with a deprecation line);
+    an unknown name is argparse's one-line usage error (exit 2)."""
+    try:
+        return parse(value, "--quantize")
+    except QuantizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def sampling_settings(args: argparse.Namespace) -> dict:
+    """The sampling of this command: the bundle's defaults (:func:`contract.bundle.sampling_defaults`) overridden by
+    the options given. Missing keys are off (top_k 0, top_p 1, repetition_penalty 1). Raises BundleError for a
+    bundle whose ``generation_config.json`` cannot be read."""
+    s = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **sampling_defaults(args.bundle)}
+    s.update({k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None})
+    return s
+
+
+def describe_sampling(settings: dict, seed: int) -> str:
+    """``greedy``, or ``sampled: temperature 0.8, top_k 50, top_p 0.95, repetition_penalty 1.1, seed 1234``."""
+    if settings["temperature"] == 0:
+        return "greedy"
+    return "sampled: " + ", ".join(f"{k} {settings[k]:g}" for k in SETTINGS) + f", seed {seed}"
+
+
+def utf8_stdout() -> None:
+    """Bangla on any terminal locale: stdout re-encoded as UTF-8 where it can be."""
+    try:
+        sys.stdout.reconfigure(encoding="utf-8")
+    except (AttributeError, ValueError):
+        pass
+
+
+def open_model(args: argparse.Namespace) -> tuple[LM, dict]:
+    """The loaded model and the command's sampling settings. Raises CommandError (``cannot load BUNDLE: why``) for
+    a bundle that cannot be loaded or whose sampling defaults cannot be read."""
+    try:
+        lm = load(args.bundle, backend=args.backend, quantize=args.quantize, threads=args.threads,
+                  verify=not args.no_verify, allow_ungated=args.allow_ungated)
+    except (OSError, ValueError, ImportError) as e:
+        raise CommandError(f"cannot load {args.bundle}: {e}") from None
+    try:
+        return lm, sampling_settings(args)
+    except BundleError as e:
+        raise CommandError(str(e)) from None
