@@ -22,11 +22,13 @@ the next step.
 
 from __future__ import annotations
 
+import atexit
 import math
 import numbers
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -449,9 +451,22 @@ class _Scheduler:
         self.batch = batch
 
 
+_RUNNING: weakref.WeakSet[StepEngine] = weakref.WeakSet()  # engines whose scheduler thread has started
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop every scheduler thread still running when the interpreter exits. The thread is a daemon (an idle engine
+    must not keep a process alive), and a daemon thread left inside an onnxruntime call while the interpreter
+    finalizes aborts the process ("terminate called without an active exception", exit 134): a script that ends
+    right after a reply stopped early (a stop string, a chat turn's ``<|im_end|>``) left the step after it running."""
+    for engine in list(_RUNNING):
+        engine.close()
+
+
 class StepEngine:
-    """The policy of :mod:`serve.policy` in a Python thread (started on the first submit) over a
-    :mod:`serve.backends.base` backend.
+    """The policy of :mod:`serve.policy` in a Python thread (started on the first submit; stopped by :meth:`close`
+    or at interpreter exit) over a :mod:`serve.backends.base` backend.
 
     eot_id: the end-of-text id; max_batch: sequences stepped together; token_budget: tokens per step; prefill_chunk:
     at most this many prompt tokens in a step that also decodes, so arriving prompts do not stall the decoding
@@ -495,6 +510,7 @@ class StepEngine:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="shalik-engine", daemon=True)
                 self._thread.start()
+                _RUNNING.add(self)
             self._cond.notify()
         return req
 

@@ -262,6 +262,28 @@ def test_serve_never_imports_torch():
     assert_no_torch()
 
 
+EXIT_AFTER_STOP = textwrap.dedent("""
+    import atexit, sys, threading
+    # registered before serve is imported, so it runs after serve's own exit handler (last in, first out)
+    atexit.register(lambda: print("engine thread alive at exit:",
+                                  any(t.name == "shalik-engine" and t.is_alive() for t in threading.enumerate())))
+    import serve
+    lm = serve.load(sys.argv[1], backend="onnx")
+    first = lm.generate("আমি", 8, temperature=0)[:1]
+    print(lm.complete("আমি", 100, temperature=0, stop=[first]).finish_reason)  # stops at its first character
+""")
+
+
+def test_a_script_that_ends_right_after_an_early_stop_exits_cleanly(bundle):
+    """A reply that stopped early (a stop string; a chat turn's <|im_end|>) left the engine stepping the sequence
+    it had cancelled; a script that ended then aborted in onnxruntime as the interpreter finalized ("terminate
+    called without an active exception", exit 134). The engine's thread is stopped at exit."""
+    out = subprocess.run([sys.executable, "-c", EXIT_AFTER_STOP, str(bundle)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["stop", "engine thread alive at exit: False"]
+
+
 # ---- the exported bundle, each backend
 
 
