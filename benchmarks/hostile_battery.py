@@ -508,13 +508,28 @@ def export_battery(tmp: Path, run: Path, bundle: Path) -> None:
 
 
 # ---------------------------------------------------------------- main
+CONVERSATIONS = [("hi", "hello"), ("নদী?", "পদ্মা"), ("2+2?", "4"), ("name?", "Shalik")]
+
+
 def setup(tmp: Path, cache: Path) -> None:
-    """Train a seconds-long tiny run (checkpoints at steps 2 and 4) and export it with --no-parity."""
+    """Train a seconds-long tiny run (checkpoints at steps 2 and 4), fine-tune it on a few short conversations for
+    4 steps (a chat model: a base model's chat requests are refused whatever they hold), and export that with
+    --no-parity: the bundle every section serves."""
     r = subprocess.run([sys.executable, "-m", "train.run", "--config", "tiny", "--name", "t",
                         *fast_sets(tmp, cache, MINI)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, "-m", "export.onnx", str(tmp / "runs" / "t"), "--out", str(tmp / "bundle"),
-                        "--no-parity"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    convs = tmp / "conversations.jsonl"
+    convs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant",
+                                                                                      "content": a}]},
+                                        ensure_ascii=False) + "\n" for q, a in CONVERSATIONS * 8), encoding="utf-8")
+    r = subprocess.run([sys.executable, "-m", "train.sft", str(tmp / "runs" / "t"), "--data", str(convs),
+                        "--name", "t-sft", "--set", "train.max_steps=4", "--set", "train.preflight=false",
+                        "--set", "train.final_eval=false"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "export.onnx", str(tmp / "runs" / "t-sft"), "--out",
+                        str(tmp / "bundle"), "--no-parity"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
 
 

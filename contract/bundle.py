@@ -343,6 +343,24 @@ def eot_id(tokenizer: Any) -> int:
     return int(i)
 
 
+def has_chat_template(bundle: str | Path) -> bool:
+    """Whether ``bundle`` is a chat model: its ``tokenizer_config.json`` carries a ``chat_template`` (the Hugging Face
+    convention that transformers and vLLM read; the GGUF and the Ollama Modelfile follow it). Export writes one
+    only for a model fine-tuned on conversations whose tokenizer has ``<|im_start|>`` / ``<|im_end|>`` — a base
+    model's tokenizer reserves those ids too, untrained (``train.hf_files.chat_end_id_of_checkpoint``). A folder
+    without the file: False. BundleError for a file that is not a JSON object."""
+    path = Path(bundle) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return False
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(cfg, dict):
+        raise BundleError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return bool(cfg.get("chat_template"))
+
+
 def sampling_defaults(bundle: str | Path) -> dict[str, float]:
     """The bundle's default sampling (``generation_config.json``, written by training from ``train.hf_files.SAMPLING``):
     ``{temperature, top_k, top_p, repetition_penalty}``. A bundle that does not sample by default (``do_sample``

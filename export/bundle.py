@@ -6,9 +6,10 @@
   explicit, rope_theta at the top level and in ``rope_parameters``, special token ids from the tokenizer,
   ``torch_dtype`` float32 (the weights').
 * ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``: the checkpoint's (the sidecars
-  built by ``train.hf_files`` when an older checkpoint lacks them), their chat parts made to follow the tokenizer
-  (``train.hf_files.sync_chat_files``): a tokenizer with ``<|im_start|>`` / ``<|im_end|>`` gets the chat template
-  (``contract.chat_format``) and both end-of-generation ids; one without gets neither.
+  built by ``train.hf_files`` when an older checkpoint lacks them), their chat parts made to follow the model
+  (``train.hf_files.sync_chat_files``): a checkpoint fine-tuned on conversations whose tokenizer has
+  ``<|im_start|>`` / ``<|im_end|>`` gets the chat template (``contract.chat_format``) and both end-of-generation
+  ids; any other (a base model, whose tokenizer reserves the chat tokens untrained) gets neither.
 * ``manifest.json`` (written last): docs/design.md's keys, with the sha256 and size of every other file. Its
   schema, its writer and its readers are the bundle contract's (:mod:`contract.bundle`); this module fills it in.
 """
@@ -25,7 +26,7 @@ from contract import bundle as B
 from contract.atomic import DIR_MODE, FILE_MODE
 from export.errors import ExportError
 from export.source import Source
-from train.hf_files import sync_chat_files
+from train.hf_files import sync_chat_files, trained_on_conversations
 from train.hf_files import write_hf_files as write_sidecars
 
 NEEDED = (B.WEIGHTS, B.TOKENIZER)  # copied from the checkpoint; it cannot be exported without them
@@ -43,7 +44,7 @@ def write_hf_files(src: Source, out: Path) -> None:
             raise ExportError(f"{f}: missing")
     missing = tuple(n for n in SIDECARS if not (out / n).is_file())
     write_sidecars(out, src.cfg, src.eot_id, src.pad_id, (B.CONFIG, *missing))
-    sync_chat_files(out)
+    sync_chat_files(out, chat=trained_on_conversations(src.ckpt))
 
 
 def versions() -> dict[str, str | None]:

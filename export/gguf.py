@@ -33,9 +33,10 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   ``--approximate-pretokenizer`` writes the nearest, ``qwen35`` (digits one per token, words broken at
   ZWJ/ZWNJ), recorded as ``shalik.pretokenizer`` = ``approximate:qwen35``; users must then feed llama.cpp the
   token ids of the bundle's tokenizer.json. A split or normalizer llama.cpp has no name for is refused.
-* with a tokenizer that has the chat tokens (``contract.chat_format``): ``tokenizer.chat_template`` (ChatML, which
-  llama.cpp's built-in template list detects without ``--jinja``) and ``tokenizer.ggml.eot_token_id`` =
-  ``<|im_end|>`` (an end-of-generation token, as ``<|endoftext|>`` is); without them neither.
+* for a chat model (``contract.bundle.has_chat_template``; its tokenizer has the chat tokens of
+  ``contract.chat_format``): ``tokenizer.chat_template`` (ChatML, which llama.cpp's built-in template list detects
+  without ``--jinja``) and ``tokenizer.ggml.eot_token_id`` = ``<|im_end|>`` (an end-of-generation token, as
+  ``<|endoftext|>`` is); for a base model neither.
 * beside the GGUF, an Ollama ``Modelfile`` (``export.modelfile``: ``FROM`` it, a raw template or the chat template,
   the ``<|endoftext|>`` (and ``<|im_end|>``) stop, the bundle's default sampling from generation_config.json, the context length) when the tokenizer is exact; an existing
   Modelfile Shalik did not write is left alone.
@@ -69,7 +70,7 @@ from gguf import TokenType
 from safetensors import safe_open
 
 from contract.atomic import atomic_path, clean_stale, tmp_prefix
-from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
+from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file, has_chat_template
 from contract.chat_format import CHAT_TEMPLATE, IM_END, missing_chat_tokens
 from contract.quant import role_of
 from export import gguf_quant as GQ
@@ -405,9 +406,10 @@ def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, n_vocab: int, tok: tuple[li
     # Ollama and LM Studio prepend it themselves when add_bos_token is true
     special.add_special_token["bos"] = special.special_token_ids.get("bos") is not None
     special.add_special_token["eos"] = False
-    # the chat format follows the tokenizer: with <|im_start|>/<|im_end|> the template (llama.cpp detects ChatML
-    # from it without --jinja) and <|im_end|> as the end-of-turn (end-of-generation) token; without, neither
-    chat = not missing_chat_tokens(tokens)
+    # the chat format follows the bundle: a chat model (a chat template in tokenizer_config.json, and the tokens)
+    # gets the template (llama.cpp detects ChatML from it without --jinja) and <|im_end|> as the end-of-turn
+    # (end-of-generation) token; a base model, whose tokenizer reserves the tokens untrained, neither
+    chat = has_chat_template(folder) and not missing_chat_tokens(tokens)
     special.chat_template = CHAT_TEMPLATE if chat else None
     special.add_to_gguf(w, quiet=True)
     if chat:

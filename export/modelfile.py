@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from contract.atomic import atomic_write_text
-from contract.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError
+from contract.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError, has_chat_template
 from contract.bundle import sampling_defaults as bundle_sampling
 from contract.chat_format import IM_END, OLLAMA_TEMPLATE
 from export.errors import ExportError
@@ -87,8 +87,8 @@ def write_modelfile(gguf_path: Path, bundle: Path, context_length: int,
             log(f"gguf: {path} exists and was not written by Shalik; left as it is (no Modelfile written)")
             return None
     try:
-        chat = chat_end_id(bundle) is not None
+        chat = has_chat_template(bundle) and chat_end_id(bundle) is not None
     except (OSError, ValueError) as e:
-        raise ExportError(f"{bundle}: cannot read tokenizer.json ({e})") from None
+        raise ExportError(f"{bundle}: cannot read tokenizer.json or tokenizer_config.json ({e})") from None
     atomic_write_text(path, modelfile_text(gguf_path.name, context_length, sampling, chat))
     return path

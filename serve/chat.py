@@ -22,6 +22,7 @@ class ChatLM(Protocol):
     name: str
     tokenizer: Any
     context_length: int
+    chat_model: bool
 
     def tokenize(self, text: str, param: str = "text") -> list[int]: ...
 
@@ -43,15 +44,28 @@ def chat_end_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset() if missing_tokens(tokenizer) else frozenset({int(tokenizer.token_to_id(IM_END))})
 
 
-def check_chat_capable(lm: ChatLM) -> None:
-    """RequestError (400, code :data:`NO_CHAT_TOKENS`) naming what is missing and how to get it, when ``lm``'s
-    tokenizer lacks ``<|im_start|>`` / ``<|im_end|>`` (a base model: no chat template in its bundle)."""
+def why_not_chat(lm: ChatLM) -> str | None:
+    """Why ``lm`` cannot chat, and how to get a model that can (None when it can): its tokenizer lacks
+    ``<|im_start|>`` / ``<|im_end|>``, or it is a base model — its tokenizer reserves those ids but it was never
+    fine-tuned on conversations, so its bundle has no chat template (``lm.chat_model`` false)."""
     missing = missing_tokens(lm.tokenizer)
     if missing:
-        raise RequestError(
-            f"model {lm.name!r} has no chat template: its tokenizer lacks {' and '.join(missing)} (a base model). "
-            f"Fine-tune it into a chat model with python -m train.sft (which adds {' and '.join(CHAT_TOKENS)}), "
-            "then export it again; /v1/completions serves it as it is", param="messages", code=NO_CHAT_TOKENS)
+        return (f"model {lm.name!r} has no chat template: its tokenizer lacks {' and '.join(missing)} (a base "
+                f"model). Fine-tune it into a chat model with python -m train.sft (which adds "
+                f"{' and '.join(CHAT_TOKENS)}), then export it again")
+    if not lm.chat_model:
+        return (f"model {lm.name!r} is a base model, not a chat model: it was not fine-tuned on conversations, so "
+                f"its bundle has no chat template (its tokenizer only reserves {' and '.join(CHAT_TOKENS)}). "
+                "Fine-tune it with python -m train.sft, then export it again")
+    return None
+
+
+def check_chat_capable(lm: ChatLM) -> None:
+    """RequestError (400, code :data:`NO_CHAT_TOKENS`, param ``messages``) saying :func:`why_not_chat` when ``lm``
+    cannot chat."""
+    why = why_not_chat(lm)
+    if why:
+        raise RequestError(f"{why}; /v1/completions serves it as it is", param="messages", code=NO_CHAT_TOKENS)
 
 
 def chat_prompt_ids(lm: ChatLM, messages: Any) -> list[int]:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from contract.bundle import eot_id
-from serve.chat import start_chat
+from serve.chat import missing_tokens, start_chat
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
 from serve.engine import make_engine
@@ -59,12 +59,16 @@ class LM:
     """
 
     def __init__(self, backend: Any, tokenizer: Any, name: str = "model", path: Path | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, token_budget: int = DEFAULT_TOKEN_BUDGET):
+                 max_batch: int = DEFAULT_MAX_BATCH, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 chat_model: bool | None = None):
         check_engine_limits(max_batch, token_budget)
         self.backend = backend
         self.tokenizer = tokenizer
         self.name = name
         self.path = path
+        # a chat model: fine-tuned on conversations (serve.load: the bundle has a chat template); None: whenever
+        # the tokenizer has the chat tokens (a model built in code)
+        self.chat_model = not missing_tokens(tokenizer) if chat_model is None else bool(chat_model)
         self.table = TokenTable.from_tokenizer(tokenizer)
         self.eot_id = eot_id(tokenizer)
         self.vocab_size = int(backend.vocab_size)

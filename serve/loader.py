@@ -8,7 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
-from contract.bundle import MANIFEST, TOKENIZER, backend_files, onnx_graph, read_manifest, verify_files
+from contract.bundle import (
+    MANIFEST,
+    TOKENIZER,
+    backend_files,
+    has_chat_template,
+    onnx_graph,
+    read_manifest,
+    verify_files,
+)
 from contract.quant import Scheme, check_backend, parse
 from serve.lm import LM
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
@@ -36,7 +44,8 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
     folder — a manifest that is there is still read: its format_version and the gate's verdicts hold whatever
     ``verify`` says); max_batch / token_budget: the engine's sequences per step and tokens per step
     (:mod:`serve.engine`); allow_ungated: serve a quantized form that failed the export's quality gate or has no
-    verdict (:mod:`serve.verdict`), logging what it overrides.
+    verdict (:mod:`serve.verdict`), logging what it overrides. The LM chats only when the bundle is a chat model
+    (:func:`contract.bundle.has_chat_template`; a base model's chat requests are refused, saying how to get one).
     Raises BundleError (a ValueError) naming a corrupt or unlisted file, a missing manifest or one of a newer
     format_version (with any ``verify``), UngatedError (a BundleError) for a quantized form the gate did not pass
     (naming the form, the figure and the threshold); TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
@@ -81,4 +90,4 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
         model = RustBackend(path, quantize=scheme, threads=threads, allow_ungated=allow_ungated)
     label = name or path.resolve().parent.name or path.name
     return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path, max_batch=max_batch,
-              token_budget=token_budget)
+              token_budget=token_budget, chat_model=has_chat_template(path))

@@ -1,12 +1,12 @@
-"""Chat through other people's code, against the tiny trained bundle (its tokenizer has the chat tokens):
+"""Chat through other people's code, against the tiny trained run fine-tuned by ``train.sft`` and exported (a base
+model's bundle carries no chat template):
 
 * ``transformers``' ``apply_chat_template`` (the bundle's tokenizer_config.json) gives the same ids as Shalik's
   server for 20 conversations (system / no system, multi-turn, Bangla, English, mixed, script-edge text);
 * the OpenAI Python SDK, unchanged, against a real ``uvicorn serve.app:app``: ``chat.completions.create`` plain,
   streamed (concatenates to the plain reply), ``n=2`` with a seed, with logprobs, and a bad request as the SDK's
   own error — each compared with ``serve.load(bundle)``'s ``LM.chat``;
-* llama.cpp (``slow``: llama-cpp-python, the ``bench`` extra): the tiny run fine-tuned by ``train.sft`` and
-  exported; ``create_chat_completion`` on its GGUF with the GGUF's own template evaluates the server's template
+* llama.cpp (``slow``: llama-cpp-python, the ``bench`` extra): ``create_chat_completion`` on its GGUF with the GGUF's own template evaluates the server's template
   ids and gives the server's greedy reply, ending at ``<|im_end|>``, for 10 conversations per language; the GGUF
   and the Modelfile carry the template and the end-of-turn token.
 """
@@ -70,6 +70,12 @@ TEMPLATE_CONVERSATIONS: list[list[dict]] = [
 
 
 CONV = [{"role": "system", "content": SYSTEM_BN}, _user(BN_QUESTIONS[0])]
+
+
+@pytest.fixture(scope="module")
+def bundle(chat_bundle):
+    """The chat bundle (a base model's bundle carries no chat template: it is no chat model)."""
+    return chat_bundle
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +198,12 @@ def test_sdk_streamed_chat_concatenates_to_the_plain_reply(client):
 
 
 def test_sdk_n2_with_seed(client, lm):
-    kw = dict(model=NAME, messages=CONV, max_tokens=16, temperature=1.0, seed=1234, n=2)
+    kw = dict(model=NAME, messages=CONV, max_tokens=16, temperature=2.0, seed=1234, n=2)
     first, again = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in first.choices] == [0, 1] and texts[0] != texts[1]
     assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
-    assert texts == [lm.collect(g).text for g in lm.start_chat(CONV, 2, 16, temperature=1.0, seed=1234)]
+    assert texts == [lm.collect(g).text for g in lm.start_chat(CONV, 2, 16, temperature=2.0, seed=1234)]
 
 
 def test_sdk_logprobs_match_the_direct_ones(client, lm):

@@ -214,6 +214,25 @@ def test_model_without_chat_template_is_400_saying_how_to_get_one():
     assert "<|im_start|>" in err["message"] and "python -m train.sft" in err["message"]
 
 
+def test_a_base_model_whose_tokenizer_reserves_the_chat_tokens_is_no_chat_model(bundle):
+    """The main job's kind of bundle: its tokenizer has <|im_start|>/<|im_end|> (reserved for fine-tuning,
+    untrained), its bundle no chat template: chat is a 400 saying how to get a chat model, in Python too."""
+    from contract.bundle import has_chat_template
+    from serve import load
+    from serve.chat import missing_tokens
+
+    lm = load(bundle, threads=1)
+    assert missing_tokens(lm.tokenizer) == [] and not has_chat_template(bundle) and lm.chat_model is False
+    with pytest.raises(RequestError) as e:
+        lm.chat(USER)
+    assert (e.value.code, e.value.param) == ("chat_template_missing", "messages")
+    assert "is a base model, not a chat model: it was not fine-tuned on conversations" in str(e.value)
+    with client_for(lm) as c:
+        err = assert_error(c.post("/v1/chat/completions", json={"messages": USER}), 400, "messages")
+        assert err["code"] == "chat_template_missing" and "python -m train.sft" in err["message"]
+        assert c.post("/v1/completions", json={"prompt": "আমি", "max_tokens": 2}).status_code == 200
+
+
 def test_lm_chat_and_stream():
     lm = scripted_lm(PIECES, eos_after=3, chat=True)
     c = lm.chat(USER)

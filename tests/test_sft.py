@@ -319,6 +319,9 @@ def test_sft_run_end_to_end_resumes_exactly_and_exports(base_without_chat_tokens
     assert exp.returncode == 0, exp.stderr[-2000:]
     manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
     assert manifest["parity"]["ok"] is True
+    from contract.bundle import has_chat_template  # a chat model: its base's bundle has no template, it has one
+
+    assert has_chat_template(tmp_path / "bundle")
 
 
 def test_preflight_checks_the_masked_loss(trained_run, conv_file, tmp_path):

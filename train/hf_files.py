@@ -47,11 +47,33 @@ def chat_end_id(folder: Path) -> int | None:
     return None if missing_chat_tokens(vocab) else int(vocab[IM_END])
 
 
+CHAT_DATA_KIND = "sft"  # data_summary.json's kind for a run trained on conversations (train.sft)
+
+
+def trained_on_conversations(folder: Path) -> bool:
+    """Whether the checkpoint ``folder`` was trained on conversations: its ``data_summary.json`` has ``kind``
+    :data:`CHAT_DATA_KIND` (train.sft writes it; a pretraining run's has no kind). False when the file is missing
+    or unreadable."""
+    try:
+        summary = json.loads((Path(folder) / "data_summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("kind") == CHAT_DATA_KIND
+
+
+def chat_end_id_of_checkpoint(folder: Path) -> int | None:
+    """The ``<|im_end|>`` id when the checkpoint ``folder`` is a chat model — trained on conversations
+    (:func:`trained_on_conversations`) with a tokenizer that has both chat tokens (:func:`chat_end_id`) — else
+    None. A base model's tokenizer reserves the chat tokens (train.tokenizer: fine-tuning needs no new rows) but it
+    never saw them: it gets no chat template, so every runtime treats it as the base model it is."""
+    return chat_end_id(folder) if trained_on_conversations(folder) else None
+
+
 def hf_files(cfg: ModelConfig, eot_id: int, pad_id: int, torch_dtype: str = "float32",
              im_end_id: int | None = None) -> dict[str, dict]:
     """``{file name: JSON object}`` for the three sidecar files of a model with config ``cfg``; ``torch_dtype``
     is the dtype of the stored weights (config.json's ``torch_dtype``); ``im_end_id``: the tokenizer's
-    ``<|im_end|>`` when it has the chat tokens (:func:`chat_end_id`): then tokenizer_config.json carries the
+    ``<|im_end|>`` for a chat model (:func:`chat_end_id_of_checkpoint`): then tokenizer_config.json carries the
     chat template and generation_config.json both end-of-generation ids."""
     return {
         "config.json": cfg.hf_config(torch_dtype, eot_id, pad_id),
@@ -61,21 +83,23 @@ def hf_files(cfg: ModelConfig, eot_id: int, pad_id: int, torch_dtype: str = "flo
 
 
 def write_hf_files(folder: Path, cfg: ModelConfig, eot_id: int, pad_id: int, names: tuple[str, ...] = NAMES) -> None:
-    """Write the sidecar files named in ``names`` (default all three) into ``folder``, each atomically (UTF-8
-    JSON, indent 2); the chat parts follow ``folder/tokenizer.json`` when it is there (:func:`chat_end_id`).
-    Raises OSError as the file system does."""
-    files = hf_files(cfg, eot_id, pad_id, im_end_id=chat_end_id(folder))
+    """Write the sidecar files named in ``names`` (default all three) into the checkpoint ``folder``, each
+    atomically (UTF-8 JSON, indent 2); the chat parts only for a chat model (:func:`chat_end_id_of_checkpoint`:
+    ``folder``'s data_summary.json and tokenizer.json, written before). Raises OSError as the file system does."""
+    files = hf_files(cfg, eot_id, pad_id, im_end_id=chat_end_id_of_checkpoint(folder))
     for name in names:
         atomic_write_json(Path(folder) / name, files[name])
 
 
-def sync_chat_files(folder: Path) -> bool:
-    """Make ``folder``'s tokenizer_config.json and generation_config.json say what its tokenizer.json can do: with
-    both chat tokens, the chat template and both end-of-generation ids; without, neither (a checkpoint written
-    before its tokenizer gained them, or the other way round). Rewrites (atomically) only what differs; other keys
-    are kept. Returns whether the folder is chat-capable. Raises OSError / ValueError for unreadable files."""
+def sync_chat_files(folder: Path, chat: bool) -> bool:
+    """Make ``folder``'s tokenizer_config.json and generation_config.json say what the model can do: for a chat
+    model (``chat``: its checkpoint was trained on conversations, :func:`trained_on_conversations`) whose
+    tokenizer.json has both chat tokens, the chat template and both end-of-generation ids; otherwise neither (a
+    base model, whose tokenizer reserves the tokens untrained; a checkpoint written before its tokenizer gained
+    them, or the other way round). Rewrites (atomically) only what differs; other keys are kept. Returns whether
+    the folder is a chat model. Raises OSError / ValueError for unreadable files."""
     folder = Path(folder)
-    im_end = chat_end_id(folder)
+    im_end = chat_end_id(folder) if chat else None
     tc_path, gc_path = folder / "tokenizer_config.json", folder / "generation_config.json"
     if tc_path.is_file():
         tc = json.loads(tc_path.read_text(encoding="utf-8"))

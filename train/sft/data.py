@@ -28,6 +28,7 @@ from train.components.checkpoint import CheckpointError, find_checkpoint
 from train.config import Config
 from train.corpus import DataError, is_hf_spec
 from train.errors import TrainError
+from train.hf_files import CHAT_DATA_KIND
 from train.inputs import scan_inputs
 from train.loader import EpochLoader
 from train.sft.encode import encode_conversations, pad_windows, to_window
@@ -208,7 +209,7 @@ class SFTData:
     def summary(self, tokens_seen: int) -> dict:
         """``data_summary.json``: the conversations per split and language, what was skipped, the chat tokens
         added, the tokens seen, the tokenizer's sha256 and the inputs."""
-        return {"kind": "sft", "sources": [*self.base.get("sources", []), *self.sources],
+        return {"kind": CHAT_DATA_KIND, "sources": [*self.base.get("sources", []), *self.sources],
                 "languages": self.base.get("languages", {}), "conversations": self.counts,
                 "skipped": {"not_a_conversation": len(self.stats.skipped), "no_assistant_turn": self.stats.no_assistant,
                             "too_long": self.too_long, "files_not_read": len(self.stats.skipped_files)},
