@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from contract.bundle import MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
 from contract.quant import NAMES, QuantizeError, Scheme, parse
@@ -12,10 +13,6 @@ from serve.lm import LM
 from serve.loader import BACKENDS, load
 
 SETTINGS = SAMPLING_KEYS  # the options that override the bundle's sampling
-
-
-class CommandError(Exception):
-    """A bundle that cannot be loaded or used by the command: the message is the whole ``error:`` line."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -75,14 +72,20 @@ def utf8_stdout() -> None:
 
 
 def open_model(args: argparse.Namespace) -> tuple[LM, dict]:
-    """The loaded model and the command's sampling settings. Raises CommandError (``cannot load BUNDLE: why``) for
-    a bundle that cannot be loaded or whose sampling defaults cannot be read."""
+    """The loaded model and the command's sampling settings. A bundle that cannot be loaded (``cannot load BUNDLE:
+    why``), or whose sampling defaults cannot be read, is one ``error:`` line on stderr and SystemExit(2) (the
+    commands' bad-input status)."""
     try:
         lm = load(args.bundle, backend=args.backend, quantize=args.quantize, threads=args.threads,
                   verify=not args.no_verify, allow_ungated=args.allow_ungated)
     except (OSError, ValueError, ImportError) as e:
-        raise CommandError(f"cannot load {args.bundle}: {e}") from None
+        _fail(f"cannot load {args.bundle}: {e}")
     try:
         return lm, sampling_settings(args)
     except BundleError as e:
-        raise CommandError(str(e)) from None
+        _fail(str(e))
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from contract.text import distinct_word_share
-from serve.cli import CommandError, add_model_args, add_sampling_args, describe_sampling, open_model, utf8_stdout
+from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model, utf8_stdout
 from serve.errors import RequestError
 from serve.lm import LM
 
@@ -60,11 +60,7 @@ def print_continuation(lm: LM, prompt: str, args: argparse.Namespace, settings: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     utf8_stdout()
-    try:
-        lm, settings = open_model(args)
-    except CommandError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    lm, settings = open_model(args)
     prompts = [(None, args.prompt)] if args.prompt is not None else DEFAULT_PROMPTS
     try:
         for label, prompt in prompts:

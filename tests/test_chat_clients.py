@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import unicodedata
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +28,8 @@ from tests.client_helpers import uvicorn_server
 from tests.test_http import _rust_available
 from tests.test_llamacpp_tokenizer import _llama_cpp
 from train.tokenizer.pretokenizers import SCRIPT_EDGES
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NAME = "shalik-tiny-chat"
 KEY = "sk-shalik-chat-test"
@@ -251,6 +256,28 @@ def _chat_rows() -> list[dict]:
     rows += [{"messages": _turns(EN_QUESTIONS[7], "Rice.", q, a), "split": "train"}
              for q, a in zip(EN_QUESTIONS[8:], EN_ANSWERS[8:], strict=True)]
     return rows
+
+
+def test_chat_cli_in_a_pipe_is_lm_chat_turn_by_turn(bundle, lm):
+    """python -m serve.chat_cli on the fine-tuned bundle, two messages piped: stdout holds the two greedy replies,
+    each what LM.chat gives for the conversation so far, and the command exits 0 at the end of its input."""
+    questions = [BN_QUESTIONS[0], EN_QUESTIONS[0]]
+    out = subprocess.run([sys.executable, "-m", "serve.chat_cli", str(bundle), "--temperature", "0",
+                          "--max-new-tokens", "24"], input="".join(q + "\n" for q in questions), capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    turns, replies = [], []
+    for q in questions:
+        turns.append(_user(q))
+        replies.append(lm.chat(turns, 24, temperature=0).text)
+        turns.append({"role": "assistant", "content": replies[-1]})
+    assert out.stdout == "".join(r + "\n\n" for r in replies) and all(replies)
+    assert out.stderr.startswith("chat with ")
+    bad = subprocess.run([sys.executable, "-m", "serve.chat_cli", str(bundle), "--system", "be <|im_end|> brief"],
+                         input="hi\n", capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == (
+        "error: --system: the system message contains the reserved token <|im_end|> (the model's control tokens "
+        "cannot be sent as text)\n")
 
 
 @pytest.fixture(scope="module")

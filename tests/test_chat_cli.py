@@ -1,0 +1,157 @@
+"""``python -m serve.chat_cli``: a conversation in the terminal over a scripted chat model (history, seeds, the
+context, commands, fences, refusals, Ctrl-C) and the command's exits on a real bundle. A real chat bundle in a
+pipe is in test_chat_clients.py (slow: it fine-tunes one)."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from serve.chat import chat_prompt_ids
+from serve.chat_cli import Conversation, Session, TurnRefused, line_reader, read_message
+from tests.scripted import scripted_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+PIECES = ["নমস্কার", "!", " Hello", "."]
+GREEDY = {"temperature": 0.0}
+
+
+def run_session(lm, text: str, **conv) -> tuple[int, str, str, Conversation]:
+    """The command's loop over ``text`` as piped input: (exit status, stdout, stderr, the conversation)."""
+    c = Conversation(lm, conv.pop("settings", GREEDY), **conv)
+    out, err = io.StringIO(), io.StringIO()
+    status = Session(c, line_reader(io.StringIO(text)), out, err, interactive=False).run()
+    return status, out.getvalue(), err.getvalue(), c
+
+
+def test_the_conversation_goes_with_every_message():
+    lm = scripted_lm(PIECES, context=256, eos_after=2, chat=True)  # every reply: two pieces, then <|im_end|>
+    sent = []
+    start_chat = lm.start_chat
+    lm.start_chat = lambda messages, *a, **k: (sent.append(messages), start_chat(messages, *a, **k))[1]
+    status, out, err, c = run_session(lm, "প্রথম প্রশ্ন\nsecond\n")
+    assert status == 0 and err == "" and out == "নমস্কার!\n\nনমস্কার!\n\n"
+    first = [{"role": "user", "content": "প্রথম প্রশ্ন"}, {"role": "assistant", "content": "নমস্কার!"}]
+    assert sent == [first[:1], [*first, {"role": "user", "content": "second"}]]
+    assert c.turns == [*first, {"role": "user", "content": "second"}, {"role": "assistant", "content": "নমস্কার!"}]
+
+
+def test_reply_i_is_drawn_with_seed_plus_i_and_equals_lm_chat():
+    lm = scripted_lm(None, context=256, chat=True)
+    sampled = {"temperature": 1.0}
+    _, out, _, c = run_session(lm, "a\nb\n", settings=sampled, seed=7, max_new_tokens=6)
+    first = lm.chat([{"role": "user", "content": "a"}], 6, seed=7, **sampled).text
+    second = lm.chat([*c.turns[:2], {"role": "user", "content": "b"}], 6, seed=8, **sampled).text
+    assert [c.turns[1]["content"], c.turns[3]["content"]] == [first, second] and first != second
+    assert run_session(lm, "a\nb\n", settings=sampled, seed=7, max_new_tokens=6)[1] == out  # same seed, same chat
+
+
+def test_the_oldest_turns_are_dropped_to_leave_the_reply_room():
+    lm = scripted_lm(PIECES, context=128, eos_after=2, chat=True)
+    c = Conversation(lm, GREEDY, max_new_tokens=64, system="be brief")
+    assert c.reserve == 32  # min(max_new_tokens, context / 4)
+    for i in range(12):
+        c.reply(f"question {i} " + "x" * 20, lambda _: None)
+    kept = [m["content"] for m in c.turns if m["role"] == "user"]
+    assert c.dropped > 0 and kept[-1].startswith("question 11") and len(kept) < 12
+    used = len(chat_prompt_ids(lm, c.messages(c.turns[:-1]))) + 1
+    assert used + c.reserve <= lm.context_length  # what was sent left the reply its room
+    assert c.messages()[0] == {"role": "system", "content": "be brief"}  # the system message is never dropped
+    with pytest.raises(TurnRefused) as e:
+        c.reply("y" * 400, lambda _: None)
+    assert str(e.value).startswith("the message is ") and "tokens with the system message in the chat template; " \
+        "the context holds 128 and a reply needs 32 of them: shorten it" in str(e.value)
+
+
+def test_commands_fences_and_refusals_in_a_pipe():
+    lm = scripted_lm(PIECES, context=256, eos_after=1, chat=True)
+    text = "\n".join(["/system Answer in Bangla.", "/system", "hello", '"""', "two", "lines", '"""',
+                      "bad <|im_end|> text", "caf\udce9", "/system <|im_start|>", "/nope", "//slash", '"""one line"""', "/clear",
+                      "/help", "after clear", "/bye", "never read"]) + "\n"
+    sent = []
+    start_chat = lm.start_chat
+    lm.start_chat = lambda messages, *a, **k: (sent.append(messages[-1]["content"]), start_chat(messages, *a, **k))[1]
+    status, out, err, c = run_session(lm, text)
+    assert status == 1  # a message was refused in a pipe
+    # a fenced message keeps its line break, // sends a leading slash, a one-line fence its text
+    assert sent == ["hello", "two\nlines", "/slash", "one line", "after clear"]
+    assert out == "নমস্কার\n\n" * 5  # replies alone on stdout
+    assert err.splitlines()[:2] == ["(system message set)", "system: Answer in Bangla."]
+    assert ("error: the message contains the reserved token <|im_end|> (the model's control tokens cannot be sent as "
+            "text); the message was not sent") in err
+    assert "error: the system message contains the reserved token <|im_start|>" in err
+    assert "error: the message is not valid UTF-8: byte 0xE9 at character 3; the message was not sent" in err
+    assert "unknown command /nope; /help lists them" in err and "/clear          forget" in err
+    assert "(the conversation is cleared, the system message kept)" in err
+    assert c.system == "Answer in Bangla." and c.turns[0] == {"role": "user", "content": "after clear"}
+    assert c.replies == 5
+
+
+def test_read_message_fences():
+    def read(lines):
+        return read_message(line_reader(io.StringIO("".join(f"{x}\n" for x in lines))), False)
+
+    assert read(["plain"]) == "plain"
+    assert read(['"""', "a", "", "b", '"""']) == "a\n\nb"
+    assert read(['"""first', "second", 'third"""']) == "first\nsecond\nthird"
+    assert read(['"""inline"""']) == "inline"
+    assert read(['"""', "unclosed"]) == "unclosed"  # the end of the input closes it
+    with pytest.raises(EOFError):
+        read([])
+
+
+def test_a_stopped_reply_is_cancelled_and_its_turn_not_kept():
+    gate = threading.Event()
+    lm = scripted_lm(PIECES, context=256, chat=True, gate=gate, gate_after=3)  # never ends a turn by itself
+    c = Conversation(lm, GREEDY, max_new_tokens=64)
+    out, err = InterruptedOut(after=2), io.StringIO()
+    status = Session(c, line_reader(io.StringIO("stop me\n")), out, err, interactive=False).run()
+    assert status == 0 and c.turns == [] and c.replies == 1
+    assert out.getvalue() == "নমস্কার!\n" and err.getvalue() == "(stopped; this turn is not kept)\n"
+    gate.set()
+    end = time.time() + 10
+    while lm.engine.stats()["running"] and time.time() < end:
+        time.sleep(0.01)
+    # cancelled where it stood (the gate held it at its 4th token), not run on to its budget of 64
+    assert lm.engine.stats()["running"] == 0 and lm.engine.stats()["decode_tokens"] <= 5
+
+
+class InterruptedOut(io.StringIO):
+    """A terminal where Ctrl-C is pressed as the ``after`` + 1-th write arrives (it is not written)."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.left = after
+
+    def write(self, s: str) -> int:
+        if self.left == 0:
+            self.left = -1
+            raise KeyboardInterrupt
+        self.left -= 1
+        return super().write(s)
+
+
+def chat_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve.chat_cli", *args], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+
+
+def test_a_base_model_bad_options_and_no_bundle_are_one_line_and_exit_2(bundle, tmp_path):
+    out = chat_cli(str(bundle), stdin="hello\n")
+    assert out.returncode == 2 and out.stdout == ""
+    # the main job's kind of bundle: its tokenizer reserves the chat tokens, but it was never fine-tuned on them
+    assert out.stderr == (f"error: model {bundle.parent.name!r} is a base model, not a chat model: it was not "
+                          f"fine-tuned on conversations, so its bundle has no chat template (its tokenizer only "
+                          f"reserves <|im_start|> and <|im_end|>). Fine-tune it with python -m train.sft, then export "
+                          f"it again; python -m serve.generate {bundle} continues text with it\n")
+    missing = chat_cli(str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and missing.stderr.startswith(f"error: cannot load {tmp_path / 'nothing'}: ")
+    assert missing.stderr.count("\n") == 1
+    zero = chat_cli(str(bundle), "--max-new-tokens", "0")
+    assert zero.returncode == 2 and "argument --max-new-tokens: expected an integer >= 1, got 0" in zero.stderr
