@@ -22,7 +22,7 @@ from pathlib import Path
 from contract.atomic import atomic_write_text
 from contract.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError, has_chat_template
 from contract.bundle import sampling_defaults as bundle_sampling
-from contract.chat_format import IM_END, OLLAMA_TEMPLATE
+from contract.chat_format import IM_END, IM_START, OLLAMA_TEMPLATE
 from export.errors import ExportError
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.sampling import SamplingParams
@@ -51,10 +51,11 @@ def sampling_defaults(folder: str | Path) -> dict:
 def modelfile_text(gguf_name: str, context_length: int, sampling: dict, chat: bool = False) -> str:
     """The Modelfile for ``gguf_name`` (a file in the Modelfile's folder), a model of ``context_length`` tokens and
     the default ``sampling`` (:func:`sampling_defaults`); ``chat``: the model's tokenizer has the chat tokens
-    (the chat template, and ``<|im_end|>`` as a stop beside ``<|endoftext|>``)."""
+    (the chat template, and ``<|im_end|>`` and ``<|im_start|>`` as stops beside ``<|endoftext|>``, as the server
+    ends a reply: ``serve.chat.chat_end_ids``)."""
     s = sampling
-    template = [f'TEMPLATE """{OLLAMA_TEMPLATE}"""', f'PARAMETER stop "{IM_END}"'] if chat else \
-        ['TEMPLATE """{{ .Prompt }}"""']
+    template = [f'TEMPLATE """{OLLAMA_TEMPLATE}"""', f'PARAMETER stop "{IM_END}"', f'PARAMETER stop "{IM_START}"'] \
+        if chat else ['TEMPLATE """{{ .Prompt }}"""']
     lines = [HEADER,
              f"# ollama create NAME -f {MODELFILE}   then   ollama run NAME \"আমি বাংলায়\"",
              "# Prompts should be Unicode NFC: Shalik's own runtimes normalise, llama.cpp and Ollama do not.",

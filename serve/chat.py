@@ -2,7 +2,7 @@
 encoded into the prompt ids that ``LM.start_choices`` generates from, ending at ``<|im_end|>``.
 
 Nothing below the prompt changes: the engine (Python or Rust) takes ids as for any prompt; a choice that samples
-``<|im_end|>`` ends there with finish_reason ``"stop"`` (``serve.generation.ChoiceGroup.end_ids``), as one that
+``<|im_end|>`` (or ``<|im_start|>``: :func:`chat_end_ids`) ends there with finish_reason ``"stop"`` (``serve.generation.ChoiceGroup.end_ids``), as one that
 samples ``<|endoftext|>`` does. The ids are ``<|endoftext|>`` + ``encode(render(messages, True))`` — what
 ``transformers``' ``apply_chat_template`` and llama.cpp (which adds ``<|endoftext|>`` as its BOS) give.
 """
@@ -40,8 +40,12 @@ def missing_tokens(tokenizer: Any) -> list[str]:
 
 
 def chat_end_ids(tokenizer: Any) -> frozenset[int]:
-    """``{id of <|im_end|>}`` for a ``tokenizers.Tokenizer`` with the chat tokens, else the empty set."""
-    return frozenset() if missing_tokens(tokenizer) else frozenset({int(tokenizer.token_to_id(IM_END))})
+    """The ids that end a chat reply, for a ``tokenizers.Tokenizer`` with the chat tokens (else the empty set):
+    ``<|im_end|>``, and ``<|im_start|>`` — a new turn starting ends this one (Ollama's ChatML models stop at both),
+    and a reply holding its text could not be sent back in the next request."""
+    if missing_tokens(tokenizer):
+        return frozenset()
+    return frozenset(int(tokenizer.token_to_id(t)) for t in CHAT_TOKENS)
 
 
 def why_not_chat(lm: ChatLM) -> str | None:

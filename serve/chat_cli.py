@@ -11,31 +11,38 @@ otherwise; reply ``i`` (from 0) with seed ``--seed + i``, so the same messages a
 
 In a terminal: ``>>>`` asks for a message (line editing and history by ``readline``); ``/help`` lists the
 commands: ``/clear`` (forget the conversation, keep the system message), ``/system [TEXT]`` (set, or show, the
-system message; ``/system`` alone with none set says so), ``/bye`` (or Ctrl-D) to leave. A message of several
-lines goes between lines that start and end with ``\"\"\"`` (as Ollama's); a message that starts with ``/`` is
-sent as ``//…``. Ctrl-C stops a reply (its turn is not kept) and, at the prompt, says how to leave. When the
-conversation leaves the reply fewer than ``min(--max-new-tokens, context / 4)`` tokens, its oldest turns are
-dropped (said in a line); a message that does not fit even alone is refused.
+system message), ``/bye`` (or Ctrl-D) to leave. A message of several lines starts with a line that starts with
+``\"\"\"`` and ends with the first line that ends with ``\"\"\"`` (as Ollama's); such a message is never a
+command, and Ctrl-D inside it leaves without sending it. A one-line message that starts with ``/`` is sent as
+``//…``. Ctrl-C stops a reply (its turn is not kept, its seed not used up) and, at the prompt, says how to leave.
+Control characters of a reply are shown as U+FFFD. When the conversation leaves the reply fewer than
+``min(--max-new-tokens, context / 4)`` tokens, its oldest turns are dropped (said in a line); a message, or a
+system message, that does not fit even alone is refused.
 
 From a pipe or a file: a message a line (commands too), no prompt; stdout holds the replies alone, each followed
-by a blank line; everything else the command says goes to stderr.
+by a blank line; everything else the command says goes to stderr. An unclosed ``\"\"\"`` message at the end of
+the input is sent (said on stderr); Ctrl-C ends the command (130).
 
 Exit status 0 at the end of the input or ``/bye``; 1 when input that is not a terminal had a message refused (each
-said on stderr; the conversation went on without it); 2 for a bundle that cannot be loaded or is not a chat model
-(a base model: the message says how to get one) and for a ``--system`` the chat format refuses.
+said on stderr; the conversation went on without it) or standard output failed (a closed pipe: quietly; a full
+disk); 2 for a bundle that cannot be loaded or is not a chat model (a base model: the message says how to get
+one), a sampling option out of range (or a bundle default that is), a ``--system`` that is refused, a closed
+standard input or output; 130 for Ctrl-C while the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from contract.chat_format import RESERVED_TOKENS
 from contract.text import lone_surrogate
 from serve.chat import chat_prompt_ids, why_not_chat
-from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model, utf8_stdout
+from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model
 from serve.errors import RequestError
 from serve.lm import LM
 
@@ -100,22 +107,26 @@ class Conversation:
             turns, dropped = turns[2:], dropped + 2  # the oldest user turn and its reply
 
     def reply(self, user: str, write: Callable[[str], None]) -> str | None:
-        """Send ``user``, stream the reply's pieces to ``write`` and keep both turns; returns the finish reason
-        ("stop": the turn ended; "length": the budget did). Raises TurnRefused (nothing kept); a KeyboardInterrupt
-        while the reply streams cancels it and propagates (nothing kept)."""
+        """Send ``user``, stream the reply's pieces to ``write`` and keep both turns (the reply without the text of a
+        control token, should it hold one); returns the finish reason ("stop": the turn ended; "length": the budget
+        did). Raises TurnRefused (nothing kept); a KeyboardInterrupt (or an error of ``write``) while the reply
+        streams cancels it and propagates (nothing kept, its seed not used up)."""
         turns, self.dropped = self.fit(user)
         gen = self.lm.start_chat(self.messages(turns), 1, None, seed=self.seed + self.replies,
                                  default_max_new_tokens=self.max_new_tokens, **self.settings)[0]
-        self.replies += 1
         pieces = []
         try:
             for chunk in gen:
                 pieces.append(chunk.text)
                 write(chunk.text)
-        except KeyboardInterrupt:
+        except BaseException:  # Ctrl-C, a closed terminal: the reply ends here, its turn is not kept
             gen.cancel()
             raise
-        self.turns = [*turns, {"role": "assistant", "content": "".join(pieces)}]
+        reply = "".join(pieces)
+        for token in RESERVED_TOKENS:  # sampled control text (<|pad|>) could not be sent back with the next message
+            reply = reply.replace(token, "")
+        self.turns = [*turns, {"role": "assistant", "content": reply}]
+        self.replies += 1
         return gen.finish_reason
 
     def clear(self) -> None:
@@ -132,42 +143,58 @@ def _about_the_message(error: str, has_system: bool) -> str:
     return f"the {'system message' if has_system and where.startswith('messages[0]') else 'message'} {why}"
 
 
-def _check_utf8(message: str) -> None:
-    """TurnRefused for input bytes that were not UTF-8 (standard input is read with ``surrogateescape``: such a
-    byte arrives as U+DC80..U+DCFF), naming the first and where it is."""
-    at = lone_surrogate(message)
-    if at is not None and 0xDC80 <= ord(message[at]) <= 0xDCFF:
-        raise TurnRefused(f"the message is not valid UTF-8: byte 0x{ord(message[at]) - 0xDC00:02X} at character {at}")
+def _check_utf8(text: str, what: str = "the message") -> None:
+    """TurnRefused for input bytes that were not UTF-8 (standard input and arguments are read with
+    ``surrogateescape``: such a byte arrives as U+DC80..U+DCFF), naming the first and where it is."""
+    at = lone_surrogate(text)
+    if at is not None and 0xDC80 <= ord(text[at]) <= 0xDCFF:
+        raise TurnRefused(f"{what} is not valid UTF-8: byte 0x{ord(text[at]) - 0xDC00:02X} at character {at}")
 
 
-def check_system(lm: LM, system: str) -> None:
-    """Raises TurnRefused when the chat format refuses ``system`` as a system message (a control token's text, not
-    valid Unicode)."""
+def check_system(lm: LM, system: str, reserve: int) -> None:
+    """Raises TurnRefused when ``system`` cannot be the system message: the chat format refuses it (a control
+    token's text, bytes that were not UTF-8) or, with a one-word message, it leaves a reply fewer than ``reserve``
+    tokens of the context."""
+    _check_utf8(system, "the system message")
     try:
-        chat_prompt_ids(lm, [{"role": "system", "content": system}, {"role": "user", "content": "?"}])
+        used = len(chat_prompt_ids(lm, [{"role": "system", "content": system}, {"role": "user", "content": "?"}])) + 1
     except RequestError as e:
         raise TurnRefused(_about_the_message(str(e), True)) from None
+    if used + reserve > lm.context_length:
+        raise TurnRefused(f"the system message is {used} tokens with a one-word message in the chat template; the "
+                          f"context holds {lm.context_length} and a reply needs {reserve} of them: shorten it")
 
 
-def read_message(read: Callable[[str], str], interactive: bool) -> str:
-    """The next message: one line, or the lines between ``\"\"\"`` fences (joined with newlines). ``read(prompt)``
-    returns a line without its newline and raises EOFError at the end of the input; an unclosed fence at the end
-    of the input gives what was read."""
+@dataclass
+class Message:
+    """What one read gives: the ``text``; ``fenced`` when it came between ``\"\"\"`` lines (never a command);
+    ``unclosed`` when the input ended before its closing ``\"\"\"``."""
+
+    text: str
+    fenced: bool = False
+    unclosed: bool = False
+
+
+def read_message(read: Callable[[str], str], interactive: bool) -> Message:
+    """The next message: one line, or — when a line starts with ``\"\"\"`` — the lines up to the first that ends with
+    ``\"\"\"`` (as Ollama's), joined with newlines, the fences cut (a closing line of only ``\"\"\"`` adds nothing).
+    ``read(prompt)`` returns a line without its newline and raises EOFError at the end of the input."""
     line = read(">>> " if interactive else "")
     if not line.lstrip().startswith(FENCE):
-        return line
+        return Message(line)
     first = line.lstrip()[len(FENCE):]
     if first.rstrip().endswith(FENCE) and first.strip() != "":
-        return first.rstrip()[:-len(FENCE)]
+        return Message(first.rstrip()[:-len(FENCE)], fenced=True)
     lines = [first] if first else []
     while True:
         try:
             more = read("... " if interactive else "")
         except EOFError:
-            return "\n".join(lines)
+            return Message("\n".join(lines), fenced=True, unclosed=True)
         if more.rstrip().endswith(FENCE):
-            lines.append(more.rstrip()[:-len(FENCE)])
-            return "\n".join(lines).strip("\n")
+            last = more.rstrip()[:-len(FENCE)]
+            lines += [last] if last.strip() else []
+            return Message("\n".join(lines), fenced=True)
         lines.append(more)
 
 
@@ -198,9 +225,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# what a terminal would run rather than show: C0 controls but tab and newline, DEL, C1 (escape sequences)
+_CONTROLS = {c: "\ufffd" for c in [*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F, *range(0x80, 0xA0)]}
+
+
 class Session:
     """The command's loop over one :class:`Conversation`: reads messages and commands, writes replies to
-    ``out`` and everything else to ``err``."""
+    ``out`` and everything else to ``err``. In a terminal (``interactive``), control characters of a reply are
+    shown as U+FFFD, so that a reply cannot drive the terminal."""
 
     def __init__(self, conv: Conversation, read: Callable[[str], str], out: TextIO, err: TextIO,
                  interactive: bool):
@@ -214,7 +246,8 @@ class Session:
         stream.flush()
 
     def run(self) -> int:
-        """Until the end of the input or ``/bye``; the exit status (module doc)."""
+        """Until the end of the input or ``/bye``; the exit status (module doc). Ctrl-C at the prompt of a terminal
+        says how to leave; from a pipe it ends the command (130)."""
         while True:
             try:
                 message = read_message(self.read, self.interactive)
@@ -223,15 +256,23 @@ class Session:
                     self.out.write("\n")
                 break
             except KeyboardInterrupt:
+                if not self.interactive:
+                    return 130
                 self.say("\n(Ctrl-D or /bye to leave)")
                 continue
-            if not message.strip():
+            if message.unclosed:
+                if self.interactive:  # Ctrl-D inside a message: leave without sending it
+                    self.out.write("\n")
+                    break
+                self.say(f'(the input ended inside a {FENCE} message; it is sent as it stands)')
+            text = message.text
+            if not text.strip():
                 continue
-            if message.startswith("/") and not message.startswith("//"):
-                if not self.command(message):
+            if not message.fenced and text.startswith("/") and not text.startswith("//"):
+                if not self.command(text):
                     break
                 continue
-            self.send(message[1:] if message.startswith("//") else message)
+            self.send(text[1:] if not message.fenced and text.startswith("//") else text)
         return 1 if self.refused and not self.interactive else 0
 
     def command(self, line: str) -> bool:
@@ -245,7 +286,7 @@ class Session:
         elif name == "/system":
             if rest.strip():
                 try:
-                    check_system(self.conv.lm, rest.strip())
+                    check_system(self.conv.lm, rest.strip(), self.conv.reserve)
                 except TurnRefused as e:
                     self.refused += 1
                     self.say(f"error: {e}; the system message was not set")
@@ -265,7 +306,7 @@ class Session:
         try:
             _check_utf8(message)
             finish = self.conv.reply(message, self._write)
-        except TurnRefused as e:
+        except (TurnRefused, RequestError) as e:
             self.refused += 1
             self.say(f"error: {e}; the message was not sent")
             return
@@ -283,29 +324,58 @@ class Session:
                      f"context)")
 
     def _write(self, text: str) -> None:
-        self.out.write(text)
+        self.out.write(text.translate(_CONTROLS) if self.interactive else text)
         self.out.flush()
 
 
+def _streams() -> tuple[TextIO, TextIO]:
+    """Standard input (bytes that are not UTF-8 kept as lone surrogates, refused by :func:`_check_utf8`) and
+    output (UTF-8). One ``error:`` line and SystemExit(2) when either is closed."""
+    if sys.stdin is None or sys.stdout is None:
+        print(f"error: standard {'input' if sys.stdin is None else 'output'} is closed: the chat reads messages "
+              "from standard input and writes replies to standard output", file=sys.stderr)
+        raise SystemExit(2)
+    for stream in (sys.stdin, sys.stdout):
+        try:
+            stream.reconfigure(encoding="utf-8", errors="surrogateescape" if stream is sys.stdin else "strict")
+        except (AttributeError, ValueError):
+            pass
+    return sys.stdin, sys.stdout
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m serve.chat_cli``; the exit status as the module doc says (130 on Ctrl-C while
+    the model loads or, from a pipe, at any time; 1 when standard output fails: a closed pipe, a full disk)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (| head): nothing more to say to it
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        print(f"error: cannot write the reply: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    utf8_stdout()
+    stdin, stdout = _streams()
     lm, settings = open_model(args)
     why = why_not_chat(lm)
     if why:
         print(f"error: {why}; python -m serve.generate {args.bundle} continues text with it", file=sys.stderr)
         return 2
-    if args.system is not None:
+    conv = Conversation(lm, settings, args.seed, args.max_new_tokens, (args.system or "").strip() or None)
+    if conv.system is not None:
         try:
-            check_system(lm, args.system)
+            check_system(lm, conv.system, conv.reserve)
         except TurnRefused as e:
             print(f"error: --system: {e}", file=sys.stderr)
             return 2
-    try:  # bytes that are not UTF-8 reach the chat format as lone surrogates, which it refuses by position
-        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
-    except (AttributeError, ValueError):
-        pass
-    interactive = sys.stdin.isatty()
+    interactive = stdin.isatty()
     if interactive:
         try:
             import readline  # noqa: F401, PLC0415 - line editing and history for input()
@@ -313,12 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             pass
         read = input
     else:
-        read = line_reader(sys.stdin)
-    conv = Conversation(lm, settings, args.seed, args.max_new_tokens, args.system)
+        read = line_reader(stdin)
     print(f"chat with {lm.name} ({args.bundle}, {args.backend}); replies {describe_sampling(settings, args.seed)}, "
           f"at most {args.max_new_tokens} tokens; context {lm.context_length} tokens. /help for commands, /bye or "
-          f"Ctrl-D to leave", file=sys.stdout if interactive else sys.stderr)
-    return Session(conv, read, sys.stdout, sys.stderr, interactive).run()
+          f"Ctrl-D to leave", file=stdout if interactive else sys.stderr)
+    return Session(conv, read, stdout, sys.stderr, interactive).run()
 
 
 if __name__ == "__main__":

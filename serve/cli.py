@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn
 
-from contract.bundle import MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
+from contract.bundle import GENERATION_CONFIG, MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
 from contract.quant import NAMES, QuantizeError, Scheme, parse
+from serve.errors import RequestError
 from serve.lm import LM
 from serve.loader import BACKENDS, load
+from serve.sampling import SamplingParams
 
 SETTINGS = SAMPLING_KEYS  # the options that override the bundle's sampling
 
@@ -47,13 +50,27 @@ def _quantize(value: str) -> Scheme | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """RequestError naming the option (``--top-p: top_p must be <= 1.0, got 2.0``) for a sampling option out of
+    range (:class:`serve.sampling.SamplingParams`' rules), before anything loads."""
+    given = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
+    try:
+        SamplingParams(**given, seed=args.seed)
+    except RequestError as e:
+        raise RequestError(f"--{e.param.replace('_', '-')}: {e}" if e.param else str(e)) from None
+
+
 def sampling_settings(args: argparse.Namespace) -> dict:
     """The sampling of this command: the bundle's defaults (:func:`contract.bundle.sampling_defaults`) overridden by
     the options given. Missing keys are off (top_k 0, top_p 1, repetition_penalty 1). Raises BundleError for a
-    bundle whose ``generation_config.json`` cannot be read."""
-    s = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **sampling_defaults(args.bundle)}
-    s.update({k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None})
-    return s
+    bundle whose ``generation_config.json`` cannot be read or holds a value that cannot be sampled with."""
+    defaults = sampling_defaults(args.bundle)
+    try:
+        SamplingParams(**defaults)
+    except RequestError as e:
+        raise BundleError(f"{Path(args.bundle) / GENERATION_CONFIG}: {e}") from None
+    given = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
+    return {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **defaults, **given}
 
 
 def describe_sampling(settings: dict, seed: int) -> str:
@@ -72,13 +89,17 @@ def utf8_stdout() -> None:
 
 
 def open_model(args: argparse.Namespace) -> tuple[LM, dict]:
-    """The loaded model and the command's sampling settings. A bundle that cannot be loaded (``cannot load BUNDLE:
-    why``), or whose sampling defaults cannot be read, is one ``error:`` line on stderr and SystemExit(2) (the
-    commands' bad-input status)."""
+    """The loaded model and the command's sampling settings. A sampling option out of range (checked first), a
+    bundle that cannot be loaded (``cannot load BUNDLE: why``) or whose sampling defaults cannot be used is one
+    ``error:`` line on stderr and SystemExit(2) (the commands' bad-input status)."""
+    try:
+        check_options(args)
+    except RequestError as e:
+        _fail(str(e))
     try:
         lm = load(args.bundle, backend=args.backend, quantize=args.quantize, threads=args.threads,
                   verify=not args.no_verify, allow_ungated=args.allow_ungated)
-    except (OSError, ValueError, ImportError) as e:
+    except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: rust_runtime's load errors
         _fail(f"cannot load {args.bundle}: {e}")
     try:
         return lm, sampling_settings(args)

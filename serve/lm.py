@@ -55,7 +55,9 @@ class LM:
 
     ``tokenizer`` is a ``tokenizers.Tokenizer`` (byte-level BPE with ``<|endoftext|>``). ``name`` is a label
     (the bundle's run name). Generations go through one engine (:mod:`serve.engine`, started on first use):
-    up to ``max_batch`` sequences are stepped together, ``token_budget`` tokens per step. Thread-safe.
+    up to ``max_batch`` sequences are stepped together, ``token_budget`` tokens per step. ``chat_model``: whether
+    :meth:`chat` may run (:func:`serve.load` passes the bundle's verdict, ``contract.bundle.has_chat_template``;
+    None: whenever the tokenizer has the chat tokens). Thread-safe.
     """
 
     def __init__(self, backend: Any, tokenizer: Any, name: str = "model", path: Path | None = None,
@@ -66,8 +68,6 @@ class LM:
         self.tokenizer = tokenizer
         self.name = name
         self.path = path
-        # a chat model: fine-tuned on conversations (serve.load: the bundle has a chat template); None: whenever
-        # the tokenizer has the chat tokens (a model built in code)
         self.chat_model = not missing_tokens(tokenizer) if chat_model is None else bool(chat_model)
         self.table = TokenTable.from_tokenizer(tokenizer)
         self.eot_id = eot_id(tokenizer)

@@ -11,6 +11,7 @@ import numpy as np
 from contract.bundle import (
     MANIFEST,
     TOKENIZER,
+    BundleError,
     backend_files,
     has_chat_template,
     onnx_graph,
@@ -49,7 +50,8 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
     Raises BundleError (a ValueError) naming a corrupt or unlisted file, a missing manifest or one of a newer
     format_version (with any ``verify``), UngatedError (a BundleError) for a quantized form the gate did not pass
     (naming the form, the figure and the threshold); TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
-    FileNotFoundError for a missing folder or tokenizer, ValueError for an unknown backend or quantization or
+    FileNotFoundError for a missing folder or tokenizer, BundleError for a tokenizer.json that cannot be parsed,
+    ValueError for an unknown backend or quantization or
     threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
     anything is read.
     """
@@ -89,5 +91,9 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
         # rust_runtime.Model.load reads the same verdict in Rust (and logs an override there)
         model = RustBackend(path, quantize=scheme, threads=threads, allow_ungated=allow_ungated)
     label = name or path.resolve().parent.name or path.name
-    return LM(model, Tokenizer.from_file(str(tok_file)), name=label, path=path, max_batch=max_batch,
-              token_budget=token_budget, chat_model=has_chat_template(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a file it cannot parse
+        raise BundleError(f"{tok_file}: cannot read it as a tokenizer ({str(e).splitlines()[0][:200]})") from None
+    return LM(model, tokenizer, name=label, path=path, max_batch=max_batch, token_budget=token_budget,
+              chat_model=has_chat_template(path))

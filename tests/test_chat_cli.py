@@ -5,6 +5,7 @@ pipe is in test_chat_clients.py (slow: it fine-tunes one)."""
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from serve.chat import chat_prompt_ids
-from serve.chat_cli import Conversation, Session, TurnRefused, line_reader, read_message
+from serve.chat_cli import Conversation, Message, Session, TurnRefused, line_reader, read_message
 from tests.scripted import scripted_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,31 @@ def test_the_oldest_turns_are_dropped_to_leave_the_reply_room():
         "the context holds 128 and a reply needs 32 of them: shorten it" in str(e.value)
 
 
+def test_a_system_message_that_leaves_no_room_is_refused():
+    lm = scripted_lm(PIECES, context=128, eos_after=1, chat=True)
+    status, out, err, c = run_session(lm, "/system " + "x" * 120 + "\nhi\n", max_new_tokens=32)
+    assert status == 1 and c.system is None and out == "নমস্কার\n\n"
+    assert "error: the system message is " in err and "tokens with a one-word message in the chat template; the " \
+        "context holds 128 and a reply needs 32 of them: shorten it; the system message was not set" in err
+
+
+def test_control_characters_of_a_reply_reach_a_terminal_as_u_fffd():
+    lm = scripted_lm(["a\x1b[2Jb", "\x07"], context=256, eos_after=2, chat=True)
+    c = Conversation(lm, GREEDY)
+    for interactive, want in ((True, "a\ufffd[2Jb\ufffd\n\n"), (False, "a\x1b[2Jb\x07\n\n")):
+        out = io.StringIO()
+        Session(c, line_reader(io.StringIO("hi\n")), out, io.StringIO(), interactive).send("hi")
+        assert out.getvalue() == want
+    assert c.turns[-1] == {"role": "assistant", "content": "a\x1b[2Jb\x07"}  # kept as the model wrote it
+
+
+def test_a_reply_is_kept_without_control_token_text_so_that_the_next_message_can_carry_it():
+    lm = scripted_lm(["ok<|pad|>"], context=256, eos_after=1, chat=True)
+    status, out, err, c = run_session(lm, "hi\nagain\n")
+    assert status == 0 and err == "" and out == "ok<|pad|>\n\n" * 2
+    assert [m["content"] for m in c.turns if m["role"] == "assistant"] == ["ok", "ok"]
+
+
 def test_commands_fences_and_refusals_in_a_pipe():
     lm = scripted_lm(PIECES, context=256, eos_after=1, chat=True)
     text = "\n".join(["/system Answer in Bangla.", "/system", "hello", '"""', "two", "lines", '"""',
@@ -97,13 +123,24 @@ def test_read_message_fences():
     def read(lines):
         return read_message(line_reader(io.StringIO("".join(f"{x}\n" for x in lines))), False)
 
-    assert read(["plain"]) == "plain"
-    assert read(['"""', "a", "", "b", '"""']) == "a\n\nb"
-    assert read(['"""first', "second", 'third"""']) == "first\nsecond\nthird"
-    assert read(['"""inline"""']) == "inline"
-    assert read(['"""', "unclosed"]) == "unclosed"  # the end of the input closes it
+    assert read(["plain"]) == Message("plain")
+    assert read(['"""', "a", "", "b", '"""']) == Message("a\n\nb", fenced=True)
+    assert read(['"""first', "second", 'third"""']) == Message("first\nsecond\nthird", fenced=True)
+    assert read(['"""inline"""']) == Message("inline", fenced=True)
+    assert read(['   """', "  a", '   """']) == Message("  a", fenced=True)  # a closing line of only the fence adds nothing
+    assert read(['"""', "unclosed"]) == Message("unclosed", fenced=True, unclosed=True)
     with pytest.raises(EOFError):
         read([])
+
+
+def test_a_fenced_message_is_never_a_command_and_an_unclosed_one_is_said():
+    lm = scripted_lm(PIECES, context=256, eos_after=1, chat=True)
+    sent = []
+    start_chat = lm.start_chat
+    lm.start_chat = lambda messages, *a, **k: (sent.append(messages[-1]["content"]), start_chat(messages, *a, **k))[1]
+    status, out, err, c = run_session(lm, '"""\n/bye\n"""\n"""\n//two\nlines\n')
+    assert status == 0 and sent == ["/bye", "//two\nlines"] and out == "নমস্কার\n\n" * 2
+    assert err == '(the input ended inside a """ message; it is sent as it stands)\n'
 
 
 def test_a_stopped_reply_is_cancelled_and_its_turn_not_kept():
@@ -112,7 +149,7 @@ def test_a_stopped_reply_is_cancelled_and_its_turn_not_kept():
     c = Conversation(lm, GREEDY, max_new_tokens=64)
     out, err = InterruptedOut(after=2), io.StringIO()
     status = Session(c, line_reader(io.StringIO("stop me\n")), out, err, interactive=False).run()
-    assert status == 0 and c.turns == [] and c.replies == 1
+    assert status == 0 and c.turns == [] and c.replies == 0  # the next reply is drawn with the seed this one had
     assert out.getvalue() == "নমস্কার!\n" and err.getvalue() == "(stopped; this turn is not kept)\n"
     gate.set()
     end = time.time() + 10
@@ -155,3 +192,16 @@ def test_a_base_model_bad_options_and_no_bundle_are_one_line_and_exit_2(bundle, 
     assert missing.stderr.count("\n") == 1
     zero = chat_cli(str(bundle), "--max-new-tokens", "0")
     assert zero.returncode == 2 and "argument --max-new-tokens: expected an integer >= 1, got 0" in zero.stderr
+    hot = chat_cli(str(bundle), "--temperature", "-1", stdin="hi\n")
+    assert (hot.returncode, hot.stdout, hot.stderr) == (2, "", "error: --temperature: temperature must be >= 0.0, "
+                                                                "got -1.0\n")
+    junk = tmp_path / "junk"
+    shutil.copytree(bundle, junk)
+    (junk / "generation_config.json").write_text('{"do_sample": true, "temperature": "hot"}')
+    bad = chat_cli(str(junk), "--no-verify", stdin="hi\n")
+    assert bad.returncode == 2 and bad.stderr == (f"error: {junk / 'generation_config.json'}: temperature must be a "
+                                                  f"finite number, got 'hot'\n")
+    (junk / "tokenizer.json").write_text('{"model": {}}')
+    broken = chat_cli(str(junk), "--no-verify")
+    assert broken.returncode == 2 and broken.stderr.startswith(f"error: cannot load {junk}: {junk / 'tokenizer.json'}"
+                                                                f": cannot read it as a tokenizer (")

@@ -155,7 +155,7 @@ def test_both_engines_run_chat_unchanged_and_end_at_the_end_id(bundle, backend):
     lm = load(bundle, backend=backend, threads=1)
     try:
         full = lm.chat(CONV, 8, temperature=0)
-        assert len(full.token_ids) == 8 and full.finish_reason == "length"  # a base-trained model: no turn end
+        assert len(full.token_ids) == 8 and full.finish_reason == "length"  # the tiny fine-tune: no end in 8
         end = full.token_ids[2]
         cut = lm.collect(lm.start_choices(chat_prompt_ids(lm, CONV), 1, 8, temperature=0, end_ids=frozenset({end}))[0])
         k = full.token_ids.index(end)
@@ -273,6 +273,11 @@ def test_chat_cli_in_a_pipe_is_lm_chat_turn_by_turn(bundle, lm):
         turns.append({"role": "assistant", "content": replies[-1]})
     assert out.stdout == "".join(r + "\n\n" for r in replies) and all(replies)
     assert out.stderr.startswith("chat with ")
+    # a reader that goes away (| head) ends the command quietly
+    gone = subprocess.run(["bash", "-o", "pipefail", "-c", f"yes hi | head -n 40 | {sys.executable} -m serve.chat_cli "
+                           f"{bundle} --max-new-tokens 8 | head -c 5"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert gone.returncode == 1 and "Traceback" not in gone.stderr and "Error" not in gone.stderr, gone.stderr
     bad = subprocess.run([sys.executable, "-m", "serve.chat_cli", str(bundle), "--system", "be <|im_end|> brief"],
                          input="hi\n", capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == (
@@ -400,4 +405,5 @@ def test_modelfile_template_follows_the_tokenizer():
     chat = modelfile_text("m.gguf", 128, sampling, chat=True)
     assert 'TEMPLATE """{{ .Prompt }}"""' in base and f'PARAMETER stop "{IM_END}"' not in base
     assert f'TEMPLATE """{OLLAMA_TEMPLATE}"""' in chat and f'PARAMETER stop "{IM_END}"' in chat.splitlines()
+    assert 'PARAMETER stop "<|im_start|>"' in chat.splitlines() and 'PARAMETER stop "<|im_start|>"' not in base
     assert 'PARAMETER stop "<|endoftext|>"' in chat.splitlines()

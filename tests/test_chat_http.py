@@ -233,6 +233,15 @@ def test_a_base_model_whose_tokenizer_reserves_the_chat_tokens_is_no_chat_model(
         assert c.post("/v1/completions", json={"prompt": "আমি", "max_tokens": 2}).status_code == 200
 
 
+def test_a_reply_ends_at_the_end_of_its_turn_or_the_start_of_another():
+    """<|im_start|> ends a reply too: a reply holding its text could not be sent back in the next request."""
+    from serve.chat import chat_end_ids
+
+    tok = scripted_lm(PIECES, chat=True).tokenizer
+    assert chat_end_ids(tok) == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")}
+    assert chat_end_ids(scripted_lm(PIECES).tokenizer) == frozenset()
+
+
 def test_lm_chat_and_stream():
     lm = scripted_lm(PIECES, eos_after=3, chat=True)
     c = lm.chat(USER)
