@@ -365,12 +365,14 @@ def sampling_defaults(bundle: str | Path) -> dict[str, float]:
     """The bundle's default sampling (``generation_config.json``, written by training from ``train.hf_files.SAMPLING``):
     ``{temperature, top_k, top_p, repetition_penalty}``. A bundle that does not sample by default (``do_sample``
     false or absent, as before these defaults existed) gives greedy: ``{"temperature": 0.0}``. BundleError for a
-    missing or unreadable file."""
+    missing or unreadable file, or one that is not a JSON object."""
     path = Path(bundle) / GENERATION_CONFIG
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise BundleError(f"{path}: cannot read the generation defaults ({e})") from None
-    if not isinstance(cfg, dict) or not cfg.get("do_sample"):
+    if not isinstance(cfg, dict):
+        raise BundleError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    if not cfg.get("do_sample"):
         return {"temperature": 0.0}
     return {k: cfg[k] for k in SAMPLING_KEYS if k in cfg}

@@ -33,7 +33,6 @@ standard input or output; 130 for Ctrl-C while the model loads.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from typing import TextIO
 from contract.chat_format import RESERVED_TOKENS
 from contract.text import lone_surrogate
 from serve.chat import chat_prompt_ids, why_not_chat
-from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model
+from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model, run_command, utf8_stdout
 from serve.errors import RequestError
 from serve.lm import LM
 
@@ -122,9 +121,11 @@ class Conversation:
         except BaseException:  # Ctrl-C, a closed terminal: the reply ends here, its turn is not kept
             gen.cancel()
             raise
-        reply = "".join(pieces)
-        for token in RESERVED_TOKENS:  # sampled control text (<|pad|>) could not be sent back with the next message
-            reply = reply.replace(token, "")
+        reply, before = "".join(pieces), None
+        while reply != before:  # sampled control text (<|pad|>) could not be sent back with the next message
+            before = reply
+            for token in RESERVED_TOKENS:
+                reply = reply.replace(token, "")
         self.turns = [*turns, {"role": "assistant", "content": reply}]
         self.replies += 1
         return gen.finish_reason
@@ -231,12 +232,14 @@ _CONTROLS = {c: "\ufffd" for c in [*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F,
 
 class Session:
     """The command's loop over one :class:`Conversation`: reads messages and commands, writes replies to
-    ``out`` and everything else to ``err``. In a terminal (``interactive``), control characters of a reply are
-    shown as U+FFFD, so that a reply cannot drive the terminal."""
+    ``out`` and everything else to ``err``. ``interactive``: messages come from a terminal; ``terminal_out``
+    (default: the same): ``out`` is one, and control characters of a reply are shown there as U+FFFD, so that a
+    reply cannot drive the terminal."""
 
     def __init__(self, conv: Conversation, read: Callable[[str], str], out: TextIO, err: TextIO,
-                 interactive: bool):
+                 interactive: bool, terminal_out: bool | None = None):
         self.conv, self.read, self.out, self.err, self.interactive = conv, read, out, err, interactive
+        self.terminal_out = interactive if terminal_out is None else terminal_out
         self.refused = 0
 
     def say(self, text: str) -> None:
@@ -260,14 +263,14 @@ class Session:
                     return 130
                 self.say("\n(Ctrl-D or /bye to leave)")
                 continue
-            if message.unclosed:
-                if self.interactive:  # Ctrl-D inside a message: leave without sending it
-                    self.out.write("\n")
-                    break
-                self.say(f'(the input ended inside a {FENCE} message; it is sent as it stands)')
+            if message.unclosed and self.interactive:  # Ctrl-D inside a message: leave without sending it
+                self.out.write("\n")
+                break
             text = message.text
             if not text.strip():
                 continue
+            if message.unclosed:
+                self.say(f'(the input ended inside a {FENCE} message; it is sent as it stands)')
             if not message.fenced and text.startswith("/") and not text.startswith("//"):
                 if not self.command(text):
                     break
@@ -324,45 +327,33 @@ class Session:
                      f"context)")
 
     def _write(self, text: str) -> None:
-        self.out.write(text.translate(_CONTROLS) if self.interactive else text)
+        self.out.write(text.translate(_CONTROLS) if self.terminal_out else text)
         self.out.flush()
 
 
-def _streams() -> tuple[TextIO, TextIO]:
-    """Standard input (bytes that are not UTF-8 kept as lone surrogates, refused by :func:`_check_utf8`) and
-    output (UTF-8). One ``error:`` line and SystemExit(2) when either is closed."""
-    if sys.stdin is None or sys.stdout is None:
-        print(f"error: standard {'input' if sys.stdin is None else 'output'} is closed: the chat reads messages "
-              "from standard input and writes replies to standard output", file=sys.stderr)
+def _stdin() -> TextIO:
+    """Standard input, bytes that are not UTF-8 kept as lone surrogates (refused by :func:`_check_utf8`). One
+    ``error:`` line and SystemExit(2) when it is closed."""
+    if sys.stdin is None:
+        print("error: standard input is closed: the chat reads its messages there", file=sys.stderr)
         raise SystemExit(2)
-    for stream in (sys.stdin, sys.stdout):
-        try:
-            stream.reconfigure(encoding="utf-8", errors="surrogateescape" if stream is sys.stdin else "strict")
-        except (AttributeError, ValueError):
-            pass
-    return sys.stdin, sys.stdout
+    try:
+        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
+    except (AttributeError, ValueError):
+        pass
+    return sys.stdin
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m serve.chat_cli``; the exit status as the module doc says (130 on Ctrl-C while
-    the model loads or, from a pipe, at any time; 1 when standard output fails: a closed pipe, a full disk)."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (| head): nothing more to say to it
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
-    except OSError as e:
-        print(f"error: cannot write the reply: {e.strerror or e}", file=sys.stderr)
-        return 1
+    """Entry point of ``python -m serve.chat_cli``; the exit status as the module doc says
+    (:func:`serve.cli.run_command`: 130 on Ctrl-C while the model loads, 1 when standard output fails)."""
+    return run_command(lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    stdin, stdout = _streams()
+    utf8_stdout()
+    stdin, stdout = _stdin(), sys.stdout
     lm, settings = open_model(args)
     why = why_not_chat(lm)
     if why:
@@ -387,7 +378,7 @@ def _main(argv: list[str] | None) -> int:
     print(f"chat with {lm.name} ({args.bundle}, {args.backend}); replies {describe_sampling(settings, args.seed)}, "
           f"at most {args.max_new_tokens} tokens; context {lm.context_length} tokens. /help for commands, /bye or "
           f"Ctrl-D to leave", file=stdout if interactive else sys.stderr)
-    return Session(conv, read, stdout, sys.stderr, interactive).run()
+    return Session(conv, read, stdout, sys.stderr, interactive, stdout.isatty()).run()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ load a bundle and set its sampling, and loading it with a one-line error instead
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -110,3 +112,23 @@ def open_model(args: argparse.Namespace) -> tuple[LM, dict]:
 def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def run_command(main: Callable[[], int]) -> int:
+    """Run a terminal command's ``main`` with the endings every command shares: Ctrl-C is 130 (a newline on
+    stderr, no traceback); a reader that went away (``| head``) a quiet 1; another failure to write (a full disk)
+    one ``error:`` line and 1; a closed standard output one line and 2."""
+    if sys.stdout is None:
+        print("error: standard output is closed: this command writes its text there", file=sys.stderr)
+        return 2
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # nothing more to say to a reader that left; keep Python's exit flush quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        print(f"error: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return 1

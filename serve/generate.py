@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from contract.text import distinct_word_share
-from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model, utf8_stdout
+from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model, run_command, utf8_stdout
 from serve.errors import RequestError
 from serve.lm import LM
 
@@ -34,7 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     add_sampling_args(p)
     p.add_argument("--no-greedy", action="store_true", help="do not follow a sampled continuation by the greedy one")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 0:
+        p.error(f"argument --max-new-tokens: expected an integer >= 0, got {args.max_new_tokens}")
+    return args
 
 
 def print_continuation(lm: LM, prompt: str, args: argparse.Namespace, settings: dict,
@@ -58,6 +61,12 @@ def print_continuation(lm: LM, prompt: str, args: argparse.Namespace, settings: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m serve.generate``: exit 0, 2 for bad input, 130 on Ctrl-C, 1 when standard output
+    fails (:func:`serve.cli.run_command`)."""
+    return run_command(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     utf8_stdout()
     lm, settings = open_model(args)

@@ -1,4 +1,4 @@
-"""``python -m serve.chat_cli``: a conversation in the terminal over a scripted chat model (history, seeds, the
+"""``python -m serve.chat_cli`` (and the endings it shares with ``serve.generate``): a conversation in the terminal over a scripted chat model (history, seeds, the
 context, commands, fences, refusals, Ctrl-C) and the command's exits on a real bundle. A real chat bundle in a
 pipe is in test_chat_clients.py (slow: it fine-tunes one)."""
 
@@ -81,17 +81,21 @@ def test_a_system_message_that_leaves_no_room_is_refused():
 def test_control_characters_of_a_reply_reach_a_terminal_as_u_fffd():
     lm = scripted_lm(["a\x1b[2Jb", "\x07"], context=256, eos_after=2, chat=True)
     c = Conversation(lm, GREEDY)
-    for interactive, want in ((True, "a\ufffd[2Jb\ufffd\n\n"), (False, "a\x1b[2Jb\x07\n\n")):
+    shown, raw = "a\ufffd[2Jb\ufffd\n\n", "a\x1b[2Jb\x07\n\n"
+    # (messages from a terminal, replies to one): a terminal gets U+FFFD whoever types, a pipe the reply as it is
+    for interactive, terminal_out, want in ((True, None, shown), (False, True, shown), (False, None, raw),
+                                            (True, False, raw)):
         out = io.StringIO()
-        Session(c, line_reader(io.StringIO("hi\n")), out, io.StringIO(), interactive).send("hi")
+        Session(c, line_reader(io.StringIO("hi\n")), out, io.StringIO(), interactive, terminal_out).send("hi")
         assert out.getvalue() == want
     assert c.turns[-1] == {"role": "assistant", "content": "a\x1b[2Jb\x07"}  # kept as the model wrote it
 
 
 def test_a_reply_is_kept_without_control_token_text_so_that_the_next_message_can_carry_it():
-    lm = scripted_lm(["ok<|pad|>"], context=256, eos_after=1, chat=True)
+    lm = scripted_lm(["ok<|<|pad|>pad|>"], context=256, eos_after=1, chat=True)
     status, out, err, c = run_session(lm, "hi\nagain\n")
-    assert status == 0 and err == "" and out == "ok<|pad|>\n\n" * 2
+    assert status == 0 and err == "" and out == "ok<|<|pad|>pad|>\n\n" * 2
+    # removed until none is left: taking <|pad|> out of <|<|pad|>pad|> leaves another
     assert [m["content"] for m in c.turns if m["role"] == "assistant"] == ["ok", "ok"]
 
 
@@ -201,7 +205,24 @@ def test_a_base_model_bad_options_and_no_bundle_are_one_line_and_exit_2(bundle, 
     bad = chat_cli(str(junk), "--no-verify", stdin="hi\n")
     assert bad.returncode == 2 and bad.stderr == (f"error: {junk / 'generation_config.json'}: temperature must be a "
                                                   f"finite number, got 'hot'\n")
+    (junk / "generation_config.json").write_text("null")
+    bad = chat_cli(str(junk), "--no-verify", stdin="hi\n")
+    assert bad.returncode == 2 and bad.stderr == (f"error: {junk / 'generation_config.json'}: expected a JSON object, "
+                                                  f"got NoneType\n")
     (junk / "tokenizer.json").write_text('{"model": {}}')
     broken = chat_cli(str(junk), "--no-verify")
     assert broken.returncode == 2 and broken.stderr.startswith(f"error: cannot load {junk}: {junk / 'tokenizer.json'}"
                                                                 f": cannot read it as a tokenizer (")
+
+
+def test_serve_generate_ends_as_the_chat_does(bundle):
+    """The endings both terminal commands share (serve.cli.run_command, check_options): a reader that leaves
+    (| head) is a quiet exit 1, a bad option one line and exit 2 before anything is generated."""
+    gone = subprocess.run(["bash", "-o", "pipefail", "-c", f"{sys.executable} -m serve.generate {bundle} "
+                           f"--max-new-tokens 60 | head -c 5"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert gone.returncode == 1 and gone.stderr == "", gone.stderr
+    for args, msg in ((["--max-new-tokens", "-3"], "argument --max-new-tokens: expected an integer >= 0, got -3"),
+                      (["--top-p", "2"], "error: --top-p: top_p must be <= 1.0, got 2.0")):
+        out = subprocess.run([sys.executable, "-m", "serve.generate", str(bundle), *args], capture_output=True,
+                             text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 2 and out.stdout == "" and msg in out.stderr and "Traceback" not in out.stderr
