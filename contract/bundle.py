@@ -347,7 +347,7 @@ def has_chat_template(bundle: str | Path) -> bool:
     """Whether ``bundle`` is a chat model: its ``tokenizer_config.json`` carries a ``chat_template`` (the Hugging Face
     convention that transformers and vLLM read; the GGUF and the Ollama Modelfile follow it). Export writes one
     only for a model fine-tuned on conversations whose tokenizer has ``<|im_start|>`` / ``<|im_end|>`` — a base
-    model's tokenizer reserves those ids too, untrained (``train.hf_files.chat_end_id_of_checkpoint``). A folder
+    model's tokenizer reserves those ids too, untrained (``train.hf_files.turn_end_ids_of_checkpoint``). A folder
     without the file: False. BundleError for a file that is not a JSON object."""
     path = Path(bundle) / TOKENIZER_CONFIG
     if not path.is_file():

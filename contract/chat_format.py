@@ -19,7 +19,8 @@ Jinja path (``common/chat.cpp``, llama-server's default) cuts a rendered leading
 ``<|im_end|>`` whole (special added tokens), so encoding the rendered text as one string gives the same ids as
 the other runtimes; never encode pieces separately.
 
-Generation ends at ``<|im_end|>`` (a chat reply) or ``<|endoftext|>``: :data:`END_OF_GENERATION`.
+Generation ends at ``<|endoftext|>``, and a chat reply at ``<|im_end|>`` or at ``<|im_start|>`` (another turn
+starting): :data:`END_OF_GENERATION`, :data:`TURN_ENDS`.
 
 Part of ``contract/`` (the standard library and ``contract/`` only) so that every stage may import it. NFC is
 ``contract.text.nfc``, the tokenizer's own normalisation.
@@ -35,7 +36,8 @@ from contract.text import lone_surrogate, nfc
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 CHAT_TOKENS = (IM_START, IM_END)  # in id order; a tokenizer keeps them as its last two ids (train.tokenizer)
-END_OF_GENERATION = (EOT, IM_END)  # the end of a text and the end of a turn
+TURN_ENDS = (IM_END, IM_START)  # what ends a chat reply: its turn's end, or another turn starting (as Ollama stops)
+END_OF_GENERATION = (EOT, *TURN_ENDS)  # generation_config.json's eos_token_id list, in this order
 ROLES = ("system", "user", "assistant")
 # what message content may not hold: the turn tokens (a forged turn) and the tokenizer's special tokens (a document
 # boundary or padding in the middle of a prompt, or a reply trained to emit them); the tokenizer would encode each

@@ -22,11 +22,11 @@ from pathlib import Path
 from contract.atomic import atomic_write_text
 from contract.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError, has_chat_template
 from contract.bundle import sampling_defaults as bundle_sampling
-from contract.chat_format import IM_END, IM_START, OLLAMA_TEMPLATE
+from contract.chat_format import OLLAMA_TEMPLATE, TURN_ENDS
 from export.errors import ExportError
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.sampling import SamplingParams
-from train.hf_files import chat_end_id
+from train.hf_files import turn_end_ids
 from train.tokenizer import EOT
 
 __all__ = ["MODELFILE", "HEADER", "sampling_defaults", "modelfile_text", "write_modelfile"]
@@ -54,8 +54,8 @@ def modelfile_text(gguf_name: str, context_length: int, sampling: dict, chat: bo
     (the chat template, and ``<|im_end|>`` and ``<|im_start|>`` as stops beside ``<|endoftext|>``, as the server
     ends a reply: ``serve.chat.chat_end_ids``)."""
     s = sampling
-    template = [f'TEMPLATE """{OLLAMA_TEMPLATE}"""', f'PARAMETER stop "{IM_END}"', f'PARAMETER stop "{IM_START}"'] \
-        if chat else ['TEMPLATE """{{ .Prompt }}"""']
+    template = [f'TEMPLATE """{OLLAMA_TEMPLATE}"""', *(f'PARAMETER stop "{t}"' for t in TURN_ENDS)] if chat else \
+        ['TEMPLATE """{{ .Prompt }}"""']
     lines = [HEADER,
              f"# ollama create NAME -f {MODELFILE}   then   ollama run NAME \"আমি বাংলায়\"",
              "# Prompts should be Unicode NFC: Shalik's own runtimes normalise, llama.cpp and Ollama do not.",
@@ -88,7 +88,7 @@ def write_modelfile(gguf_path: Path, bundle: Path, context_length: int,
             log(f"gguf: {path} exists and was not written by Shalik; left as it is (no Modelfile written)")
             return None
     try:
-        chat = has_chat_template(bundle) and chat_end_id(bundle) is not None
+        chat = has_chat_template(bundle) and bool(turn_end_ids(bundle))
     except (OSError, ValueError) as e:
         raise ExportError(f"{bundle}: cannot read tokenizer.json or tokenizer_config.json ({e})") from None
     atomic_write_text(path, modelfile_text(gguf_path.name, context_length, sampling, chat))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from contract.chat_format import CHAT_TOKENS, IM_END, ChatFormatError, render
+from contract.chat_format import CHAT_TOKENS, IM_END, TURN_ENDS, ChatFormatError, render
 from serve.errors import ContextLengthError, RequestError
 from serve.generation import Generation
 
@@ -45,7 +45,7 @@ def chat_end_ids(tokenizer: Any) -> frozenset[int]:
     and a reply holding its text could not be sent back in the next request."""
     if missing_tokens(tokenizer):
         return frozenset()
-    return frozenset(int(tokenizer.token_to_id(t)) for t in CHAT_TOKENS)
+    return frozenset(int(tokenizer.token_to_id(t)) for t in TURN_ENDS)
 
 
 def why_not_chat(lm: ChatLM) -> str | None:

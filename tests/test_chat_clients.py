@@ -96,7 +96,7 @@ def test_bundle_files_carry_the_chat_format(bundle):
     tok = json.loads((bundle / "tokenizer.json").read_text(encoding="utf-8"))
     ids = {a["content"]: a["id"] for a in tok["added_tokens"]}
     assert cfg["chat_template"] == CHAT_TEMPLATE and cfg["bos_token"] == "<|endoftext|>"
-    assert gen["eos_token_id"] == [ids["<|endoftext|>"], ids[IM_END]]
+    assert gen["eos_token_id"] == [ids["<|endoftext|>"], ids[IM_END], ids["<|im_start|>"]]
 
 
 def test_transformers_apply_chat_template_ids_equal_the_servers(bundle, lm):

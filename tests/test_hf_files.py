@@ -36,13 +36,13 @@ def test_chat_parts_follow_the_model(fixture_m, fixture_tok, tmp_path):
     from train.hf_files import CHAT_DATA_KIND, sync_chat_files, trained_on_conversations
 
     tok = fixture_tok / "tokenizer.json"
-    im_end = Tokenizer.from_file(str(tok)).token_to_id("<|im_end|>")
+    im_end, im_start = (Tokenizer.from_file(str(tok)).token_to_id(t) for t in ("<|im_end|>", "<|im_start|>"))
     sft = json.dumps({"kind": CHAT_DATA_KIND})
     ck = save_checkpoint(tmp_path / "a", 1, fixture_m, None, {"step": 1},
                          {"tokenizer.json": tok, "data_summary.json": sft}, 2, special_ids=(0, 1))
     tc = json.loads((ck / "tokenizer_config.json").read_text(encoding="utf-8"))
     gc = json.loads((ck / "generation_config.json").read_text(encoding="utf-8"))
-    assert tc["chat_template"] == CHAT_TEMPLATE and gc["eos_token_id"] == [0, im_end]
+    assert tc["chat_template"] == CHAT_TEMPLATE and gc["eos_token_id"] == [0, im_end, im_start]
     assert trained_on_conversations(ck)
     verify_sums(ck)
     base_ck = save_checkpoint(tmp_path / "b", 1, fixture_m, None, {"step": 1},

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from contract.atomic import atomic_write_json
-from contract.chat_format import IM_END, missing_chat_tokens
+from contract.chat_format import TURN_ENDS, missing_chat_tokens
 from train.model import ModelConfig
 from train.tokenizer import tokenizer_config
 
@@ -26,25 +26,27 @@ MAX_NEW_TOKENS = 64  # generation_config's default length
 SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.1}
 
 
-def generation_config(eot_id: int, pad_id: int, im_end_id: int | None = None) -> dict:
+def generation_config(eot_id: int, pad_id: int, turn_end_ids: tuple[int, ...] = ()) -> dict:
     """``generation_config.json``: sampling with :data:`SAMPLING`, ``<|endoftext|>`` (``eot_id``) as bos,
-    every end-of-generation id as eos (``eot_id``, and ``im_end_id`` — the end of a chat turn — when the
-    tokenizer has the chat tokens: then a list, as Hugging Face's ``GenerationConfig`` takes it), ``pad_id`` as
-    pad, :data:`MAX_NEW_TOKENS` new tokens."""
-    eos = eot_id if im_end_id is None else [eot_id, im_end_id]
+    every end-of-generation id as eos (``eot_id``, and for a chat model ``turn_end_ids``, the ids of
+    ``contract.chat_format.TURN_ENDS``: then a list, as Hugging Face's ``GenerationConfig`` takes it, so that
+    transformers' ``generate`` stops where Shalik's runtimes do), ``pad_id`` as pad, :data:`MAX_NEW_TOKENS` new
+    tokens."""
+    eos = [eot_id, *turn_end_ids] if turn_end_ids else eot_id
     return {"bos_token_id": eot_id, "eos_token_id": eos, "pad_token_id": pad_id, "do_sample": True, **SAMPLING,
             "max_new_tokens": MAX_NEW_TOKENS}
 
 
-def chat_end_id(folder: Path) -> int | None:
-    """The id of ``<|im_end|>`` in ``folder/tokenizer.json`` when it has both chat tokens, else None (also when
-    there is no tokenizer.json). Raises OSError / ValueError for an unreadable file."""
+def turn_end_ids(folder: Path) -> tuple[int, ...]:
+    """The ids of ``contract.chat_format.TURN_ENDS`` (``<|im_end|>``, ``<|im_start|>``) in ``folder/tokenizer.json``
+    when it has both chat tokens, else ``()`` (also when there is no tokenizer.json). Raises OSError / ValueError
+    for an unreadable file."""
     f = Path(folder) / "tokenizer.json"
     if not f.is_file():
-        return None
+        return ()
     t = json.loads(f.read_text(encoding="utf-8"))
     vocab = {**t.get("model", {}).get("vocab", {}), **{a["content"]: a["id"] for a in t.get("added_tokens", [])}}
-    return None if missing_chat_tokens(vocab) else int(vocab[IM_END])
+    return () if missing_chat_tokens(vocab) else tuple(int(vocab[tok]) for tok in TURN_ENDS)
 
 
 CHAT_DATA_KIND = "sft"  # data_summary.json's kind for a run trained on conversations (train.sft)
@@ -61,32 +63,32 @@ def trained_on_conversations(folder: Path) -> bool:
     return isinstance(summary, dict) and summary.get("kind") == CHAT_DATA_KIND
 
 
-def chat_end_id_of_checkpoint(folder: Path) -> int | None:
-    """The ``<|im_end|>`` id when the checkpoint ``folder`` is a chat model — trained on conversations
-    (:func:`trained_on_conversations`) with a tokenizer that has both chat tokens (:func:`chat_end_id`) — else
-    None. A base model's tokenizer reserves the chat tokens (train.tokenizer: fine-tuning needs no new rows) but it
-    never saw them: it gets no chat template, so every runtime treats it as the base model it is."""
-    return chat_end_id(folder) if trained_on_conversations(folder) else None
+def turn_end_ids_of_checkpoint(folder: Path) -> tuple[int, ...]:
+    """:func:`turn_end_ids` when the checkpoint ``folder`` is a chat model — trained on conversations
+    (:func:`trained_on_conversations`) with a tokenizer that has both chat tokens — else ``()``. A base model's
+    tokenizer reserves the chat tokens (train.tokenizer: fine-tuning needs no new rows) but it never saw them: it
+    gets no chat template, so every runtime treats it as the base model it is."""
+    return turn_end_ids(folder) if trained_on_conversations(folder) else ()
 
 
 def hf_files(cfg: ModelConfig, eot_id: int, pad_id: int, torch_dtype: str = "float32",
-             im_end_id: int | None = None) -> dict[str, dict]:
+             turn_end_ids: tuple[int, ...] = ()) -> dict[str, dict]:
     """``{file name: JSON object}`` for the three sidecar files of a model with config ``cfg``; ``torch_dtype``
-    is the dtype of the stored weights (config.json's ``torch_dtype``); ``im_end_id``: the tokenizer's
-    ``<|im_end|>`` for a chat model (:func:`chat_end_id_of_checkpoint`): then tokenizer_config.json carries the
-    chat template and generation_config.json both end-of-generation ids."""
+    is the dtype of the stored weights (config.json's ``torch_dtype``); ``turn_end_ids``: a chat model's
+    (:func:`turn_end_ids_of_checkpoint`): then tokenizer_config.json carries the chat template and
+    generation_config.json every end-of-generation id."""
     return {
         "config.json": cfg.hf_config(torch_dtype, eot_id, pad_id),
-        "generation_config.json": generation_config(eot_id, pad_id, im_end_id),
-        "tokenizer_config.json": tokenizer_config(cfg.max_position_embeddings, chat=im_end_id is not None),
+        "generation_config.json": generation_config(eot_id, pad_id, turn_end_ids),
+        "tokenizer_config.json": tokenizer_config(cfg.max_position_embeddings, chat=bool(turn_end_ids)),
     }
 
 
 def write_hf_files(folder: Path, cfg: ModelConfig, eot_id: int, pad_id: int, names: tuple[str, ...] = NAMES) -> None:
     """Write the sidecar files named in ``names`` (default all three) into the checkpoint ``folder``, each
-    atomically (UTF-8 JSON, indent 2); the chat parts only for a chat model (:func:`chat_end_id_of_checkpoint`:
+    atomically (UTF-8 JSON, indent 2); the chat parts only for a chat model (:func:`turn_end_ids_of_checkpoint`:
     ``folder``'s data_summary.json and tokenizer.json, written before). Raises OSError as the file system does."""
-    files = hf_files(cfg, eot_id, pad_id, im_end_id=chat_end_id_of_checkpoint(folder))
+    files = hf_files(cfg, eot_id, pad_id, turn_end_ids=turn_end_ids_of_checkpoint(folder))
     for name in names:
         atomic_write_json(Path(folder) / name, files[name])
 
@@ -94,25 +96,26 @@ def write_hf_files(folder: Path, cfg: ModelConfig, eot_id: int, pad_id: int, nam
 def sync_chat_files(folder: Path, chat: bool) -> bool:
     """Make ``folder``'s tokenizer_config.json and generation_config.json say what the model can do: for a chat
     model (``chat``: its checkpoint was trained on conversations, :func:`trained_on_conversations`) whose
-    tokenizer.json has both chat tokens, the chat template and both end-of-generation ids; otherwise neither (a
+    tokenizer.json has both chat tokens, the chat template and the turn-end ids among the end-of-generation
+    ids; otherwise neither (a
     base model, whose tokenizer reserves the tokens untrained; a checkpoint written before its tokenizer gained
     them, or the other way round). Rewrites (atomically) only what differs; other keys are kept. Returns whether
     the folder is a chat model. Raises OSError / ValueError for unreadable files."""
     folder = Path(folder)
-    im_end = chat_end_id(folder) if chat else None
+    ends = turn_end_ids(folder) if chat else ()
     tc_path, gc_path = folder / "tokenizer_config.json", folder / "generation_config.json"
     if tc_path.is_file():
         tc = json.loads(tc_path.read_text(encoding="utf-8"))
         want = {k: v for k, v in tc.items() if k != "chat_template"}
-        want.update({k: v for k, v in tokenizer_config(None, chat=im_end is not None).items() if k == "chat_template"})
+        want.update({k: v for k, v in tokenizer_config(None, chat=bool(ends)).items() if k == "chat_template"})
         if want != tc:
             atomic_write_json(tc_path, want)
     if gc_path.is_file():
         gc = json.loads(gc_path.read_text(encoding="utf-8"))
         eos = gc.get("eos_token_id")
         eot = eos[0] if isinstance(eos, list) and eos else eos
-        want_eos = eot if im_end is None else [eot, im_end]
+        want_eos = [eot, *ends] if ends else eot
         if eos != want_eos:
             atomic_write_json(gc_path, {**gc, "eos_token_id": want_eos})
-    return im_end is not None
+    return bool(ends)
 
