@@ -343,6 +343,18 @@ def eot_id(tokenizer: Any) -> int:
     return int(i)
 
 
+def _json_object(path: Path, what: str) -> dict:
+    """The JSON object in ``path`` (a bundle's sidecar file). BundleError ``{path}: cannot read {what} (why)`` for a
+    file that cannot be read or parsed, ``{path}: expected a JSON object, got T`` for other JSON."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{path}: cannot read {what} ({e})") from None
+    if not isinstance(cfg, dict):
+        raise BundleError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
 def has_chat_template(bundle: str | Path) -> bool:
     """Whether ``bundle`` is a chat model: its ``tokenizer_config.json`` carries a ``chat_template`` (the Hugging Face
     convention that transformers and vLLM read; the GGUF and the Ollama Modelfile follow it). Export writes one
@@ -350,15 +362,7 @@ def has_chat_template(bundle: str | Path) -> bool:
     model's tokenizer reserves those ids too, untrained (``train.hf_files.turn_end_ids_of_checkpoint``). A folder
     without the file: False. BundleError for a file that is not a JSON object."""
     path = Path(bundle) / TOKENIZER_CONFIG
-    if not path.is_file():
-        return False
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BundleError(f"{path}: cannot read it ({e})") from None
-    if not isinstance(cfg, dict):
-        raise BundleError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-    return bool(cfg.get("chat_template"))
+    return path.is_file() and bool(_json_object(path, "it").get("chat_template"))
 
 
 def sampling_defaults(bundle: str | Path) -> dict[str, float]:
@@ -366,13 +370,7 @@ def sampling_defaults(bundle: str | Path) -> dict[str, float]:
     ``{temperature, top_k, top_p, repetition_penalty}``. A bundle that does not sample by default (``do_sample``
     false or absent, as before these defaults existed) gives greedy: ``{"temperature": 0.0}``. BundleError for a
     missing or unreadable file, or one that is not a JSON object."""
-    path = Path(bundle) / GENERATION_CONFIG
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BundleError(f"{path}: cannot read the generation defaults ({e})") from None
-    if not isinstance(cfg, dict):
-        raise BundleError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    cfg = _json_object(Path(bundle) / GENERATION_CONFIG, "the generation defaults")
     if not cfg.get("do_sample"):
         return {"temperature": 0.0}
     return {k: cfg[k] for k in SAMPLING_KEYS if k in cfg}
