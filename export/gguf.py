@@ -33,7 +33,7 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   ``--approximate-pretokenizer`` writes the nearest, ``qwen35`` (digits one per token, words broken at
   ZWJ/ZWNJ), recorded as ``shalik.pretokenizer`` = ``approximate:qwen35``; users must then feed llama.cpp the
   token ids of the bundle's tokenizer.json. A split or normalizer llama.cpp has no name for is refused.
-* for a chat model (``contract.bundle.has_chat_template``; its tokenizer has the chat tokens of
+* for a chat model (``train.hf_files.is_chat_bundle``: a chat template and the chat tokens of
   ``contract.chat_format``): ``tokenizer.chat_template`` (ChatML, which llama.cpp's built-in template list detects
   without ``--jinja``) and ``tokenizer.ggml.eot_token_id`` = ``<|im_end|>`` (an end-of-generation token, as
   ``<|endoftext|>`` is); for a base model neither.
@@ -70,13 +70,14 @@ from gguf import TokenType
 from safetensors import safe_open
 
 from contract.atomic import atomic_path, clean_stale, tmp_prefix
-from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file, has_chat_template
-from contract.chat_format import CHAT_TEMPLATE, IM_END, missing_chat_tokens
+from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
+from contract.chat_format import CHAT_TEMPLATE, IM_END
 from contract.quant import role_of
 from export import gguf_quant as GQ
 from export.bundle import read_manifest
 from export.errors import ExportError, run_cli
 from export.modelfile import MODELFILE, write_modelfile
+from train.hf_files import is_chat_bundle
 from train.tokenizer import PRETOKENIZER
 from train.tokenizer.pretokenizers import LEGACY, PRETOKENIZERS, identify
 
@@ -409,7 +410,7 @@ def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, n_vocab: int, tok: tuple[li
     # the chat format follows the bundle: a chat model (a chat template in tokenizer_config.json, and the tokens)
     # gets the template (llama.cpp detects ChatML from it without --jinja) and <|im_end|> as the end-of-turn
     # (end-of-generation) token; a base model, whose tokenizer reserves the tokens untrained, neither
-    chat = has_chat_template(folder) and not missing_chat_tokens(tokens)
+    chat = is_chat_bundle(folder)
     special.chat_template = CHAT_TEMPLATE if chat else None
     special.add_to_gguf(w, quiet=True)
     if chat:

@@ -20,13 +20,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from contract.atomic import atomic_write_text
-from contract.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError, has_chat_template
+from contract.bundle import GENERATION_CONFIG, MODELFILE, SAMPLING_KEYS, BundleError
 from contract.bundle import sampling_defaults as bundle_sampling
 from contract.chat_format import OLLAMA_TEMPLATE, TURN_ENDS
 from export.errors import ExportError
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
 from serve.sampling import SamplingParams
-from train.hf_files import turn_end_ids
+from train.hf_files import is_chat_bundle
 from train.tokenizer import EOT
 
 __all__ = ["MODELFILE", "HEADER", "sampling_defaults", "modelfile_text", "write_modelfile"]
@@ -88,7 +88,7 @@ def write_modelfile(gguf_path: Path, bundle: Path, context_length: int,
             log(f"gguf: {path} exists and was not written by Shalik; left as it is (no Modelfile written)")
             return None
     try:
-        chat = has_chat_template(bundle) and bool(turn_end_ids(bundle))
+        chat = is_chat_bundle(bundle)
     except (OSError, ValueError) as e:
         raise ExportError(f"{bundle}: cannot read tokenizer.json or tokenizer_config.json ({e})") from None
     atomic_write_text(path, modelfile_text(gguf_path.name, context_length, sampling, chat))

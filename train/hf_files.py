@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from contract.atomic import atomic_write_json
+from contract.bundle import has_chat_template
 from contract.chat_format import TURN_ENDS, missing_chat_tokens
 from train.model import ModelConfig
 from train.tokenizer import tokenizer_config
@@ -47,6 +48,13 @@ def turn_end_ids(folder: Path) -> tuple[int, ...]:
     t = json.loads(f.read_text(encoding="utf-8"))
     vocab = {**t.get("model", {}).get("vocab", {}), **{a["content"]: a["id"] for a in t.get("added_tokens", [])}}
     return () if missing_chat_tokens(vocab) else tuple(int(vocab[tok]) for tok in TURN_ENDS)
+
+
+def is_chat_bundle(folder: Path) -> bool:
+    """Whether the exported ``folder`` is a chat model, as the GGUF and the Modelfile say it: a chat template
+    (``contract.bundle.has_chat_template``, what serving reads) and the chat tokens in its tokenizer.json
+    (:func:`turn_end_ids`). Raises BundleError (a ValueError) / OSError / ValueError for unreadable files."""
+    return has_chat_template(folder) and bool(turn_end_ids(folder))
 
 
 CHAT_DATA_KIND = "sft"  # data_summary.json's kind for a run trained on conversations (train.sft)
