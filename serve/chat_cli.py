@@ -93,10 +93,7 @@ class Conversation:
         turns = [*self.turns, {"role": "user", "content": user}]
         dropped = 0
         while True:
-            try:
-                used = len(chat_prompt_ids(self.lm, self.messages(turns))) + 1  # + the leading <|endoftext|>
-            except RequestError as e:
-                raise TurnRefused(_about_the_message(str(e), bool(self.system))) from None
+            used = prompt_tokens(self.lm, self.messages(turns))
             if used + self.reserve <= self.lm.context_length:
                 return turns, dropped
             if len(turns) == 1:
@@ -135,6 +132,15 @@ class Conversation:
         self.turns = []
 
 
+def prompt_tokens(lm: LM, messages: list[dict]) -> int:
+    """Tokens of ``messages`` in the chat template, the leading ``<|endoftext|>`` included. TurnRefused, worded
+    for the user (:func:`_about_the_message`), for a conversation the chat format refuses."""
+    try:
+        return len(chat_prompt_ids(lm, messages)) + 1
+    except RequestError as e:
+        raise TurnRefused(_about_the_message(str(e), messages[0]["role"] == "system")) from None
+
+
 def _about_the_message(error: str, has_system: bool) -> str:
     """The chat format's error about ``messages[i].content`` as the user sees it: about the system message
     (index 0 when one is set) or the message just typed."""
@@ -157,10 +163,7 @@ def check_system(lm: LM, system: str, reserve: int) -> None:
     token's text, bytes that were not UTF-8) or, with a one-word message, it leaves a reply fewer than ``reserve``
     tokens of the context."""
     _check_utf8(system, "the system message")
-    try:
-        used = len(chat_prompt_ids(lm, [{"role": "system", "content": system}, {"role": "user", "content": "?"}])) + 1
-    except RequestError as e:
-        raise TurnRefused(_about_the_message(str(e), True)) from None
+    used = prompt_tokens(lm, [{"role": "system", "content": system}, {"role": "user", "content": "?"}])
     if used + reserve > lm.context_length:
         raise TurnRefused(f"the system message is {used} tokens with a one-word message in the chat template; the "
                           f"context holds {lm.context_length} and a reply needs {reserve} of them: shorten it")

@@ -55,9 +55,8 @@ def _quantize(value: str) -> Scheme | None:
 def check_options(args: argparse.Namespace) -> None:
     """RequestError naming the option (``--top-p: top_p must be <= 1.0, got 2.0``) for a sampling option out of
     range (:class:`serve.sampling.SamplingParams`' rules), before anything loads."""
-    given = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
     try:
-        SamplingParams(**given, seed=args.seed)
+        SamplingParams(**_given(args), seed=args.seed)
     except RequestError as e:
         raise RequestError(f"--{e.param.replace('_', '-')}: {e}" if e.param else str(e)) from None
 
@@ -71,8 +70,12 @@ def sampling_settings(args: argparse.Namespace) -> dict:
         SamplingParams(**defaults)
     except RequestError as e:
         raise BundleError(f"{Path(args.bundle) / GENERATION_CONFIG}: {e}") from None
-    given = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
-    return {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **defaults, **given}
+    return {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **defaults, **_given(args)}
+
+
+def _given(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (the others are None)."""
+    return {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
 
 
 def describe_sampling(settings: dict, seed: int) -> str:
