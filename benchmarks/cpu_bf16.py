@@ -8,8 +8,14 @@ the default optimizer) on the same weights and the same random batch:
 * ``bf16-chunked``: bfloat16 autocast with the head + loss in checkpointed chunks (the CUDA path, which the CPU
   ran before);
 * ``bf16``: bfloat16 autocast with the whole logits (``chunk_tokens=None``, the CPU path in eager);
-* ``float32-head``, ``bf16-head``: the same with the head + loss compiled (``train.compile = "head"``, the ``cpu``
-  preset's choice; the layers stay eager; compiled before the warm-up, which is not timed).
+* ``float32-head``, ``bf16-head``: the same with the head + loss compiled (``train.compile = "head"``; the layers
+  stay eager);
+* ``bf16-layers``: bfloat16 with each decoder layer and the head + loss compiled (``train.compile = "auto"``) and
+  SDPA's attention (``train.attention = "sdpa"``);
+* ``bf16-layers-blocked``: the same with :func:`train.model.blocked_causal_attention` (``train.attention =
+  "auto"`` there: the ``cpu`` preset's path).
+
+Compiled lanes are compiled before the warm-up, which is not timed.
 
 Each round runs every lane once, in a rotated order. Reported per lane: the fastest and the median step in wall
 time and in process CPU time, and each bfloat16 lane's speed over float32's (median of per-round ratios). With
@@ -43,10 +49,11 @@ from train.optim import build_optimizer_for  # noqa: E402
 from train.run import model_config_for  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-# lane: (autocast dtype, chunk_tokens, head compiled)
-LANES = {"float32": (torch.float32, None, False), "bf16-chunked": (torch.bfloat16, 8192, False),
-         "bf16": (torch.bfloat16, None, False), "float32-head": (torch.float32, None, True),
-         "bf16-head": (torch.bfloat16, None, True)}
+# lane: (autocast dtype, chunk_tokens, compiled: False | "head" | "layers", attention)
+LANES = {"float32": (torch.float32, None, False, "sdpa"), "bf16-chunked": (torch.bfloat16, 8192, False, "sdpa"),
+         "bf16": (torch.bfloat16, None, False, "sdpa"), "float32-head": (torch.float32, None, "head", "sdpa"),
+         "bf16-head": (torch.bfloat16, None, "head", "sdpa"), "bf16-layers": (torch.bfloat16, None, "layers", "sdpa"),
+         "bf16-layers-blocked": (torch.bfloat16, None, "layers", "blocked")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,13 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     opt = build_optimizer_for(model, cfg.train, "cpu")
     x = torch.randint(0, a.vocab, (a.rows, cfg.train.seq_len + 1))
     cpu = torch.device("cpu")
-    mods = {name: CausalLMLoss(model, chunk_tokens=chunk) for name, (_, chunk, _) in LANES.items()}
-    for name, (_, _, head) in LANES.items():
-        if head:
+    mods = {}
+    for name, (_, chunk, compiled, _) in LANES.items():
+        mods[name] = CausalLMLoss(model, chunk_tokens=chunk)
+        if compiled == "head":
             mods[name].compile_head()
+        elif compiled == "layers":
+            mods[name].compile_blocks(a.rows)
 
     def step(name: str) -> tuple[float, float]:
         w0, c0 = time.perf_counter(), time.process_time()
+        for layer in model.model.layers:  # the lanes share the model: each sets its own attention kernel
+            layer.self_attn.training_kernel = LANES[name][3]
         opt.zero_grad(set_to_none=True)
         with autocast_ctx(cpu, LANES[name][0]):
             loss = mods[name](x[:, :-1], x[:, 1:])

@@ -109,6 +109,9 @@ class TrainSection:
     log_every: int = 10
     compile: bool | str = False  # true (a failure is an error), false, "auto" (falls back to eager, loudly), or
     # "head" (only the head + loss, the layers eager; falls back to eager, loudly)
+    attention: str = "auto"  # the training step's causal attention: "sdpa", "blocked" (train.model's
+    # blocked_causal_attention) or "auto" (blocked on CPU in reduced precision with the layers compiled, where it
+    # passes its numerics check; else SDPA): train/components/step_module.py
     activation_checkpoint: str = "none"  # "none", "selective" (every activation_checkpoint_every-th layer), "full"
     activation_checkpoint_every: int = 2
     dtype: str = "auto"
@@ -187,6 +190,10 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
         if value in (True, False, "auto", "head"):
             return value
         raise ConfigError(f"{where}: expected true, false, \"auto\" or \"head\", got {value!r}")
+    if (section, key) == ("train", "attention"):
+        if value in ("auto", "sdpa", "blocked"):
+            return value
+        raise ConfigError(f"{where}: expected \"auto\", \"sdpa\" or \"blocked\", got {value!r}")
     if (section, key) == ("train", "activation_checkpoint"):
         if value in ("none", "selective", "full"):
             return value

@@ -12,6 +12,7 @@ import contextlib
 import os
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -159,10 +160,34 @@ SDPA_CANDIDATES = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.F
 SDPA_TOL = 2e-2  # max |Δ| of outputs and gradients vs float32 math, for unit-variance inputs in bf16 (bf16 ε = 7.8e-3)
 
 
+def attention_error(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+                    dtype: torch.dtype, num_heads: int, head_dim: int, seq_len: int = 256) -> float:
+    """Max |Δ| of causal attention's output and its q, k, v gradients as ``attend(q, k, v)`` computes them in
+    ``dtype`` against float32 SDPA math, on unit-variance q, k, v ``[2, num_heads, seq_len, head_dim]`` drawn from a
+    generator of its own (seed 0; the global RNG is not touched). ``attend``'s exceptions propagate."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, num_heads, seq_len, head_dim, device=device, generator=g) for _ in range(3))
+    dout = torch.randn(2, num_heads, seq_len, head_dim, device=device, generator=g)
+
+    def run(fn, dt):
+        qq, kk, vv = (t.detach().to(dt).clone().requires_grad_() for t in (q, k, v))
+        out = fn(qq, kk, vv)
+        out.backward(dout.to(dt))
+        return [t.detach().float() for t in (out, qq.grad, kk.grad, vv.grad)]
+
+    def math(qq, kk, vv):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+
+    ref = run(math, torch.float32)
+    return max(float((a - b).abs().max()) for a, b in zip(run(attend, dtype), ref, strict=True))
+
+
 def choose_sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int, seq_len: int = 256,
                         candidates=None) -> tuple[str, SDPBackend | None, str]:
     """The first SDPA backend that runs causal attention forward + backward on ``device`` in ``dtype`` and agrees
-    with float32 math within ``SDPA_TOL`` on q, k, v ``[2, num_heads, seq_len, head_dim]``.
+    with float32 math within ``SDPA_TOL`` on q, k, v ``[2, num_heads, seq_len, head_dim]``
+    (:func:`attention_error`).
 
     Returns ``(name, backend, detail)``; on CPU (or float32) ``("default", None, …)``: PyTorch's own choice is
     kept. ``candidates`` (default :data:`SDPA_CANDIDATES`) is a list of ``(name, SDPBackend)``. When none passes,
@@ -172,26 +197,17 @@ def choose_sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int
         if device.type != "cuda" or dtype == torch.float32:
             return "default", None, f"PyTorch's choice on {device.type} {str(dtype).replace('torch.', '')}"
         candidates = SDPA_CANDIDATES
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(2, num_heads, seq_len, head_dim, device=device, generator=g) for _ in range(3))
-    dout = torch.randn(2, num_heads, seq_len, head_dim, device=device, generator=g)
-
-    def run(backend, dt):
-        qq, kk, vv = (t.detach().to(dt).clone().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-            out.backward(dout.to(dt))
-        return [t.detach().float() for t in (out, qq.grad, kk.grad, vv.grad)]
-
-    ref = run(SDPBackend.MATH, torch.float32)
     reasons = []
     for name, backend in candidates:
+        def attend(q, k, v, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
         try:
-            got = run(backend, dtype)
+            err = attention_error(attend, device, dtype, num_heads, head_dim, seq_len)
         except RuntimeError as e:  # not available for this GPU, dtype or head_dim
             reasons.append(f"{name}: {str(e).splitlines()[0][:120]}")
             continue
-        err = max(float((a - b).abs().max()) for a, b in zip(got, ref, strict=True))
         if err <= SDPA_TOL:
             return name, backend, f"max |Δ| {err:.2e} vs float32 math (tolerance {SDPA_TOL})"
         reasons.append(f"{name}: max |Δ| {err:.2e} > {SDPA_TOL}")

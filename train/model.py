@@ -11,7 +11,9 @@ SwiGLU MLP → residual] → RMSNorm → lm_head (optionally tied to the embeddi
   from ``position_ids`` in the graph (no table frozen at a traced length); q and k are never modified in place.
 * Attention goes through ``F.scaled_dot_product_attention``. Without a cache or mask it uses ``is_causal``;
   with a cache or an attention mask it builds a boolean mask (key ≤ query position, key not padding). A query
-  always sees itself, so a fully padded row never becomes NaN (case TR8) in any backend.
+  always sees itself, so a fully padded row never becomes NaN (case TR8) in any backend. A training step may swap
+  the mask-free causal case for :func:`blocked_causal_attention` (``Attention.training_kernel``, set by
+  :class:`CausalLMLoss`; only in training mode, so evaluation, export and serving always run SDPA).
 * KV cache: ``forward(..., past_key_values=[(k, v)] * L)`` with k, v ``[batch, num_key_value_heads, past, head_dim]``
   returns the presents ``[batch, kv, past + seq, head_dim]`` — the ONNX I/O of docs/design.md. K/V are cached before
   the GQA repeat; q head h reads kv head ``h // (num_attention_heads // num_key_value_heads)``.
@@ -145,7 +147,45 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, n_rep, t, d).reshape(b, kv * n_rep, t, d)
 
 
+ATTENTION_KERNELS = ("sdpa", "blocked")  # the training step's causal attention: CausalLMLoss(attention=...)
+ATTENTION_BLOCK = 128  # query rows a block of blocked_causal_attention (benchmarks/results/cpu_bf16.md)
+
+
+def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             block_size: int = ATTENTION_BLOCK) -> torch.Tensor:
+    """Causal softmax attention computed a block of ``block_size`` query rows at a time, each against only the keys
+    it can see (rows ``[i, j)`` against keys ``[0, j)``): about half the work of the full square, in a few large
+    matmuls the CPU's bfloat16 GEMM runs well and small elementwise passes the compiler fuses. Under
+    ``torch.compile`` (the decoder layers compiled, on CPU) a training step runs it about 2× faster than SDPA's CPU
+    flash kernel (benchmarks/results/cpu_bf16.md); eager it is no faster, so only compiled steps choose it.
+
+    q, k, v: ``[batch, heads, seq, head_dim]`` (k and v already repeated to the query heads), one dtype; returns
+    ``[batch, heads, seq, head_dim]`` in that dtype. Scores ``q·kᵀ/√head_dim`` and the softmax are float32 (float64
+    stays float64); the probabilities are rounded to the inputs' dtype for the ``P·V`` matmul, as FlashAttention-2 does (Dao 2023,
+    "FlashAttention-2", §3.1). Agrees with ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` to the
+    inputs' rounding. Raises ``ValueError`` when k's sequence length differs from q's (no cache: mask-free causal
+    attention only) or ``block_size < 1``.
+    """
+    t, head_dim = q.shape[-2], q.shape[-1]
+    if k.shape[-2] != t or v.shape[-2] != t:
+        raise ValueError(f"blocked_causal_attention: q, k and v need one sequence length, got {t}, {k.shape[-2]} "
+                         f"and {v.shape[-2]}")
+    if block_size < 1:
+        raise ValueError(f"blocked_causal_attention: block_size must be >= 1, got {block_size}")
+    scale = head_dim ** -0.5
+    visible = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    out = []
+    for i in range(0, t, block_size):
+        j = min(i + block_size, t)
+        scores = _upcast(q[..., i:j, :] @ k[..., :j, :].mT) * scale
+        scores = scores.masked_fill(~visible[i:j, :j], float("-inf"))
+        out.append(torch.softmax(scores, dim=-1).to(v.dtype) @ v[..., :j, :])
+    return torch.cat(out, dim=-2)
+
+
 class Attention(nn.Module):
+    training_kernel = "sdpa"  # one of ATTENTION_KERNELS: mask-free causal attention in training mode
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
@@ -170,7 +210,9 @@ class Attention(nn.Module):
         # K/V repeated to the query heads (as transformers does), not SDPA's enable_gqa: on CPU that saved under 1 %
         # of a step and its different rounding alone moved the design's "tiny learns" by 0.4 nats (see the README).
         kr, vr = repeat_kv(k, rep), repeat_kv(v, rep)
-        if mask is None:
+        if mask is None and self.training and self.training_kernel == "blocked":
+            out = blocked_causal_attention(q, kr, vr)
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
         else:  # with a cache or padding: an explicit mask (exports with both ONNX exporters)
             out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
@@ -379,7 +421,7 @@ class CausalLMLoss(nn.Module):
     module holds no state of its own, so DDP can wrap it and checkpoints keep saving ``lm``).
 
     * float32 (no autocast): the full logits and one ``F.cross_entropy`` — the same ops, so the same bits, as
-      ``causal_lm_loss(lm(x)[0], y)``;
+      ``causal_lm_loss(lm(x)[0], y)`` (with ``attention="sdpa"``);
     * reduced precision (autocast): lm_head + cross-entropy in chunks of ``chunk_tokens`` rows, each under
       activation checkpointing, so at most one chunk's float32 logits exist at a time (Liger-Kernel's fused linear
       cross-entropy does the same in one kernel); the price is one more lm_head matmul per chunk in the backward.
@@ -391,18 +433,29 @@ class CausalLMLoss(nn.Module):
       backward) or "selective" (the layers ``i`` with ``i % checkpoint_every == 0`` only: torchtitan's per-layer
       selective AC). A checkpointed layer computes the same values, so the loss and gradients are unchanged; the
       price is one more forward of that layer per step (see :func:`checkpointed_layers`);
-    * :meth:`compile_head`: the head + loss alone compiled, the layers eager (the ``cpu`` preset's choice);
+    * ``attention``: the decoder layers' mask-free causal attention in training mode, one of
+      :data:`ATTENTION_KERNELS`: "sdpa" (``F.scaled_dot_product_attention``) or "blocked"
+      (:func:`blocked_causal_attention`, the ``cpu`` preset's choice under compiled layers). It is set on ``lm``'s
+      attention modules (``Attention.training_kernel``) and read only in training mode, so evaluation in eval mode
+      runs SDPA whatever it is;
+    * :meth:`compile_head`: the head + loss alone compiled, the layers eager;
     * :meth:`compile_blocks`: each decoder layer and the head + loss compiled on their own with static shapes
-      (torchtitan's ``apply_compile``): one small graph reused by every layer compiles in seconds. Compiled, a
+      (torchtitan's ``apply_compile``; the ``cpu`` preset's choice): one small graph reused by every layer compiles
+      in seconds. Compiled, a
       micro-batch with fewer rows than ``static_batch`` is padded with ignored rows (label -100) to that size, so
       a short last micro-batch reuses the graph instead of recompiling; padded rows add 0 to the loss and the
       gradients (rows never interact), and dropping them instead would lose data.
     """
 
     def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int | None = CHUNK_TOKENS,
-                 activation_checkpoint: str = "none", checkpoint_every: int = 2):
+                 activation_checkpoint: str = "none", checkpoint_every: int = 2, attention: str = "sdpa"):
         super().__init__()
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention: expected one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}")
         self.lm = lm
+        self.attention = attention
+        for layer in lm.model.layers:
+            layer.self_attn.training_kernel = attention
         self.chunk_tokens = chunk_tokens
         self.static_batch: int | None = None
         self.checkpointed = checkpointed_layers(activation_checkpoint, checkpoint_every, len(lm.model.layers))

@@ -374,7 +374,9 @@ class Trainer:
             "peak_memory_gb": peak_memory_bytes(p.device) / 1e9,
             "peak_memory_scope": "training steps only (reset after preflight and setup)",
             "compile": dataclasses.asdict(self.compile_info),
-            "attention_backend": {"name": p.sdpa[0], "detail": p.sdpa[2]},
+            "attention_backend": ({"name": "blocked", "detail": self.compile_info.attention_reason}
+                                  if self.compile_info.attention == "blocked" else
+                                  {"name": p.sdpa[0], "detail": p.sdpa[2]}),
             "plan": p.plan.to_dict() if p.plan else None,
         }
         if final:

@@ -1,7 +1,15 @@
 """The module a training step calls: :class:`train.model.CausalLMLoss` over the model, compiled as ``train.compile``
 says (each decoder layer and the head + loss, static shapes, warmed up at the training micro-batch; "head": the head
-+ loss alone; "auto" and "head" fall back to eager aloud) or eager, wrapped in DistributedDataParallel under torchrun; and :class:`CompileInfo`, the
-record of which path ran (summary.json's ``compile``)."""
++ loss alone; "auto" and "head" fall back to eager aloud) or eager, with the causal attention ``train.attention``
+names, wrapped in DistributedDataParallel under torchrun; and :class:`CompileInfo`, the record of which path ran
+(summary.json's ``compile``).
+
+``train.attention = "auto"`` takes :func:`train.model.blocked_causal_attention` where it pays: on CPU, in reduced
+precision, with the decoder layers compiled (eager it is no faster than SDPA's CPU kernel; on CUDA SDPA's fused
+kernels win), and only when it agrees with float32 math (:func:`train.device.attention_error`) within
+:data:`train.device.SDPA_TOL` (the bar SDPA's backends pass on CUDA) or as well as the SDPA kernel it replaces (on a
+CPU SDPA's own bfloat16 kernel misses that bar: about 3e-2). Elsewhere, and when compiling falls back to eager,
+SDPA."""
 
 from __future__ import annotations
 
@@ -12,12 +20,19 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from train import windows as W
 from train.components.placement import Placement
 from train.config import TrainSection
+from train.device import SDPA_TOL, attention_error
 from train.errors import TrainError
-from train.model import CHUNK_TOKENS, CausalLMLoss, LlamaForCausalLM
+from train.model import CHUNK_TOKENS, CausalLMLoss, LlamaForCausalLM, blocked_causal_attention
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
 
 DDP_BUCKET_MB = 100  # fewer, larger all-reduces than DDP's 25 MB default (base-400m: 16 buckets, not 64)
 
@@ -36,12 +51,15 @@ def no_buffer_sync() -> dict[str, bool]:
 
 @dataclasses.dataclass
 class CompileInfo:
-    """Which training path ran: ``path`` "compiled" or "eager", ``reason`` why, the warm-up seconds, and the
-    graphs Dynamo compiled during the warm-up and after it (``recompiles``, filled in at the end; 0 expected)."""
+    """Which training path ran: ``path`` "compiled" or "eager", ``reason`` why, the causal ``attention`` kernel
+    ("sdpa" or "blocked") and why, the warm-up seconds, and the graphs Dynamo compiled during the warm-up and after
+    it (``recompiles``, filled in at the end; 0 expected)."""
 
     requested: bool | str
     path: str = "eager"
     reason: str = ""
+    attention: str = "sdpa"
+    attention_reason: str = ""
     warmup_s: float = 0.0
     graphs: int = 0
     recompiles: int | None = None
@@ -60,12 +78,37 @@ class StepModuleBuilder:
         self.info = CompileInfo(requested=train.compile)
         self._graphs_after_warmup = 0
 
-    def loss_module(self, model: LlamaForCausalLM, device_type: str = "cuda") -> CausalLMLoss:
-        """The eager :class:`CausalLMLoss` with the configured activation checkpointing; on CPU without chunking the
-        head + loss (``chunk_tokens=None``: the logits' memory is cheap there, the chunks' recompute is not)."""
+    def loss_module(self, model: LlamaForCausalLM, device_type: str = "cuda", attention: str = "sdpa") -> CausalLMLoss:
+        """The eager :class:`CausalLMLoss` with the configured activation checkpointing and ``attention``; on CPU
+        without chunking the head + loss (``chunk_tokens=None``: the logits' memory is cheap there, the chunks'
+        recompute is not)."""
         return CausalLMLoss(model, chunk_tokens=None if device_type == "cpu" else CHUNK_TOKENS,
                             activation_checkpoint=self.train.activation_checkpoint,
-                            checkpoint_every=self.train.activation_checkpoint_every)
+                            checkpoint_every=self.train.activation_checkpoint_every, attention=attention)
+
+    def choose_attention(self, placement: Placement, num_heads: int, head_dim: int,
+                         layers_compiled: bool) -> tuple[str, str]:
+        """``(kernel, why)`` for ``train.attention`` (see the module doc); "auto" measures
+        :func:`~train.device.attention_error` of the blocked kernel (a fraction of a second) only where it would
+        take it."""
+        asked = self.train.attention
+        if asked != "auto":
+            return asked, f"train.attention = {json.dumps(asked)}"
+        where = (f"{placement.device.type}, {placement.dtype_name}, decoder layers "
+                 f"{'compiled' if layers_compiled else 'eager'}")
+        if not (placement.device.type == "cpu" and placement.dtype in (torch.bfloat16, torch.float16)
+                and layers_compiled):
+            return "sdpa", f"train.attention = \"auto\": SDPA ({where}; blocked pays on CPU in reduced precision " \
+                           f"with the layers compiled)"
+        args = (placement.device, placement.dtype, num_heads, head_dim)
+        err = attention_error(blocked_causal_attention, *args)
+        sdpa_err = attention_error(_sdpa_causal, *args)
+        bar = max(SDPA_TOL, sdpa_err)
+        if err > bar:
+            return "sdpa", (f"train.attention = \"auto\": SDPA, the blocked kernel is off its numerics (max |Δ| "
+                            f"{err:.2e} vs float32 math, over SDPA's {sdpa_err:.2e} and {SDPA_TOL})")
+        return "blocked", (f"train.attention = \"auto\": blocked causal attention ({where}; max |Δ| {err:.2e} vs "
+                           f"float32 math, SDPA's {sdpa_err:.2e}, tolerance {bar:.2e})")
 
     def build(self, model: LlamaForCausalLM, placement: Placement, warmup_windows: np.ndarray,
               log: Callable[[str], None]) -> torch.nn.Module:
@@ -73,7 +116,11 @@ class StepModuleBuilder:
         module is warmed up on (forward + backward, gradients dropped). TrainError when compiling fails and
         ``train.compile`` is true."""
         mode, info = self.train.compile, self.info
-        step_model = self.loss_module(model, placement.device.type)
+        attn = model.model.layers[0].self_attn if len(model.model.layers) else None
+        heads, head_dim = (attn.n_heads, attn.head_dim) if attn is not None else (1, 1)
+        info.attention, info.attention_reason = self.choose_attention(placement, heads, head_dim,
+                                                                      mode not in (False, "head"))
+        step_model = self.loss_module(model, placement.device.type, info.attention)
         if mode is False:
             info.path, info.reason = "eager", "train.compile = false"
         else:
@@ -98,7 +145,9 @@ class StepModuleBuilder:
                     raise TrainError(f"torch.compile failed ({why}). train.compile = true makes this an error; set "
                                      f"train.compile = \"auto\" to fall back to eager (about half the MFU) or false"
                                      ) from e
-                step_model = self.loss_module(model, placement.device.type)
+                if self.train.attention == "auto":
+                    info.attention, info.attention_reason = self.choose_attention(placement, heads, head_dim, False)
+                step_model = self.loss_module(model, placement.device.type, info.attention)
                 info.path, info.reason = "eager", f"torch.compile failed, train.compile = {json.dumps(mode)} fell back: {why}"
                 log("WARNING: " + "!" * 60)
                 log(f"WARNING: training EAGERLY: {info.reason}")
@@ -106,6 +155,7 @@ class StepModuleBuilder:
             info.warmup_s = time.time() - t0
             self._graphs_after_warmup = _unique_graphs()
         log(f"training path: {info.path} ({info.reason})")
+        log(f"training attention: {info.attention} ({info.attention_reason})")
         if step_model.checkpointed:
             log(f"activation checkpointing ({self.train.activation_checkpoint}): decoder layers "
                 f"{', '.join(map(str, sorted(step_model.checkpointed)))} recompute their forward in the backward")

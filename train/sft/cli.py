@@ -35,6 +35,9 @@ SFT_DEFAULTS = {
     "train.eval_tokens": 4096,
     "train.ckpt_every": 100,
     "train.log_every": 10,
+    # the head + loss compiled, the layers eager: compiled layers want static shapes, so every row would be padded
+    # to train.seq_len + 1 (the conversations are mostly far shorter); --set train.compile=true asks for that
+    "train.compile": "head",
     "train.final_eval": True,
     "data.val_fraction": 0.05,
 }
