@@ -24,7 +24,7 @@ also counts threads spinning at barriers while a sibling waits for a core).
 
     python benchmarks/cpu_bf16.py [--config cpu] [--rows 8] [--threads 1] [--rounds 5]
 
-Writes benchmarks/results/cpu_bf16.md and .json.
+Writes benchmarks/results/cpu_bf16.md and .json (``cpu_bf16_t2.*`` for ``--threads 2``, the main job's).
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     a.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(a.out / "cpu_bf16.json", res)
-    atomic_write_text(a.out / "cpu_bf16.md", text)
+    stem = "cpu_bf16" if a.threads == 1 else f"cpu_bf16_t{a.threads}"
+    atomic_write_json(a.out / f"{stem}.json", res)
+    atomic_write_text(a.out / f"{stem}.md", text)
     return 0
 
 

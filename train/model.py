@@ -148,7 +148,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 ATTENTION_KERNELS = ("sdpa", "blocked")  # the training step's causal attention: CausalLMLoss(attention=...)
-ATTENTION_BLOCK = 128  # query rows a block of blocked_causal_attention (benchmarks/results/cpu_bf16.md)
+ATTENTION_BLOCK = 128  # query rows a block of blocked_causal_attention (32 to 256 tried at 512 positions: 128 fastest)
 
 
 def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -156,8 +156,8 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal softmax attention computed a block of ``block_size`` query rows at a time, each against only the keys
     it can see (rows ``[i, j)`` against keys ``[0, j)``): about half the work of the full square, in a few large
     matmuls the CPU's bfloat16 GEMM runs well and small elementwise passes the compiler fuses. Under
-    ``torch.compile`` (the decoder layers compiled, on CPU) a training step runs it about 2× faster than SDPA's CPU
-    flash kernel (benchmarks/results/cpu_bf16.md); eager it is no faster, so only compiled steps choose it.
+    ``torch.compile`` (the decoder layers compiled, on CPU) a training step runs faster with it than with SDPA's CPU
+    flash kernel (benchmarks/results/cpu_bf16_t2.md); eager it is no faster, so only compiled steps choose it.
 
     q, k, v: ``[batch, heads, seq, head_dim]`` (k and v already repeated to the query heads), one dtype; returns
     ``[batch, heads, seq, head_dim]`` in that dtype. Scores ``q·kᵀ/√head_dim`` and the softmax are float32 (float64

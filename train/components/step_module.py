@@ -98,8 +98,8 @@ class StepModuleBuilder:
                  f"{'compiled' if layers_compiled else 'eager'}")
         if not (placement.device.type == "cpu" and placement.dtype in (torch.bfloat16, torch.float16)
                 and layers_compiled):
-            return "sdpa", f"train.attention = \"auto\": SDPA ({where}; blocked pays on CPU in reduced precision " \
-                           f"with the layers compiled)"
+            return "sdpa", (f"train.attention = \"auto\" on {where} (blocked pays on CPU in reduced precision with "
+                            f"the layers compiled)")
         args = (placement.device, placement.dtype, num_heads, head_dim)
         err = attention_error(blocked_causal_attention, *args)
         sdpa_err = attention_error(_sdpa_causal, *args)
@@ -107,8 +107,8 @@ class StepModuleBuilder:
         if err > bar:
             return "sdpa", (f"train.attention = \"auto\": SDPA, the blocked kernel is off its numerics (max |Δ| "
                             f"{err:.2e} vs float32 math, over SDPA's {sdpa_err:.2e} and {SDPA_TOL})")
-        return "blocked", (f"train.attention = \"auto\": blocked causal attention ({where}; max |Δ| {err:.2e} vs "
-                           f"float32 math, SDPA's {sdpa_err:.2e}, tolerance {bar:.2e})")
+        return "blocked", (f"train.attention = \"auto\" on {where}; max |Δ| {err:.2e} vs float32 math, SDPA's "
+                           f"{sdpa_err:.2e}")
 
     def build(self, model: LlamaForCausalLM, placement: Placement, warmup_windows: np.ndarray,
               log: Callable[[str], None]) -> torch.nn.Module:
