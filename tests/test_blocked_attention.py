@@ -55,16 +55,51 @@ def test_blocked_attention_is_causal_attention_in_float64(t, block):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_blocked_attention_in_bfloat16_passes_the_sdpa_bar_and_a_wrong_kernel_does_not():
-    """The numerics check "auto" runs: the blocked kernel in bf16 agrees with float32 math as well as SDPA's own CPU
-    kernel does (or within SDPA_TOL), while attention that forgets the causal mask is far outside both."""
-    err = attention_error(blocked_causal_attention, torch.device("cpu"), torch.bfloat16, 2, 64)
-    sdpa_err = attention_error(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                               torch.device("cpu"), torch.bfloat16, 2, 64)
-    assert 0 < err <= max(sdpa_err, SDPA_TOL)
-    leaky = attention_error(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), torch.device("cpu"),
-                            torch.bfloat16, 2, 64)
-    assert leaky > 10 * SDPA_TOL
+def _bf16_scores(q, k, v):
+    """The blocked kernel as first written: the scores' matmul in the inputs' dtype (rounded to bfloat16)."""
+    t = q.shape[-2]
+    scores = (q @ k.mT).float() * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("qk_std", [1.0, 4.0])
+def test_blocked_attention_in_bfloat16_is_as_close_to_float32_as_sdpa(qk_std):
+    """The numerics check "auto" runs, at unit-variance q, k and at the peaked logits of a trained model: the blocked
+    kernel in bf16 agrees with float32 math as well as SDPA's own CPU kernel does (its scores are a float32 matmul),
+    while attention that forgets the causal mask is far outside, and so are bf16-rounded scores at large logits."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    err = attention_error(blocked_causal_attention, cpu, bf16, 2, 64, qk_std=qk_std)
+    sdpa_err = attention_error(_sdpa, cpu, bf16, 2, 64, qk_std=qk_std)
+    assert 0 < err <= max(step_module.BLOCKED_SLACK * sdpa_err, SDPA_TOL)
+    leaky = attention_error(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), cpu, bf16, 2, 64, qk_std=qk_std)
+    assert leaky > 5 * max(sdpa_err, SDPA_TOL)
+    if qk_std > 1:
+        assert attention_error(_bf16_scores, cpu, bf16, 2, 64, qk_std=qk_std) > step_module.BLOCKED_SLACK * sdpa_err
+
+
+def test_under_autocast_the_scores_stay_float32():
+    """Autocast would run the scores' matmul in bfloat16 again; the kernel turns it off there."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 2, 64, 64, generator=g) * 4 for _ in range(2))
+    v = torch.randn(2, 2, 64, 64, generator=g)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = _math(qb.float(), kb.float(), vb.float())  # the same rounded inputs: only the kernel's own rounding counts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = blocked_causal_attention(qb, kb, vb)
+        rounded = _bf16_scores(qb, kb, vb)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - ref).abs().max()) < 0.5 * float((rounded.float() - ref).abs().max())
+
+
+def test_float16_large_logits_stay_finite():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).half() * s for s in (30, 30, 1))
+    assert torch.isfinite(blocked_causal_attention(q, k, v)).all()
 
 
 def test_blocked_attention_refuses_what_it_does_not_compute():
@@ -72,8 +107,20 @@ def test_blocked_attention_refuses_what_it_does_not_compute():
     longer = torch.randn(2, 2, 12, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="one sequence length, got 8, 12 and 12"):
         blocked_causal_attention(q, longer, longer)
-    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
-        blocked_causal_attention(q, k, v, block_size=0)
+    for bad in (0, -1, 2.5, None, True):
+        with pytest.raises(ValueError, match=f"block_size must be an integer >= 1, got {bad!r}"):
+            blocked_causal_attention(q, k, v, block_size=bad)
+    with pytest.raises(ValueError, match="one floating dtype, got torch.float64, torch.float64 and torch.bfloat16"):
+        blocked_causal_attention(q, k, v.bfloat16())
+    ints = torch.zeros(1, 1, 4, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one floating dtype, got torch.int64"):
+        blocked_causal_attention(ints, ints, ints)
+
+
+def test_an_empty_sequence_gives_an_empty_output_as_sdpa_does():
+    q = torch.randn(2, 2, 0, 8)
+    out = blocked_causal_attention(q, q, q)
+    assert out.shape == _sdpa(q, q, q).shape == (2, 2, 0, 8)
 
 
 def _model(seed: int = 0) -> LlamaForCausalLM:
@@ -136,10 +183,12 @@ def test_auto_takes_the_blocked_kernel_only_where_it_pays(asked, device, dtype, 
 
 
 def test_auto_keeps_sdpa_when_the_blocked_kernel_fails_its_numerics(monkeypatch):
-    errors = iter([0.5, 0.02])  # the blocked kernel, then SDPA
+    errors = iter([0.02, 0.03, 0.3, 0.1])  # the blocked kernel, then SDPA, at q, k scale 1, then 4
     monkeypatch.setattr(step_module, "attention_error", lambda *a, **k: next(errors))
     kernel, reason = StepModuleBuilder(TrainSection()).choose_attention(_placement("cpu", torch.bfloat16), 2, 64, True)
-    assert kernel == "sdpa" and f"max |Δ| 5.00e-01 vs float32 math, over SDPA's 2.00e-02 and {SDPA_TOL}" in reason
+    assert kernel == "sdpa"
+    assert ("off its numerics (max |Δ| 2.00e-02 / 3.00e-01 vs float32 math at q, k scale 1 / 4, SDPA's 3.00e-02 / "
+            f"1.00e-01; allowed: 1.25× SDPA's or {SDPA_TOL})") in reason
 
 
 def test_attention_value_is_checked(tmp_path, session_cache):
@@ -155,6 +204,8 @@ def _run(tmp_path, session_cache, name, log=lambda m: None, **keys) -> dict:
 
 
 def test_a_compiled_bf16_cpu_run_trains_with_the_blocked_kernel_and_says_so(tmp_path, session_cache, monkeypatch):
+    """...and a --resume that trains no further step keeps that record and the final report in summary.json (it
+    wrote this session's empty ones: eager, SDPA, no val_sources)."""
     real = CausalLMLoss.compile_blocks
     monkeypatch.setattr(CausalLMLoss, "compile_blocks", lambda self, b, backend="inductor": real(self, b, "aot_eager"))
     torch._dynamo.reset()
@@ -164,6 +215,12 @@ def test_a_compiled_bf16_cpu_run_trains_with_the_blocked_kernel_and_says_so(tmp_
     assert s["attention_backend"]["name"] == "blocked" and "max |Δ|" in s["attention_backend"]["detail"]
     assert any(m.startswith("training attention: blocked") for m in logs)
     assert "training attention: blocked" in (tmp_path / "runs/blk/train.log").read_text()
+    cfg = fast_config(tmp_path, session_cache, **{"run.name": "blk", "train.max_steps": 2, "train.dtype": "bfloat16",
+                                                  "train.compile": "auto"})
+    again = Trainer(cfg, resume=True, log=lambda m: None).train()
+    on_disk = json.loads((tmp_path / "runs/blk/summary.json").read_text())
+    for key in ("compile", "attention_backend", "tokens_per_s", "val_sources", "samples"):
+        assert again[key] == on_disk[key] == s[key], key
 
 
 def test_falling_back_to_eager_falls_back_to_sdpa(tmp_path, session_cache, monkeypatch):

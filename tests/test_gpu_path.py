@@ -265,11 +265,14 @@ def test_compiled_run_records_path_and_zero_recompiles(tmp_path, session_cache, 
     assert s["peak_memory_scope"].startswith("training steps only")
 
 
-def test_compile_value_is_checked(tmp_path, session_cache):
+@pytest.mark.parametrize("value", ["sometimes", 0, 1, 1.0])
+def test_compile_value_is_checked(tmp_path, session_cache, value):
+    """0 and 1 equal false and true in Python but would be taken for neither by the builder (0 compiled the layers
+    while the attention choice read it as eager; 1 fell back to eager where true is an error)."""
     from train.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.compile: expected true, false, \"auto\" or \"head\""):
-        fast_config(tmp_path, session_cache, **{"train.compile": "sometimes"})
+        fast_config(tmp_path, session_cache, **{"train.compile": value})
 
 
 def test_compile_head_compiles_the_head_alone_and_keeps_the_loss(tmp_path, session_cache, monkeypatch):

@@ -187,7 +187,7 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     """Check ``value`` against the type of the key's default and convert int → float where needed."""
     where = f"{section}.{key}"
     if (section, key) == ("train", "compile"):
-        if value in (True, False, "auto", "head"):
+        if value is True or value is False or value in ("auto", "head"):  # not 0 or 1: 0 == False, 1 == True
             return value
         raise ConfigError(f"{where}: expected true, false, \"auto\" or \"head\", got {value!r}")
     if (section, key) == ("train", "attention"):

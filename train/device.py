@@ -161,12 +161,14 @@ SDPA_TOL = 2e-2  # max |Δ| of outputs and gradients vs float32 math, for unit-v
 
 
 def attention_error(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-                    dtype: torch.dtype, num_heads: int, head_dim: int, seq_len: int = 256) -> float:
+                    dtype: torch.dtype, num_heads: int, head_dim: int, seq_len: int = 256, qk_std: float = 1.0) -> float:
     """Max |Δ| of causal attention's output and its q, k, v gradients as ``attend(q, k, v)`` computes them in
-    ``dtype`` against float32 SDPA math, on unit-variance q, k, v ``[2, num_heads, seq_len, head_dim]`` drawn from a
-    generator of its own (seed 0; the global RNG is not touched). ``attend``'s exceptions propagate."""
+    ``dtype`` against float32 SDPA math, on q, k, v ``[2, num_heads, seq_len, head_dim]`` drawn from a generator of
+    its own (seed 0; the global RNG is not touched): v unit-variance, q and k of standard deviation ``qk_std`` (4
+    gives the large, peaked logits a trained model reaches). ``attend``'s exceptions propagate."""
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(2, num_heads, seq_len, head_dim, device=device, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, num_heads, seq_len, head_dim, device=device, generator=g) * s
+               for s in (qk_std, qk_std, 1.0))
     dout = torch.randn(2, num_heads, seq_len, head_dim, device=device, generator=g)
 
     def run(fn, dt):

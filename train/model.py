@@ -155,29 +155,37 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              block_size: int = ATTENTION_BLOCK) -> torch.Tensor:
     """Causal softmax attention computed a block of ``block_size`` query rows at a time, each against only the keys
     it can see (rows ``[i, j)`` against keys ``[0, j)``): about half the work of the full square, in a few large
-    matmuls the CPU's bfloat16 GEMM runs well and small elementwise passes the compiler fuses. Under
-    ``torch.compile`` (the decoder layers compiled, on CPU) a training step runs faster with it than with SDPA's CPU
-    flash kernel (benchmarks/results/cpu_bf16_t2.md); eager it is no faster, so only compiled steps choose it.
+    matmuls and small elementwise passes the compiler fuses. Under ``torch.compile`` (the decoder layers compiled, on
+    CPU) a training step runs faster with it than with SDPA's CPU flash kernel (benchmarks/results/cpu_bf16_t2.md);
+    eager it is no faster, so only compiled steps choose it.
 
-    q, k, v: ``[batch, heads, seq, head_dim]`` (k and v already repeated to the query heads), one dtype; returns
-    ``[batch, heads, seq, head_dim]`` in that dtype. Scores ``q·kᵀ/√head_dim`` and the softmax are float32 (float64
-    stays float64); the probabilities are rounded to the inputs' dtype for the ``P·V`` matmul, as FlashAttention-2 does (Dao 2023,
-    "FlashAttention-2", §3.1). Agrees with ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` to the
-    inputs' rounding. Raises ``ValueError`` when k's sequence length differs from q's (no cache: mask-free causal
-    attention only) or ``block_size < 1``.
+    q, k, v: ``[..., seq, head_dim]`` (k and v already repeated to the query heads), one floating dtype; returns
+    ``[..., seq, head_dim]`` in that dtype. The scores ``q·kᵀ/√head_dim`` are a float32 matmul of the upcast q and k
+    (float64 stays float64), so large logits keep float32's precision and fp16 cannot overflow, and the softmax is
+    float32; the probabilities are rounded to the inputs' dtype for the ``P·V`` matmul, as FlashAttention-2 does
+    (Dao 2023, "FlashAttention-2", §3.1). Agrees with ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` to
+    the inputs' rounding. Raises ``ValueError`` when k's or v's sequence length differs from q's (no cache: mask-free
+    causal attention only), the dtypes differ or are not floating, or ``block_size`` is not an integer >= 1.
     """
     t, head_dim = q.shape[-2], q.shape[-1]
     if k.shape[-2] != t or v.shape[-2] != t:
         raise ValueError(f"blocked_causal_attention: q, k and v need one sequence length, got {t}, {k.shape[-2]} "
                          f"and {v.shape[-2]}")
-    if block_size < 1:
-        raise ValueError(f"blocked_causal_attention: block_size must be >= 1, got {block_size}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"blocked_causal_attention: q, k and v need one floating dtype, got {q.dtype}, {k.dtype} "
+                         f"and {v.dtype}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"blocked_causal_attention: block_size must be an integer >= 1, got {block_size!r}")
+    if t == 0:
+        return v.new_empty((*q.shape[:-1], v.shape[-1]))
     scale = head_dim ** -0.5
     visible = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    qs, ks = _upcast(q), _upcast(k)
     out = []
     for i in range(0, t, block_size):
         j = min(i + block_size, t)
-        scores = _upcast(q[..., i:j, :] @ k[..., :j, :].mT) * scale
+        with torch.autocast(q.device.type, enabled=False):  # autocast would cast the float32 scores' matmul down
+            scores = (qs[..., i:j, :] @ ks[..., :j, :].mT) * scale
         scores = scores.masked_fill(~visible[i:j, :j], float("-inf"))
         out.append(torch.softmax(scores, dim=-1).to(v.dtype) @ v[..., :j, :])
     return torch.cat(out, dim=-2)

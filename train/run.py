@@ -263,7 +263,7 @@ class Trainer:
         final = None
         if t.final_eval and step == t.max_steps and step > start_step:
             final = self.evaluator.final(self.model, self.cfg, self.state)
-        summary = self._summary(meter, final)
+        summary = self._summary(meter, final, trained=step > start_step)
         if self.stop.requested:
             self.log(f"stopped by signal at step {step}; resume with: python -m train.run --name "
                      f"{self.cfg.run.name} --resume")
@@ -357,8 +357,10 @@ class Trainer:
         state.tokens += total_tokens
         return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens=total_tokens, skipped=skipped, stop=stop)
 
-    def _summary(self, meter: Throughput, final: dict | None = None) -> dict:
-        """summary.json (docs/design.md), written with the final loss.png by rank 0; returned on every rank."""
+    def _summary(self, meter: Throughput, final: dict | None = None, trained: bool = True) -> dict:
+        """summary.json (docs/design.md), written with the final loss.png by rank 0; returned on every rank. A
+        session that trained no step (``--resume`` of a finished run) keeps what the last training session recorded
+        of itself (:data:`SESSION_KEYS`) and its final report, instead of this session's empty ones."""
         rows = self.run_log.metrics()
         evals = [r for r in rows if r.get("kind") == "eval"]
         trains = [r for r in rows if r.get("kind") == "train"][-20:]
@@ -381,8 +383,17 @@ class Trainer:
         }
         if final:
             summary.update(final)
+        if not trained:
+            previous = self.run_log.read_summary()
+            summary.update({k: previous[k] for k in (*SESSION_KEYS, *FINAL_KEYS) if k in previous})
         self.run_log.write_summary(summary, title=self.cfg.run.name)
         return summary
+
+
+# summary.json keys that describe the session that trained (its speed, memory and compiled path), and the final
+# report's (Evaluator.final): a session that trains no step keeps them from the summary before it
+SESSION_KEYS = ("tokens_per_s", "mfu", "peak_memory_gb", "peak_memory_scope", "compile", "attention_backend", "plan")
+FINAL_KEYS = ("val_sources", "compression_floor", "samples")
 
 
 def _already_done(cfg: Config) -> bool:

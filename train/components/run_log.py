@@ -95,6 +95,14 @@ class RunLog:
         if self.is_main:
             plot_loss(self.metrics_path, self.run_dir / "loss.png", title=title)
 
+    def read_summary(self) -> dict:
+        """The run's summary.json as written last, or ``{}`` when there is none or it is not a JSON object."""
+        try:
+            data = json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
     def write_summary(self, summary: dict, title: str) -> None:
         """summary.json and the final loss.png; logs the validation NLL against the random-init twin's and the
         totals."""
