@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(name: str) -> tuple[float, float]:
         w0, c0 = time.perf_counter(), time.process_time()
-        for layer in model.model.layers:  # the lanes share the model: each sets its own attention kernel
-            layer.self_attn.training_kernel = LANES[name][3]
+        model.set_training_attention(LANES[name][3])  # the lanes share the model: each sets its own kernel
         opt.zero_grad(set_to_none=True)
         with autocast_ctx(cpu, LANES[name][0]):
             loss = mods[name](x[:, :-1], x[:, 1:])

@@ -355,6 +355,14 @@ class LlamaForCausalLM(nn.Module):
             else:
                 nn.init.ones_(p)
 
+    def set_training_attention(self, kernel: str) -> None:
+        """Every decoder layer's mask-free causal attention in training mode (``Attention.training_kernel``), one of
+        :data:`ATTENTION_KERNELS`; eval mode always runs SDPA. Raises ``ValueError`` for another name."""
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention: expected one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+        for layer in self.model.layers:
+            layer.self_attn.training_kernel = kernel
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once (a tied matrix once); ``non_embedding`` leaves out the token embedding."""
         n = sum(p.numel() for p in self.parameters())
@@ -443,8 +451,8 @@ class CausalLMLoss(nn.Module):
       price is one more forward of that layer per step (see :func:`checkpointed_layers`);
     * ``attention``: the decoder layers' mask-free causal attention in training mode, one of
       :data:`ATTENTION_KERNELS`: "sdpa" (``F.scaled_dot_product_attention``) or "blocked"
-      (:func:`blocked_causal_attention`, the ``cpu`` preset's choice under compiled layers). It is set on ``lm``'s
-      attention modules (``Attention.training_kernel``) and read only in training mode, so evaluation in eval mode
+      (:func:`blocked_causal_attention`, the ``cpu`` preset's choice under compiled layers). It is set on ``lm``
+      (:meth:`LlamaForCausalLM.set_training_attention`) and read only in training mode, so evaluation in eval mode
       runs SDPA whatever it is;
     * :meth:`compile_head`: the head + loss alone compiled, the layers eager;
     * :meth:`compile_blocks`: each decoder layer and the head + loss compiled on their own with static shapes
@@ -458,12 +466,8 @@ class CausalLMLoss(nn.Module):
     def __init__(self, lm: LlamaForCausalLM, chunk_tokens: int | None = CHUNK_TOKENS,
                  activation_checkpoint: str = "none", checkpoint_every: int = 2, attention: str = "sdpa"):
         super().__init__()
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention: expected one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}")
+        lm.set_training_attention(attention)
         self.lm = lm
-        self.attention = attention
-        for layer in lm.model.layers:
-            layer.self_attn.training_kernel = attention
         self.chunk_tokens = chunk_tokens
         self.static_batch: int | None = None
         self.checkpointed = checkpointed_layers(activation_checkpoint, checkpoint_every, len(lm.model.layers))

@@ -118,8 +118,7 @@ class StepModuleBuilder:
         module is warmed up on (forward + backward, gradients dropped). TrainError when compiling fails and
         ``train.compile`` is true."""
         mode, info = self.train.compile, self.info
-        attn = model.model.layers[0].self_attn if len(model.model.layers) else None
-        heads, head_dim = (attn.n_heads, attn.head_dim) if attn is not None else (1, 1)
+        heads, head_dim = model.config.num_attention_heads, model.config.head_dim
         info.attention, info.attention_reason = self.choose_attention(placement, heads, head_dim,
                                                                       mode not in (False, "head"))
         step_model = self.loss_module(model, placement.device.type, info.attention)
