@@ -192,7 +192,7 @@ def test_auto_keeps_sdpa_when_the_blocked_kernel_fails_its_numerics(monkeypatch)
 
 
 def test_attention_value_is_checked(tmp_path, session_cache):
-    with pytest.raises(ConfigError, match=r"train.attention: expected \"auto\", \"sdpa\" or \"blocked\", got 'flash'"):
+    with pytest.raises(ConfigError, match=r"train.attention: expected \"auto\", \"sdpa\" or \"blocked\", got \"flash\""):
         fast_config(tmp_path, session_cache, **{"train.attention": "flash"})
 
 

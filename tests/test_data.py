@@ -307,7 +307,11 @@ def test_config_presets_and_overrides():
     ("train.nosuch=1", r"unknown key train.nosuch; valid keys of \[train\] are: micro_batch_size"),
     ("train.lr=fast", "expected a number"),
     ("train.max_steps=1.5", "expected an integer"),
-    ("data.mix={bn=0.7, fr=0.3}", r"\['fr'\] are not in data.languages"),
+    ("data.mix={bn=0.7, fr=0.3}", r'\["fr"\] are not in data.languages \["bn", "en"\]'),
+    ("train.compile=True", r'train.compile: expected true, false, "auto" or "head", got "True"'),
+    ("train.compile=1", r'train.compile: expected true, false, "auto" or "head", got 1$'),
+    ("data.clean=\"yes\"", r'data.clean: expected true or false, got "yes"'),
+    ("train.attention=true", r'train.attention: expected "auto", "sdpa" or "blocked", got true'),
     ("model.num_attention_heads=5", "divisible"),
     ("justtext", "expected section.key=value"),
 ])

@@ -189,56 +189,56 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     if (section, key) == ("train", "compile"):
         if value is True or value is False or value in ("auto", "head"):  # not 0 or 1: 0 == False, 1 == True
             return value
-        raise ConfigError(f"{where}: expected true, false, \"auto\" or \"head\", got {value!r}")
+        raise ConfigError(f"{where}: expected true, false, \"auto\" or \"head\", got {_spell(value)}")
     if (section, key) == ("train", "attention"):
         if value in ("auto", "sdpa", "blocked"):
             return value
-        raise ConfigError(f"{where}: expected \"auto\", \"sdpa\" or \"blocked\", got {value!r}")
+        raise ConfigError(f"{where}: expected \"auto\", \"sdpa\" or \"blocked\", got {_spell(value)}")
     if (section, key) == ("train", "activation_checkpoint"):
         if value in ("none", "selective", "full"):
             return value
-        raise ConfigError(f"{where}: expected \"none\", \"selective\" or \"full\", got {value!r}")
+        raise ConfigError(f"{where}: expected \"none\", \"selective\" or \"full\", got {_spell(value)}")
     if (section, key) == ("train", "activation_checkpoint_every") and not (
         isinstance(value, int) and not isinstance(value, bool) and value >= 1
     ):
-        raise ConfigError(f"{where}: expected an integer >= 1 (checkpoint every N-th decoder layer), got {value!r}")
+        raise ConfigError(f"{where}: expected an integer >= 1 (checkpoint every N-th decoder layer), got {_spell(value)}")
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            raise ConfigError(f"{where}: expected true or false, got {_spell(value)}")
         return value
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_spell(value)}")
         return float(value)
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {_spell(value)}")
         return value
     if isinstance(default, str):
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {_spell(value)}")
         return value
     if isinstance(default, list):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_spell(value)}")
         if default and isinstance(default[0], float):
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-                raise ConfigError(f"{where}: expected a list of numbers, got {value!r}")
+                raise ConfigError(f"{where}: expected a list of numbers, got {_spell(value)}")
             return [float(v) for v in value]
         if not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+            raise ConfigError(f"{where}: expected a list of strings, got {_spell(value)}")
         return list(value)
     if isinstance(default, dict):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table like {{bn=0.7, en=0.3}}, got {value!r}")
+            raise ConfigError(f"{where}: expected a table like {{bn=0.7, en=0.3}}, got {_spell(value)}")
         out = {}
         for k, v in value.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"{where}.{k}: expected a non-negative number, got {v!r}")
+                raise ConfigError(f"{where}.{k}: expected a non-negative number, got {_spell(v)}")
             out[str(k)] = float(v)
         return out
     return value
@@ -313,33 +313,33 @@ def validate(cfg: Config) -> None:
     if not (0 < t.lr) or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr / train.min_lr: expected 0 <= min_lr <= lr and lr > 0, got {t.lr} / {t.min_lr}")
     if t.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"train.optimizer: expected {_one_of(OPTIMIZERS)}, got {t.optimizer!r}")
+        raise ConfigError(f"train.optimizer: expected {_one_of(OPTIMIZERS)}, got {_spell(t.optimizer)}")
     if t.schedule not in SCHEDULES:
-        raise ConfigError(f"train.schedule: expected {_one_of(SCHEDULES)}, got {t.schedule!r}")
+        raise ConfigError(f"train.schedule: expected {_one_of(SCHEDULES)}, got {_spell(t.schedule)}")
     if isinstance(t.cooldown_frac, bool) or not 0 <= t.cooldown_frac <= 1:
-        raise ConfigError(f"train.cooldown_frac: expected a number in [0, 1], got {t.cooldown_frac!r}")
+        raise ConfigError(f"train.cooldown_frac: expected a number in [0, 1], got {_spell(t.cooldown_frac)}")
     if not 0 <= t.muon_momentum < 1:
-        raise ConfigError(f"train.muon_momentum: expected a number in [0, 1), got {t.muon_momentum!r}")
+        raise ConfigError(f"train.muon_momentum: expected a number in [0, 1), got {_spell(t.muon_momentum)}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {t.betas}")
+        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {_spell(t.betas)}")
     if t.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"train.dtype: expected auto, float32, bfloat16 or float16, got {t.dtype!r}")
+        raise ConfigError(f"train.dtype: expected auto, float32, bfloat16 or float16, got {_spell(t.dtype)}")
     if not (t.device in ("auto", "cpu") or t.device.startswith("cuda")):
-        raise ConfigError(f"train.device: expected auto, cpu or cuda[:N], got {t.device!r}")
+        raise ConfigError(f"train.device: expected auto, cpu or cuda[:N], got {_spell(t.device)}")
     if not d.paths or any(not str(p).strip() for p in d.paths):
-        raise ConfigError(f"data.paths: expected at least one non-empty path, got {d.paths!r}")
+        raise ConfigError(f"data.paths: expected at least one non-empty path, got {_spell(d.paths)}")
     if not d.languages or any(lang not in ("bn", "en") for lang in d.languages):
-        raise ConfigError(f"data.languages: expected a non-empty subset of ['bn', 'en'], got {d.languages!r}")
+        raise ConfigError(f'data.languages: expected a non-empty subset of ["bn", "en"], got {_spell(d.languages)}')
     if isinstance(d.num_workers, bool) or not isinstance(d.num_workers, int) or d.num_workers < 0:
-        raise ConfigError(f"data.num_workers: expected 0 (all cores) or a positive integer, got {d.num_workers!r}")
+        raise ConfigError(f"data.num_workers: expected 0 (all cores) or a positive integer, got {_spell(d.num_workers)}")
     if not (0 < d.val_fraction < 1):
         raise ConfigError(f"data.val_fraction: expected a number in (0, 1), got {d.val_fraction}")
     for name, table in (("data.mix", d.mix), ("tokenizer.sample_weights", cfg.tokenizer.sample_weights)):
         extra = sorted(set(table) - set(d.languages))
         if extra:
-            raise ConfigError(f"{name}: languages {extra} are not in data.languages {d.languages}")
+            raise ConfigError(f"{name}: languages {_spell(extra)} are not in data.languages {_spell(d.languages)}")
         if sum(table.get(lang, 0.0) for lang in d.languages) <= 0:
-            raise ConfigError(f"{name}: the weights of {d.languages} must not all be zero")
+            raise ConfigError(f"{name}: the weights of {_spell(d.languages)} must not all be zero")
     tok = cfg.tokenizer
     if tok.vocab_size < 300:
         raise ConfigError(f"tokenizer.vocab_size: expected at least 300 (256 bytes + specials), got {tok.vocab_size}")
@@ -369,6 +369,16 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
     raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def _spell(v: Any) -> str:
+    """A config value as it is written in TOML (``true``, ``"head"``, ``[1, 2]``) for an error message, so the
+    message shows what to type, not Python's spelling (``True``, ``'head'``); a value TOML cannot hold (a date
+    parsed from ``--set``) as its text."""
+    try:
+        return _toml_value(v)
+    except TypeError:
+        return str(v)
 
 
 def _dump_flat_toml(d: dict[str, dict[str, Any]]) -> str:
