@@ -23,7 +23,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from contract.atomic import atomic_dir, clean_stale, sha256_file
-from contract.bundle import CARD, CONFIG, ONNX, ONNX_GRAPHS, TOKENIZER, WEIGHTS, BundleError, read_manifest
+from contract.bundle import (
+    CARD,
+    CONFIG,
+    ONNX,
+    ONNX_GRAPHS,
+    TOKENIZER,
+    WEIGHTS,
+    BundleError,
+    has_chat_template,
+    read_manifest,
+)
 from contract.quant import SCHEMES, Scheme, scheme
 from export import bundle as B
 from export import gate as G
@@ -37,6 +47,7 @@ from export.source import Source, load_source
 from export.target import check_target, os_error_in, write_error
 from export.valdata import find_run_shards, from_shards, load_val_data, run_seq_len
 from serve.verdict import fmt_figure
+from train.hf_files import turn_end_ids_of_checkpoint
 
 __all__ = ["DTYPES", "ExportError", "ParityError", "export_bundle"]
 
@@ -46,18 +57,31 @@ UNTRAINED = ("step 0 (random init): the quality gate is not measured on an untra
 
 
 
-def _up_to_date(src: Source, out: Path, dtype: str, schemes: tuple[Scheme, ...], parity: bool) -> bool:
-    """True when ``out`` is a complete bundle of this very checkpoint with the same dtype, the quantized graphs
-    asked for (extra ones do no harm), and a passed gate: re-running the README's main job then skips the export
-    instead of failing."""
+def _stale(src: Source, out: Path, dtype: str, schemes: tuple[Scheme, ...], parity: bool) -> str | None:
+    """Why ``out`` is not an up-to-date bundle of ``src``, or None when it is: a complete bundle of this very
+    checkpoint with the same dtype, the quantized graphs asked for (extra ones do no harm), a passed gate, and a
+    chat template exactly when the checkpoint is a chat model (an export from before base models lost theirs keeps
+    one, and every runtime would chat with it) — re-running the README's main job then skips the export instead
+    of failing."""
     try:
         m = read_manifest(out)
     except BundleError:
-        return False
+        return "no readable manifest"
     files = m.get("files") or {}
-    return (m.get("source", {}).get("sha256") == src.sha256
-            and m.get("dtype", "float32") == dtype and all(ONNX_GRAPHS[s.name] in files for s in schemes if s.onnx)
-            and (not parity or bool(m.get("parity", {}).get("ok"))))
+    if m.get("source", {}).get("sha256") != src.sha256:
+        return "exported from another checkpoint"
+    if m.get("dtype", "float32") != dtype:
+        return f"dtype {m.get('dtype', 'float32')}, not {dtype}"
+    missing = [ONNX_GRAPHS[s.name] for s in schemes if s.onnx and ONNX_GRAPHS[s.name] not in files]
+    if missing:
+        return f"no {', '.join(missing)}"
+    if parity and not m.get("parity", {}).get("ok"):
+        return "its parity gate did not pass"
+    chat = bool(turn_end_ids_of_checkpoint(src.ckpt))
+    if has_chat_template(out) != chat:
+        return ("a chat template, but the checkpoint is a base model" if not chat
+                else "no chat template, but the checkpoint was fine-tuned on conversations")
+    return None
 
 
 def parse_schemes(quantize: str | Sequence[str] | None) -> tuple[Scheme, ...]:
@@ -81,11 +105,12 @@ def parse_schemes(quantize: str | Sequence[str] | None) -> tuple[Scheme, ...]:
     return tuple(SCHEMES[n] for n in SCHEMES if n in out)
 
 
-def _check_out(src: Source, out: Path, force: bool) -> None:
+def _check_out(src: Source, out: Path, force: bool, stale: str | None = None) -> None:
     """Refuse an output that may not be replaced (:func:`export.target.check_target`) or that would replace or
-    lie inside the checkpoint itself."""
+    lie inside the checkpoint itself; ``stale`` says why an existing ``out`` is not up to date (:func:`_stale`)."""
     if out.exists() and not force:
-        raise ExportError(f"{out} already exists and is not an up-to-date bundle of {src.ckpt} "
+        why = f": {stale}" if stale else ""
+        raise ExportError(f"{out} already exists and is not an up-to-date bundle of {src.ckpt}{why} "
                           f"(use --force to replace it)")
     o, c = out.resolve(), src.ckpt.resolve()
     if o == c or o in c.parents:
@@ -165,11 +190,12 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
     source = load_source(src)
     out = Path(out) if out is not None else source.default_out()
     clean_stale(out.parent)  # a replaced bundle parked by a crashed swap is put back before it is judged
-    if out.exists() and not force and _up_to_date(source, out, dtype, schemes, parity):
+    stale = _stale(source, out, dtype, schemes, parity) if out.exists() and not force else None
+    if out.exists() and not force and stale is None:
         log(f"export: {out} is already an up-to-date bundle of {source.ckpt} (step {source.step}); nothing to do "
             f"(use --force to rebuild it)")
         return out
-    _check_out(source, out, force)
+    _check_out(source, out, force, stale)
     log(f"export: {source.ckpt} (step {source.step}, {source.model.num_params():,} parameters) → {out}")
     untrained = source.step == 0   # a random-init model's near-flat logits say nothing about a quantization
     gated = _gated(schemes)

@@ -784,9 +784,11 @@ def test_float16_bundle(ckpt, tmp_path):
     assert (out / "model.onnx.data").stat().st_size < 0.6 * (out / "model.safetensors").stat().st_size
 
 
-def test_existing_up_to_date_bundle_is_kept(trained_run, bundle):
+def test_existing_up_to_date_bundle_is_kept(trained_run, bundle, tmp_path):
     """Re-running the README's main job: an up-to-date bundle of the same checkpoint is not rebuilt; one that
-    differs from what is asked (float16 here) is refused without --force."""
+    differs from what is asked (float16 here), or a base model's bundle that still carries a chat template (as
+    exports did before base models lost it), is refused without --force, saying why."""
+    from contract.bundle import has_chat_template, rehash
     from export.onnx import ExportError, export_bundle
 
     before = (bundle / "manifest.json").stat().st_mtime_ns
@@ -794,8 +796,18 @@ def test_existing_up_to_date_bundle_is_kept(trained_run, bundle):
     assert export_bundle(trained_run, bundle, parity=False, log=msgs.append) == bundle
     assert any("up-to-date" in m for m in msgs)
     assert (bundle / "manifest.json").stat().st_mtime_ns == before
-    with pytest.raises(ExportError, match="not an up-to-date bundle"):
+    with pytest.raises(ExportError, match=r"not an up-to-date bundle of .*: dtype float32, not float16 \(use --force"):
         export_bundle(trained_run, bundle, parity=False, dtype="float16", log=lambda m: None)
+    old = tmp_path / "old-bundle"
+    shutil.copytree(bundle, old)
+    tc = json.loads((old / "tokenizer_config.json").read_text())
+    (old / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": "{{ messages }}"}))
+    rehash(old, ["tokenizer_config.json"])
+    assert has_chat_template(old) and not has_chat_template(bundle)
+    with pytest.raises(ExportError, match=r": a chat template, but the checkpoint is a base model \(use --force"):
+        export_bundle(trained_run, old, parity=False, log=lambda m: None)
+    assert export_bundle(trained_run, old, parity=False, force=True, log=lambda m: None) == old
+    assert not has_chat_template(old)
 
 
 def test_damaged_latest_is_an_export_error_naming_it(tmp_path):
