@@ -39,7 +39,7 @@ from contract.byte_level import EOT, PAD, SPECIAL_TOKENS
 
 __all__ = ["BACKEND_FILES", "CARD", "CONFIG", "EOT", "FORMAT", "FORMAT_VERSION", "GENERATION_CONFIG", "MANIFEST",
            "MANIFEST_FIELDS", "MODELFILE", "ONNX", "ONNX_GRAPHS", "ONNX_Q8_0", "PAD", "QUANTIZE_CHOICES", "SPECIAL_TOKENS",
-           "FORMAT_MINOR", "LEGACY_GRAPHS", "TOKENIZER", "TOKENIZER_CONFIG", "WEIGHTS", "BundleError",
+           "SKIP_VERIFY", "FORMAT_MINOR", "LEGACY_GRAPHS", "TOKENIZER", "TOKENIZER_CONFIG", "WEIGHTS", "BundleError",
            "backend_files", "check_manifest", "eot_id", "external_data", "file_entry", "file_table", "gguf_file",
            "is_bundle", "onnx_graph", "onnx_input_names", "onnx_output_names", "read_manifest", "rehash",
            "sampling_defaults", "sha256_file", "update_manifest", "upgrade", "verify_files", "write_manifest"]
@@ -53,6 +53,9 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 CARD = "README.md"  # the model card
 MANIFEST = "manifest.json"  # written last: its files table vouches for every other file
+#: How a reader skips the sha256 check, as every message says it: the Python argument, the CLIs' flag, the HTTP
+#: server's variable (the format-version check runs either way; rust_runtime/src/integrity.rs says the same).
+SKIP_VERIFY = "verify=False (--no-verify, SHALIK_VERIFY=0)"
 #: The ONNX graph of each quantization (``None``: the float graph; a scheme of contract.quant with ``onnx=True``:
 #: ``model.<scheme>.onnx``, so a new quantized graph is one entry of contract.quant.SCHEMES).
 ONNX_GRAPHS: dict[str | None, str] = {None: "model.onnx", **{q: f"model.{q}.onnx" for q, s in quant.SCHEMES.items()
@@ -205,8 +208,8 @@ def _manifest_json(bundle: str | Path) -> tuple[Path, Any]:
         return path, json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BundleError(f"{path} is missing: not an exported bundle, or its export did not finish (the manifest "
-                          "is written last); export it with python -m export.onnx, or load with verify=False / "
-                          "SHALIK_VERIFY=0 to skip the check") from None
+                          f"is written last); export it with python -m export.onnx, or load with {SKIP_VERIFY} to "
+                          "skip the check") from None
     except (OSError, ValueError) as e:
         raise BundleError(f"{path}: not a readable manifest ({e})") from None
 
@@ -320,7 +323,7 @@ def verify_files(bundle: str | Path, names: Iterable[str]) -> None:
         entry = table.get(name)
         if entry is None:
             raise BundleError(f"{path}: not listed in {MANIFEST}, so it cannot be verified "
-                              "(re-export the bundle, or load with verify=False / SHALIK_VERIFY=0)")
+                              f"(re-export the bundle, or load with {SKIP_VERIFY})")
         size = path.stat().st_size
         if size != entry["bytes"]:
             raise BundleError(f"{path} is corrupt: {size} bytes, the manifest says {entry['bytes']} "

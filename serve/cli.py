@@ -14,7 +14,7 @@ from contract.bundle import GENERATION_CONFIG, MANIFEST, SAMPLING_KEYS, BundleEr
 from contract.quant import NAMES, QuantizeError, Scheme, parse
 from serve.errors import RequestError
 from serve.lm import LM
-from serve.loader import BACKENDS, load
+from serve.loader import BACKENDS, MAX_THREADS, load
 from serve.sampling import SamplingParams
 
 SETTINGS = SAMPLING_KEYS  # the options that override the bundle's sampling
@@ -30,7 +30,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true", help=f"skip checking the files' sha256 against {MANIFEST}")
     p.add_argument("--allow-ungated", action="store_true",
                    help="serve a quantized form the export's quality gate did not pass (logged; serve/verdict.py)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--threads", type=_threads, default=None, help=f"compute threads, 1 to {MAX_THREADS} (default: all cores)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +50,17 @@ def _quantize(value: str) -> Scheme | None:
         return parse(value, "--quantize")
     except QuantizeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _threads(value: str) -> int:
+    """``--threads``: an integer from 1 to :data:`serve.loader.MAX_THREADS`, else argparse's one-line usage error."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_THREADS}, got {value!r}")
+    return n
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -26,6 +26,9 @@ from serve.verdict import check_form
 __all__ = ["BACKENDS", "load"]
 
 BACKENDS = ("onnx", "rust")
+#: The most compute threads a model may be given (rust_runtime's bound too, src/python.rs): a pool far past the
+#: cores only adds contention, and an absurd one (a typo of 100000) would try to start that many threads.
+MAX_THREADS = 1024
 
 
 def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None = None, threads: int | None = None,
@@ -38,7 +41,7 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
     ``"none"`` or a name of :data:`contract.quant.NAMES` that the backend offers (``contract.quant.BACKEND_NAMES``),
     parsed here once (:func:`contract.quant.parse`; a :class:`contract.quant.Scheme` parsed already, as the
     server's settings hold it, is taken as it is) — the backend gets the Scheme;
-    threads: compute threads, an int >= 1 (None = all cores); name: the model's label
+    threads: compute threads, an int from 1 to :data:`MAX_THREADS` (None = all cores); name: the model's label
     (default: the bundle folder's parent name, e.g. ``cpu`` for ``runs/cpu/bundle``); verify: check the sha256 of
     every file the backend reads against the manifest first (:func:`contract.bundle.verify_files`; False skips the
     hashing and accepts a folder without a manifest, for those who verify the bundle elsewhere or serve a hand-made
@@ -52,7 +55,7 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
     (naming the form, the figure and the threshold); TypeError for an argument of the wrong type (path not a str or Path, threads not an int),
     FileNotFoundError for a missing folder or tokenizer, BundleError for a tokenizer.json that cannot be parsed,
     ValueError for an unknown backend or quantization or
-    threads < 1, ImportError when the backend's runtime is not installed. Every argument is checked before
+    threads outside 1..MAX_THREADS, ImportError when the backend's runtime is not installed. Every argument is checked before
     anything is read.
     """
     from tokenizers import Tokenizer  # its Rust extension loads in ~50 ms; only load() needs it
@@ -61,9 +64,9 @@ def load(path: str | Path, backend: str = "onnx", quantize: str | Scheme | None 
         raise TypeError(f"path must be a bundle folder (str or pathlib.Path), got {type(path).__name__}")
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int | np.integer):
-            raise TypeError(f"threads must be an int >= 1 or None (all cores), got {threads!r}")
-        if threads < 1:
-            raise ValueError(f"threads must be an int >= 1 or None (all cores), got {threads}")
+            raise TypeError(f"threads must be an int from 1 to {MAX_THREADS} or None (all cores), got {threads!r}")
+        if not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"threads must be an int from 1 to {MAX_THREADS} or None (all cores), got {threads}")
     if backend not in BACKENDS:
         raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
     scheme = parse(quantize)

@@ -33,7 +33,7 @@ __all__ = ["FIGURES", "Figure", "UngatedError", "Verdict", "check_form", "fmt_fi
 log = logging.getLogger("shalik.serve")
 
 RULE_DECIMALS = 2   # the thresholds of contract.quant.GATE are stated with two decimals (0.05, 0.10, 0.85, 0.25)
-OVERRIDE = "allow_ungated=True (SHALIK_ALLOW_UNGATED=1)"
+OVERRIDE = "allow_ungated=True (--allow-ungated, SHALIK_ALLOW_UNGATED=1)"  # Python, the CLIs, the HTTP server
 
 
 class UngatedError(BundleError):

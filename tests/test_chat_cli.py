@@ -222,7 +222,9 @@ def test_serve_generate_ends_as_the_chat_does(bundle):
                            f"--max-new-tokens 60 | head -c 5"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert gone.returncode == 1 and gone.stderr == "", gone.stderr
     for args, msg in ((["--max-new-tokens", "-3"], "argument --max-new-tokens: expected an integer >= 0, got -3"),
-                      (["--top-p", "2"], "error: --top-p: top_p must be <= 1.0, got 2.0")):
+                      (["--top-p", "2"], "error: --top-p: top_p must be <= 1.0, got 2.0"),
+                      (["--threads", "100000"], "argument --threads: expected an integer from 1 to 1024, got '100000'"),
+                      (["--threads", "0"], "argument --threads: expected an integer from 1 to 1024, got '0'")):
         out = subprocess.run([sys.executable, "-m", "serve.generate", str(bundle), *args], capture_output=True,
                              text=True, cwd=ROOT, timeout=120)
         assert out.returncode == 2 and out.stdout == "" and msg in out.stderr and "Traceback" not in out.stderr

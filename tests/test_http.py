@@ -103,6 +103,8 @@ def test_settings_from_env(tmp_path):
         Settings.from_env({"SHALIK_MAX_CONCURRENCY": "zero"})
     with pytest.raises(SettingsError, match="SHALIK_BACKEND"):
         Settings.from_env({"SHALIK_BACKEND": "gpu"})
+    with pytest.raises(SettingsError, match="SHALIK_THREADS.*an integer from 1 to 1024"):
+        Settings.from_env({"SHALIK_THREADS": "100000"})
 
 
 def _rust_available() -> bool:

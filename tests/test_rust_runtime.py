@@ -826,6 +826,7 @@ def test_errors_are_exceptions_and_the_model_stays_usable(model, tiny, tmp_path)
         expect_error(lambda dd=dd: rust_runtime.Model.load(str(dd)), RuntimeError, pat)
     expect_error(lambda: rust_runtime.Model.load(str(d), quantize="int4"), ValueError, r"int4")
     expect_error(lambda: rust_runtime.Model.load(str(d), threads=0), ValueError, r"threads")
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads=100_000), ValueError, r"threads is 100000; expected an integer from 1 to 1024")
     still_usable()
 
 

@@ -391,6 +391,7 @@ def test_wrong_argument_types_are_request_errors_naming_the_argument(call, param
 @pytest.mark.parametrize("kwargs,exc,needle", [
     ({"path": None}, TypeError, "path"), ({"path": 5}, TypeError, "path"),
     ({"threads": 0}, ValueError, "threads"), ({"threads": -1}, ValueError, "threads"),
+    ({"threads": 100_000}, ValueError, r"threads must be an int from 1 to 1024 .*got 100000"),
     ({"threads": "2"}, TypeError, "threads"), ({"threads": 1.5}, TypeError, "threads"),
     ({"backend": "gpu"}, ValueError, "backend"), ({"quantize": "int4"}, ValueError, "quantize"),
 ])

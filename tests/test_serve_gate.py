@@ -59,7 +59,7 @@ def test_a_failed_form_is_refused_in_every_loader_naming_the_form_the_figure_and
                  lambda: load(gated, backend="rust", quantize="q8_0", verify=False),
                  lambda: rust_runtime.Model.load(str(gated), quantize="q8_0"),
                  lambda: rust_runtime.Model.load(str(gated), quantize="q8_0", verify=False)):
-        with pytest.raises(ValueError, match=rf"rust {FAILED}; .*allow_ungated=True \(SHALIK_ALLOW_UNGATED=1\)"):
+        with pytest.raises(ValueError, match=rf"rust {FAILED}; .*allow_ungated=True \(--allow-ungated, SHALIK_ALLOW_UNGATED=1\)"):
             call()
     # float32 needs no verdict
     assert load(gated, backend="rust").backend.quantize == "none"

@@ -88,7 +88,7 @@ pub fn verify_bundle(dir: &Path) -> Result<serde_json::Value> {
     let Some(manifest) = read_manifest(dir)? else {
         return Err(Error::format(format!(
             "{} is missing: not an exported bundle, or its export did not finish (the manifest is \
-             written last); export it with python -m export.onnx, or load with verify=False to skip the check",
+             written last); export it with python -m export.onnx, or load with {SKIP_VERIFY} to skip the check",
             mpath.display()
         )));
     };
@@ -101,8 +101,8 @@ pub fn verify_bundle(dir: &Path) -> Result<serde_json::Value> {
         let bytes = entry.and_then(|e| e.get("bytes")).and_then(|b| b.as_u64());
         let (Some(want), Some(bytes)) = (want, bytes) else {
             return Err(Error::format(format!(
-                "{}: no sha256 and bytes for {name}; the bundle cannot be verified (load with verify=False to skip \
-                 the check)",
+                "{}: no sha256 and bytes for {name}; the bundle cannot be verified (load with {SKIP_VERIFY} to \
+                 skip the check)",
                 mpath.display()
             )));
         };
@@ -164,8 +164,11 @@ const FIGURES: [(&str, &str, bool, &str, &str, bool); 3] = [
         false,
     ),
 ];
-/// How a gate can be overridden, in every message (`serve.verdict.OVERRIDE`).
-const OVERRIDE: &str = "allow_ungated=True (SHALIK_ALLOW_UNGATED=1)";
+/// How the check of sha256 sums is skipped, in every message (`contract.bundle.SKIP_VERIFY`).
+const SKIP_VERIFY: &str = "verify=False (--no-verify, SHALIK_VERIFY=0)";
+/// How a gate can be overridden, in every message (`serve.verdict.OVERRIDE`): the Python argument, the
+/// CLIs' flag and the HTTP server's variable.
+const OVERRIDE: &str = "allow_ungated=True (--allow-ungated, SHALIK_ALLOW_UNGATED=1)";
 
 /// A figure with three decimals, more while that would print the threshold itself for a value
 /// that differs from it (`serve.verdict.fmt_figure`).

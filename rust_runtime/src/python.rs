@@ -132,7 +132,7 @@ impl PyModel {
         let req = match threads {
             None => None,
             Some(t) if t >= 1 && t <= 1024 => Some(t as usize),
-            Some(t) => return Err(PyValueError::new_err(format!("threads is {t}; expected an integer >= 1"))),
+            Some(t) => return Err(PyValueError::new_err(format!("threads is {t}; expected an integer from 1 to 1024"))),
         };
         let n = req.unwrap_or_else(default_threads);
         let (inner, overridden) = detach(py, move || {

@@ -8,7 +8,7 @@ SHALIK_MODEL_NAME           bundle folder's parent    id in /v1/models
 SHALIK_BACKEND              ``onnx``                  ``onnx`` or ``rust``
 SHALIK_QUANTIZE             ``none``                  a name of contract.quant.NAMES the backend offers
                                                       (contract.quant.BACKEND_NAMES; docs/design.md)
-SHALIK_THREADS              all cores                 compute threads
+SHALIK_THREADS              all cores                 compute threads (1 to 1024)
 SHALIK_API_KEY              unset (no auth)           ``Authorization: Bearer KEY`` on all but /, /health,
                                                       /static/*
 SHALIK_MAX_CONCURRENCY      16                        sequences stepped together (the engine's batch)
@@ -34,7 +34,7 @@ from typing import TypeVar
 from contract.bundle import MANIFEST
 from contract.quant import NAMES, QuantizeError, Scheme, check_backend, parse
 from serve.lm import DEFAULT_MAX_NEW_TOKENS
-from serve.loader import BACKENDS
+from serve.loader import BACKENDS, MAX_THREADS
 from serve.policy import DEFAULT_MAX_BATCH, MAX_BATCH_LIMIT
 
 T = TypeVar("T")
@@ -142,7 +142,7 @@ class Settings:
             model_name=env.get("SHALIK_MODEL_NAME", "").strip() or None,
             backend=backend,
             quantize=quantize,
-            threads=get("threads", int, positive, "a positive integer"),
+            threads=get("threads", int, lambda v: 1 <= v <= MAX_THREADS, f"an integer from 1 to {MAX_THREADS}"),
             api_key=env.get("SHALIK_API_KEY") or None,
             max_concurrency=get("max_concurrency", int, lambda v: 1 <= v <= MAX_BATCH_LIMIT,
                                 f"a positive integer (at most {MAX_BATCH_LIMIT})"),
