@@ -313,6 +313,17 @@ def test_config_presets_and_overrides():
     ("data.clean=\"yes\"", r'data.clean: expected true or false, got "yes"'),
     ("train.attention=true", r'train.attention: expected "auto", "sdpa" or "blocked", got true'),
     ("model.num_attention_heads=5", "divisible"),
+    # values that would only train NaNs, abort in a library, or fail at export after the whole run
+    ("train.lr=inf", "train.lr: expected a finite number, got inf"),
+    ("train.grad_clip=nan", "train.grad_clip: expected a finite number, got nan"),
+    ("train.grad_clip=0", r"train.grad_clip: expected a positive number \(the largest gradient norm\), got 0.0"),
+    ("model.rope_theta=-1.0", "model.rope_theta: expected a positive number, got -1.0"),
+    ("model.rms_norm_eps=nan", "model.rms_norm_eps: expected a finite number, got nan"),
+    ("train.betas=[0.9, nan]", "train.betas: expected a list of finite numbers"),
+    ("data.mix={bn=inf, en=1}", "data.mix.bn: expected a non-negative number, got inf"),
+    ("model.max_position_embeddings=10000000000", "model.max_position_embeddings: expected at most 1,048,576"),
+    ("tokenizer.vocab_size=10000000000", r"tokenizer.vocab_size: expected 300 \(256 bytes \+ specials\) to 1,048,576"),
+    ("train.warmup_steps=-1", "train.warmup_steps: expected an integer >= 0, got -1"),
     ("justtext", "expected section.key=value"),
 ])
 def test_config_errors_name_the_key(override, match):

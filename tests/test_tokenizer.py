@@ -319,6 +319,35 @@ def test_train_cli_writes_a_loadable_tokenizer(tmp_path, mini_corpus, capsys):
     assert "sampling" in capsys.readouterr().out
     assert main(["train", "--data", str(mini_corpus), "--vocab-size", "400", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+    assert main(["train", "--data", str(mini_corpus), "--vocab-size", "300", "--out", str(out), "--force"]) == 0
+    assert load_tokenizer(out).get_vocab_size() == 300
+
+
+def test_train_cli_force_never_replaces_data_or_a_file(tmp_path, mini_corpus, capsys):
+    """--force replaces a tokenizer folder only: the data folder it reads, a data file, "" (the working folder)
+    are refused before any work, and nothing in them changes."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(mini_corpus, data)
+    before = sorted((p.name, p.stat().st_size) for p in data.iterdir())
+    one_file = next(p for p in data.iterdir() if p.is_file())
+    for out, needle in ((data, "holds other files than a tokenizer's"), (one_file, "is a file, not a tokenizer folder"),
+                        ("", "--out is empty")):
+        assert main(["train", "--data", str(data), "--vocab-size", "400", "--out", str(out), "--force"]) == 2
+        captured = capsys.readouterr()
+        assert needle in captured.err and "sampling" not in captured.out, (out, captured)
+    assert sorted((p.name, p.stat().st_size) for p in data.iterdir()) == before
+
+
+@pytest.mark.parametrize("size,needle", [
+    ("0", "tokenizer.vocab_size: expected 300 (256 bytes + specials) to 1,048,576, got 0"),
+    ("10000000000", "got 10,000,000,000"),
+])
+def test_train_cli_checks_the_vocabulary_size_before_any_work(tmp_path, mini_corpus, capsys, size, needle):
+    assert main(["train", "--data", str(mini_corpus), "--vocab-size", size, "--out", str(tmp_path / "t")]) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err and captured.out == ""
 
 
 def test_train_cli_help_states_the_default_preset_s_vocabulary_size(capsys):

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -76,6 +77,8 @@ class ModelSection:
     initializer_range: float = 0.02
 
 
+MAX_VOCAB = 1 << 20  # tokenizer.vocab_size: 4x the largest in use (Gemma's 262,144); 10^10 aborted in tokenizers
+MAX_POSITIONS = 1 << 20  # model.max_position_embeddings: 8x Llama 3.1's 131,072; rust_runtime reads it as 32 bits
 DEFAULT_PRESET = "cpu"  # the README's main job: every command's --config default (benchmarks/presets.py chose it)
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer: the names train/optim.py builds
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule: the names train/optim.py's lr_at computes
@@ -209,6 +212,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {_spell(value)}")
+        if not math.isfinite(value):  # no key of a config means anything at nan or inf; they only train NaNs
+            raise ConfigError(f"{where}: expected a finite number, got {_spell(value)}")
         return float(value)
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -226,8 +231,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {_spell(value)}")
         if default and isinstance(default[0], float):
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-                raise ConfigError(f"{where}: expected a list of numbers, got {_spell(value)}")
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+                raise ConfigError(f"{where}: expected a list of finite numbers, got {_spell(value)}")
             return [float(v) for v in value]
         if not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: expected a list of strings, got {_spell(value)}")
@@ -237,7 +242,7 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"{where}: expected a table like {{bn=0.7, en=0.3}}, got {_spell(value)}")
         out = {}
         for k, v in value.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ConfigError(f"{where}.{k}: expected a non-negative number, got {_spell(v)}")
             out[str(k)] = float(v)
         return out
@@ -293,6 +298,12 @@ def validate(cfg: Config) -> None:
                 "intermediate_size", "max_position_embeddings"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}: expected a positive integer, got {getattr(m, key)}")
+    if m.max_position_embeddings > MAX_POSITIONS:
+        raise ConfigError(f"model.max_position_embeddings: expected at most {MAX_POSITIONS:,}, got "
+                          f"{m.max_position_embeddings:,}")
+    for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}: expected a positive number, got {_spell(getattr(m, key))}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
                           f"({m.num_attention_heads})")
@@ -305,8 +316,14 @@ def validate(cfg: Config) -> None:
                 "max_nonfinite"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(t, key)}")
-    if t.max_steps < 0:
-        raise ConfigError(f"train.max_steps: expected >= 0, got {t.max_steps}")
+    for key in ("max_steps", "warmup_steps"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}: expected an integer >= 0, got {getattr(t, key)}")
+    if t.grad_clip <= 0:  # clip_grad_norm_ to 0 zeroes every gradient: the run would train nothing
+        raise ConfigError(f"train.grad_clip: expected a positive number (the largest gradient norm), got "
+                          f"{_spell(t.grad_clip)}")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay: expected a number >= 0, got {_spell(t.weight_decay)}")
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings "
                           f"({m.max_position_embeddings})")
@@ -341,8 +358,9 @@ def validate(cfg: Config) -> None:
         if sum(table.get(lang, 0.0) for lang in d.languages) <= 0:
             raise ConfigError(f"{name}: the weights of {_spell(d.languages)} must not all be zero")
     tok = cfg.tokenizer
-    if tok.vocab_size < 300:
-        raise ConfigError(f"tokenizer.vocab_size: expected at least 300 (256 bytes + specials), got {tok.vocab_size}")
+    if not 300 <= tok.vocab_size <= MAX_VOCAB:
+        raise ConfigError(f"tokenizer.vocab_size: expected 300 (256 bytes + specials) to {MAX_VOCAB:,}, got "
+                          f"{tok.vocab_size:,}")
     if tok.sample_chars <= 0 or tok.min_frequency < 1:
         raise ConfigError("tokenizer.sample_chars and tokenizer.min_frequency must be positive")
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from train.config import DEFAULT_PRESET, ConfigError, HelpFormatter, add_config_args, config_from_args, load_config
 from train.corpus import DataError, list_input_files
@@ -16,22 +18,46 @@ from train.tokenizer import TokenizerError, save_tokenizer, tokenizer_sha256, tr
 from train.tokenizer.fertility import fertility, load_any_tokenizer, print_table, split_docs
 from train.tokenizer.sample import choose_sample
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what save_tokenizer writes, all --force replaces
+
+
+def check_out(out: str, force: bool) -> Path:
+    """``--out`` of ``train``, checked before any work: an empty name is refused; an existing entry is replaced
+    only with ``force`` and only when it is a folder holding nothing but a tokenizer's files (:data:`TOKENIZER_FILES`)
+    or nothing — ``--force`` never deletes a data folder or a file. Raises TokenizerError naming the path."""
+    if not out.strip():
+        raise TokenizerError("--out is empty; expected the folder to write tokenizer.json into")
+    path = Path(out)
+    if os.path.lexists(path):
+        if not force:
+            raise TokenizerError(f"--out {out} already exists (use --force to replace a tokenizer folder)")
+        if path.is_symlink() or not path.is_dir():
+            raise TokenizerError(f"--out {out} is a file, not a tokenizer folder; --force replaces only a folder of "
+                                 f"{' and '.join(TOKENIZER_FILES)} (remove it yourself or choose another --out)")
+        other = sorted(p.name for p in path.iterdir() if p.name not in TOKENIZER_FILES)
+        if other:
+            raise TokenizerError(f"--out {out} holds other files than a tokenizer's ({', '.join(other[:3])}"
+                                 f"{', …' if len(other) > 3 else ''}); --force would delete them, so it is refused "
+                                 "(remove the folder yourself or choose another --out)")
+    return path
+
 
 def _cmd_train(args) -> int:
+    if args.vocab_size is not None:  # checked with the config's rules (tokenizer.vocab_size), before any work
+        args.overrides = [*args.overrides, f"tokenizer.vocab_size={args.vocab_size}"]
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.vocab_size:
-        cfg.tokenizer.vocab_size = args.vocab_size
+    check_out(args.out, args.force)
     files = list_input_files(cfg.data.paths)
     texts, stats = choose_sample(files, cfg.data.languages, cfg.tokenizer.sample_weights, cfg.tokenizer.sample_chars,
                                  cfg.data.val_fraction, cfg.data.strict, workers=cfg.data.num_workers)
     for lang, s in stats.items():
         print(f"{lang}: sampling {s['sampled']:,} of {s['available']:,} train characters ({s['docs']} documents)")
     tok = train_tokenizer(texts, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
-    out = save_tokenizer(tok, args.out, cfg.model.max_position_embeddings, overwrite=args.force)
+    out = save_tokenizer(tok, check_out(args.out, args.force), cfg.model.max_position_embeddings, overwrite=args.force)
     print(f"wrote {out}/tokenizer.json (vocab {tok.get_vocab_size()}, sha256 {tokenizer_sha256(out)[:16]}…)")
     return 0
 
