@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from contract.atomic import TMP_PREFIX
 from contract.bundle import CONFIG, EOT, PAD, TOKENIZER, WEIGHTS, sha256_file
 from export.errors import ExportError
@@ -90,6 +92,7 @@ def load_source(path: str | Path) -> Source:
     except CheckpointError as e:
         raise ExportError(str(e)) from None
     model.eval()
+    _check_finite(ckpt, model)
     state = _read_json(ckpt / "trainer_state.json") or {}
     step = state.get("step")
     if step is None and ckpt.name.startswith("step-"):
@@ -104,6 +107,19 @@ def load_source(path: str | Path) -> Source:
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
     return Source(ckpt=ckpt, run_dir=run_dir, model=model, cfg=cfg, step=step,
                   sha256=sha256_file(ckpt / WEIGHTS), eot_id=eot_id, pad_id=pad_id)
+
+
+def _check_finite(ckpt: Path, model: LlamaForCausalLM) -> None:
+    """Refuse weights holding NaN or inf (a run that diverged, trained on with ``--no-preflight``): every runtime
+    would compute NaN from them, and the first to say so was a traceback deep in the parity check. Raises
+    ExportError naming the first such tensor and how many of its values are not finite."""
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                bad = int((~torch.isfinite(p)).sum())
+                raise ExportError(f"{ckpt}/{WEIGHTS}: {name} holds {bad:,} of {p.numel():,} values that are NaN or "
+                                  "inf; these weights compute nothing (the run diverged: see its train.log, train "
+                                  "again with a lower train.lr or with preflight on)")
 
 
 def _check_config(ckpt: Path) -> None:

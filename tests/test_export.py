@@ -554,6 +554,22 @@ def test_config_not_matching_weights(ckpt, tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
+def test_weights_with_nan_are_refused_naming_the_tensor(ckpt, tmp_path, capsys):
+    """A run that diverged (trained on with --no-preflight) leaves NaN weights; the export names the tensor at
+    once instead of a traceback from the parity check's Rust loader."""
+    from safetensors.torch import load_file, save_file
+
+    c = copy_ckpt(ckpt, tmp_path)
+    weights = load_file(c / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights[name][0, :3] = float("nan")
+    save_file(weights, c / "model.safetensors", metadata={"format": "pt"})
+    write_sums(c)
+    rc, _, err = run_cli([c, "--out", tmp_path / "b"], capsys)
+    assert rc == 2 and f"{name} holds 3 of " in err and "NaN or inf" in err and "Traceback" not in err, err
+    assert not (tmp_path / "b").exists()
+
+
 def test_existing_out_needs_force(ckpt, tmp_path, capsys):
     out = tmp_path / "b"
     out.mkdir()
