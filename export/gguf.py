@@ -320,7 +320,7 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
     changes nothing for a newer one. Raises PretokenizerError (an ExportError, exit code 2) for a tokenizer
     llama.cpp would split differently, ExportError for a folder that is not a bundle, an unknown type, a type whose
     quantizer is not installed, a tensor whose rows do not fill the type's blocks, an existing ``out`` without
-    ``force``, weights/config/tokenizer that cannot be represented, or a failed write (naming the errno);
+    ``force``, a ``val_data`` that does not exist or is given for an unquantized type, weights/config/tokenizer that cannot be represented, or a failed write (naming the errno);
     QualityGateError (exit code 1) when the quantized GGUF fails its gate; nothing is left at ``out`` then.
     """
     s = GQ.scheme_of(type)
@@ -331,6 +331,11 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
         raise ExportError(f"--out {out} is a folder; give a file name")
     if out.exists() and not force:
         raise ExportError(f"{out} already exists (use --force to replace it)")
+    if val_data is not None and s is None:
+        raise ExportError(f"--val-data {val_data}: --type {type} is not quantized, so it has no quality gate to "
+                          "measure on it (drop --val-data, or choose a quantized --type)")
+    if val_data is not None and not Path(val_data).exists():
+        raise ExportError(f"--val-data {val_data}: no such file or directory")
     pre, record = llama_cpp_pre(bundle / TOKENIZER, approximate_pretokenizer)
     clean_stale(out.parent)
     try:

@@ -324,6 +324,10 @@ def test_config_presets_and_overrides():
     ("model.max_position_embeddings=10000000000", "model.max_position_embeddings: expected at most 1,048,576"),
     ("tokenizer.vocab_size=10000000000", r"tokenizer.vocab_size: expected 300 \(256 bytes \+ specials\) to 1,048,576"),
     ("train.warmup_steps=-1", "train.warmup_steps: expected an integer >= 0, got -1"),
+    # the run folder is out_dir/NAME: a name must not lead out of it (--name goes through the same rule)
+    ('run.name="../escaped"', r'run.name \(--name\): expected a folder name for runs/NAME, .*got "../escaped"'),
+    ('run.name="/tmp/abs"', r'run.name \(--name\): expected a folder name'),
+    ('run.name=".."', r'run.name \(--name\): expected a folder name'),
     ("justtext", "expected section.key=value"),
 ])
 def test_config_errors_name_the_key(override, match):

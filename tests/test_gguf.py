@@ -247,6 +247,12 @@ def test_bad_input_and_overwrite(bundle, tmp_path, capsys):
     capsys.readouterr()
     assert G.main([str(b), "--type", "q4"]) == 2   # one line naming the type (issue 28), not argparse's usage
     assert capsys.readouterr().err.strip().splitlines() == ["error: --type 'q4': expected one of f32, f16, q8_0, q4_0, q4_k_m"]
+    # --val-data that cannot be used is refused before anything is written (it was accepted silently)
+    with pytest.raises(ExportError, match="--val-data .*nope: no such file or directory"):
+        G.export_gguf(b, type="q8_0", val_data=tmp_path / "nope", log=lambda m: None, approximate_pretokenizer=True)
+    with pytest.raises(ExportError, match="--type f32 is not quantized, so it has no quality gate"):
+        G.export_gguf(b, type="f32", val_data=b, log=lambda m: None, approximate_pretokenizer=True)
+    assert not list(b.glob("*.gguf"))
 
     out = G.export_gguf(b, type="q8_0", log=lambda m: None, approximate_pretokenizer=True)
     assert out == b / "model-q8_0.gguf" and out.stat().st_size > 0

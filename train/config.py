@@ -294,6 +294,10 @@ def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: list[str] 
 def validate(cfg: Config) -> None:
     """Cross-key checks (positive sizes, heads divide hidden, mix names match languages…)."""
     m, t, d = cfg.model, cfg.train, cfg.data
+    name = cfg.run.name
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ConfigError(f"run.name (--name): expected a folder name for {cfg.run.out_dir}/NAME, without / or \\ "
+                          f"and not . or .., got {_spell(name)}")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "max_position_embeddings"):
         if getattr(m, key) <= 0:

@@ -130,12 +130,12 @@ class Trainer:
 
     @classmethod
     def from_args(cls, args) -> Trainer:
+        if getattr(args, "name", None) is not None:  # checked with the config's rule for run.name
+            args.overrides = [*args.overrides, f"run.name={json.dumps(args.name)}"]
         try:
             cfg = config_from_args(args)
         except ConfigError as e:
             raise TrainError(str(e)) from None
-        if getattr(args, "name", None):
-            cfg.run.name = args.name
         return cls(cfg, resume=getattr(args, "resume", False), init_from=getattr(args, "init_from", None),
                    use_preflight=not getattr(args, "no_preflight", False))
 

@@ -63,13 +63,12 @@ def sft_config(run: str, ckpt: Path, data: list[str] | None, overrides: list[str
         sets.append(f"data.paths={json.dumps(data)}")
     if strict:
         sets.append("data.strict=true")
+    if name is not None:
+        sets.append(f"run.name={json.dumps(name)}")
     try:
-        cfg = load_config(str(src), sets)
+        return load_config(str(src), sets)
     except ConfigError as e:
         raise TrainError(str(e)) from None
-    if name:
-        cfg.run.name = name
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
