@@ -43,6 +43,20 @@ def test_reads_jsonl_txt_and_gz(tmp_path):
     assert docs[1].title == "t"
 
 
+def test_a_byte_order_mark_does_not_cost_the_first_document(tmp_path):
+    """Windows editors start UTF-8 files with a byte-order mark; it broke the first JSON line (skipped with a
+    warning) and stayed at the front of a .txt document."""
+    rows = [{"text": "আমি বাংলায় গান গাই"}, {"text": "Hello there"}]
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfFirst document\n")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wb") as f:
+        f.write(b"\xef\xbb\xbf" + json.dumps({"text": "gzipped"}).encode() + b"\n")
+    report = ReadReport()
+    docs = list(iter_documents(list_input_files([str(tmp_path)]), report=report))
+    assert [d.text for d in docs] == ["আমি বাংলায় গান গাই", "Hello there", "First document", "gzipped"]
+    assert report.skipped == []
+
+
 def test_nfc_applied_and_joiners_kept(tmp_path):
     raw = "\u09DF \u0995\u09C7\u09BE র\u200d্যাব ক্\u200cষ"
     write_jsonl(tmp_path / "a.jsonl", [{"text": raw}])

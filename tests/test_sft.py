@@ -104,6 +104,13 @@ def test_an_alpaca_row_with_a_non_string_input_or_system_is_malformed_not_traine
                             f"--strict)")
 
 
+def test_a_byte_order_mark_does_not_cost_the_first_conversation(tmp_path):
+    f = tmp_path / "convs.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(c) + "\n" for c in CONVS[:2]).encode())
+    stats = ReadStats()
+    assert len(read_conversations([str(f)], 0.05, stats=stats)) == 2 and stats.skipped == []
+
+
 def test_a_data_folder_reads_its_jsonl_files_and_skips_the_others(tmp_path):
     d = tmp_path / "convs"
     (d / "more").mkdir(parents=True)

@@ -216,8 +216,9 @@ def unreadable_reason(path: str, block_bytes: int = 1 << 22) -> str | None:
 
 
 def _text_blocks(path: str, block_bytes: int) -> Iterator[tuple[str, int, bool]]:
-    """``(decoded text, input bytes advanced, at the end)`` of a readable file, block by block."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    """``(decoded text, input bytes advanced, at the end)`` of a readable file, block by block; a UTF-8 byte-order
+    mark at its start is dropped (Windows editors write one; left in, it broke the first JSON line)."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
     with open(path, "rb") as raw:
         f = gzip.open(raw, "rb") if path.endswith(".gz") else raw
         pos = 0

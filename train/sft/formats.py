@@ -177,7 +177,8 @@ def _rows(path: str) -> Iterator[tuple[str, object]]:
     reason = unreadable_reason(path)
     if reason:
         raise DataError(f"data file {path!r}: {reason}")
-    with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as f:
+    # utf-8-sig: a byte-order mark at the start (Windows editors write one) would otherwise break the first row
+    with (gzip.open(path, "rt", encoding="utf-8-sig") if path.endswith(".gz") else open(path, encoding="utf-8-sig")) as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
