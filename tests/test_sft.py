@@ -356,6 +356,7 @@ def test_preflight_checks_the_masked_loss(trained_run, conv_file, tmp_path):
 def test_bad_input_is_one_line_exit_2_and_no_run_folder(trained_run, tmp_path):
     empty = write_jsonl(tmp_path / "none.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}],
                         ["not json\n"])
+    all_val = write_jsonl(tmp_path / "val.jsonl", [{**c, "split": "validation"} for c in CONVS[:2]])
     txt = tmp_path / "txt"
     txt.mkdir()
     (txt / "README.txt").write_text("not conversations\n")
@@ -368,6 +369,8 @@ def test_bad_input_is_one_line_exit_2_and_no_run_folder(trained_run, tmp_path):
              (["no/such/run"], "not a trained run"),
              ([str(trained_run), "--data", str(tmp_path / "missing.jsonl")], "does not exist"),
              ([str(trained_run), "--data", str(empty)], "no training conversation left"),
+             ([str(trained_run), "--data", str(all_val)], "0 too long, 2 validation); all 2 usable ones are on the "
+                                                         "validation side"),
              ([str(trained_run), "--data", str(empty), "--strict"], f"{empty}:2: not valid JSON"),
              ([str(trained_run), "--set", "train.nope=1"], "unknown key train.nope")]
     for args, msg in cases:

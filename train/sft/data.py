@@ -173,9 +173,13 @@ class SFTData:
             f"{len(stats.skipped)} not a conversation, {stats.no_assistant} without an assistant turn, {too_long} "
             f"longer than train.seq_len + 1 = {limit} tokens")
         if not train:
+            n_val = sum(map(len, val.values()))
+            hint = (f"all {n_val} usable ones are on the validation side (rows with \"split\": \"validation\", or "
+                    f"drawn by data.val_fraction = {cfg.data.val_fraction}); give rows for training"
+                    if n_val else "expected JSON Lines of messages, Alpaca or ShareGPT rows")
             raise TrainError(f"{', '.join(cfg.data.paths)}: no training conversation left (read {stats.rows} rows; "
                              f"{len(stats.skipped)} not conversations, {stats.no_assistant} without an assistant "
-                             f"turn, {too_long} too long); expected JSON Lines of messages, Alpaca or ShareGPT rows")
+                             f"turn, {too_long} too long, {n_val} validation); {hint}")
         val = {lang: [pad_windows([w], pad_id, 32)[0] for w in spread(ws, cfg.train.eval_tokens)]
                for lang, ws in val.items()}
         loader = ConversationLoader(train, step_size, cfg.train.seq_len, cfg.run.seed, pad_id, fixed_length)
