@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from contract.bundle import EOT
-from serve.errors import ContextLengthError, RequestError
+from serve.errors import ContextLengthError, RequestError, shown
 
 
 def check_token_ids(ids: Iterable, vocab_size: int, *, param: str | None = "prompt", allow_empty: bool = False,
@@ -32,9 +32,9 @@ def check_token_ids(ids: Iterable, vocab_size: int, *, param: str | None = "prom
     out = []
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int | np.integer):
-            raise fail(f"token ids must be integers, got {i!r}")
+            raise fail(f"token ids must be integers, got {shown(i)}")
         if not 0 <= int(i) < vocab_size:
-            raise fail(f"token id {int(i)} is out of range: expected 0 <= id < vocab_size = {vocab_size}",
+            raise fail(f"token id {shown(int(i))} is out of range: expected 0 <= id < vocab_size = {vocab_size}",
                        "invalid_token_id")
         out.append(int(i))
     if not out and not allow_empty:
@@ -54,7 +54,12 @@ def new_token_budget(prompt_tokens: int, max_new_tokens: int | None, context: in
 
     ``prompt_tokens`` includes the leading ``<|endoftext|>``. ``max_new_tokens=None`` means ``default`` capped by
     what the context leaves. An explicit value that does not fit raises :class:`ContextLengthError` with both
-    numbers; so does a prompt longer than the context; a value that is not an int >= 0 raises RequestError."""
+    numbers; so does a prompt longer than the context; a ``max_new_tokens`` that is not an int >= 0 raises
+    RequestError (param ``max_tokens``), a ``default`` that is not one RequestError (param
+    ``default_max_new_tokens``). A huge value is quoted by its number of digits (:func:`serve.errors.shown`)."""
+    if isinstance(default, bool) or not isinstance(default, int | np.integer) or default < 0:
+        raise RequestError(f"default_max_new_tokens must be an integer >= 0, got {shown(default)}",
+                           param="default_max_new_tokens")
     if prompt_tokens > context:
         raise ContextLengthError(
             f"the prompt is {prompt_tokens} tokens (including the leading {EOT}), more than the context "
@@ -62,11 +67,11 @@ def new_token_budget(prompt_tokens: int, max_new_tokens: int | None, context: in
     if max_new_tokens is None:
         return max(0, min(int(default), context - prompt_tokens))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 0:
-        raise RequestError(f"max_new_tokens (max_tokens over HTTP) must be an integer >= 0, got {max_new_tokens!r}",
-                           param="max_tokens")
-    if prompt_tokens + max_new_tokens > context:
+        raise RequestError(f"max_new_tokens (max_tokens over HTTP) must be an integer >= 0, got "
+                           f"{shown(max_new_tokens)}", param="max_tokens")
+    if max_new_tokens > context - prompt_tokens:
         raise ContextLengthError(
             f"the prompt is {prompt_tokens} tokens (including the leading {EOT}) and max_new_tokens (max_tokens over "
-            f"HTTP) asks for "
-            f"{max_new_tokens} more: {prompt_tokens + max_new_tokens} tokens exceed the context length {context}")
+            f"HTTP) asks for {shown(int(max_new_tokens))} more: {shown(prompt_tokens + int(max_new_tokens))} tokens "
+            f"exceed the context length {context}")
     return int(max_new_tokens)

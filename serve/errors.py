@@ -7,9 +7,31 @@
   both numbers (tokens requested and the context length).
 * :class:`ModelOutputError` (a ``RuntimeError``): the model produced logits that cannot be sampled (all
   ``-inf`` or NaN). That is a fault of the model, not of the request (HTTP 500).
+
+:func:`shown` is how a message quotes a value it refuses (a huge integer by its number of digits).
 """
 
 from __future__ import annotations
+
+import sys
+
+#: integers at least this large (in absolute value) are quoted by their number of digits
+_SHOWN_LIMIT = 10**24
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for a message, except an integer of more than 24 digits: ``a 4300-digit number`` (Python
+    refuses to format one of more than ``sys.get_int_max_str_digits()`` digits, and a message quoting it whole
+    would be kilobytes long). Never raises."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -_SHOWN_LIMIT < value < _SHOWN_LIMIT:
+        try:
+            return f"a {len(str(abs(value)))}-digit number"
+        except ValueError:  # more digits than Python formats
+            return f"a number of more than {sys.get_int_max_str_digits()} digits"
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__ must not replace the message
+        return f"a {type(value).__name__}"
 
 
 class RequestError(ValueError):
@@ -35,3 +57,4 @@ class ContextLengthError(RequestError):
 
 class ModelOutputError(RuntimeError):
     """The model returned logits that cannot be sampled: all ``-inf``, or NaN somewhere."""
+

@@ -34,7 +34,7 @@ from serve.chat import missing_tokens, start_chat
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
 from serve.engine import make_engine
-from serve.errors import RequestError
+from serve.errors import RequestError, shown
 from serve.generation import ChoiceGroup, Generation
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
 from serve.results import Chunk, Completion, Score, TokenLogprobs
@@ -185,12 +185,9 @@ class LM:
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty, seed=seed)
         stops = normalize_stop(stop)
-        if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
-                                         or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
-            raise RequestError(f"top_logprobs (logprobs in /v1/completions) must be an integer in "
-                               f"[0, {MAX_TOP_LOGPROBS}] or None, got {top_logprobs!r}", param="logprobs")
+        top_logprobs = check_top_logprobs(top_logprobs, "logprobs")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-            raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
+            raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {shown(n)}", param="n")
         ids = self.encode_prompt(prompt)
         budget = self.new_token_budget(len(ids) + 1, max_new_tokens, default_max_new_tokens)
         gens = []
@@ -290,8 +287,10 @@ class LM:
 
         The first token is predicted from ``<|endoftext|>``. A text longer than the context is scored with a
         sliding window (stride half the context): every token after the first window is predicted from at
-        least half a context of the tokens before it. Raises RequestError for an empty text.
+        least half a context of the tokens before it. ``top_logprobs``: N alternatives per token, an int in
+        [0, :data:`MAX_TOP_LOGPROBS`] or None. Raises RequestError for an empty text or a bad ``top_logprobs``.
         """
+        top_logprobs = check_top_logprobs(top_logprobs, "top_logprobs")
         ids = self.encode_prompt(text, "text")
         if not ids:
             raise RequestError("nothing to score: the text is empty", param="text")
@@ -362,12 +361,25 @@ class LM:
         return {self.table.display(i): p for i, p in top_logprobs(lp, n)}
 
 
+def check_top_logprobs(top_logprobs: Any, param: str) -> int | None:
+    """``top_logprobs`` (alternatives per token) as an int in [0, :data:`MAX_TOP_LOGPROBS`], or None; RequestError
+    naming ``param`` (the HTTP field: ``logprobs`` of /v1/completions) for anything else."""
+    if top_logprobs is None:
+        return None
+    if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int | np.integer)
+            or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+        where = " (logprobs in /v1/completions)" if param == "logprobs" else ""
+        raise RequestError(f"top_logprobs{where} must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got "
+                           f"{shown(top_logprobs)}", param=param)
+    return int(top_logprobs)
+
+
 def _only_one(options: dict, why: str) -> None:
     """Pop ``n`` from ``options``; RequestError (param ``n``) unless it is absent or the int 1 (``why``: what the
     call makes instead)."""
     n = options.pop("n", 1)
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n != 1:
-        raise RequestError(f"n is {n!r}, but {why}", param="n")
+        raise RequestError(f"n is {shown(n)}, but {why}", param="n")
 
 
 def is_prompt_list(prompt: Any) -> bool:

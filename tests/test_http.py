@@ -401,6 +401,44 @@ def test_timeout_is_504_and_ends_streams_with_an_error_event():
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+HUGE = "9" * 4300  # as many digits as Python's JSON parser takes (sys.get_int_max_str_digits())
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "a", "max_tokens": %s}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 1e300}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "a", "top_k": %s}', "top_k"),
+    ("/v1/completions", '{"prompt": "a", "n": -%s}', "n"),
+    ("/v1/completions", '{"prompt": "a", "logprobs": %s}', "logprobs"),
+    ("/v1/completions", '{"prompt": "a", "best_of": %s}', "best_of"),
+    ("/v1/completions", '{"prompt": [1, %s]}', "prompt"),
+    ("/v1/completions", '{"prompt": [[1], [%s]]}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": %s}',
+     "max_completion_tokens"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "max_tokens": %s}', "max_tokens"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "logprobs": true, '
+                             '"top_logprobs": %s}', "top_logprobs"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "n": %s}', "n"),
+    ("/v1/score", '{"text": [%s]}', "text"),
+    ("/detokenize", '{"tokens": [%s]}', "tokens"),
+])
+def test_a_huge_integer_is_a_400_naming_the_field(client, path, body, param):
+    """A 4300-digit max_tokens was a 500 (formatting prompt + max_tokens exceeded Python's digit limit) and a reset
+    connection; every integer of a request is a 64-bit signed int, checked first, the number quoted by its digits."""
+    r = client.post(path, content=(body % HUGE if "%s" in body else body).encode(),
+                    headers={"content-type": "application/json"})
+    err = assert_error(r, 400, param)
+    assert "64-bit signed integer" in err["message"] and len(err["message"]) < 200 and err["code"] == "int64"
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_max_tokens_up_to_64_bits_is_the_context_error(client):
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2**63 - 1}), 400,
+                       "max_tokens")
+    assert err["code"] == "context_length_exceeded" and str(2**63 - 1) in err["message"]
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2**63}), 400, "max_tokens")
+
+
 # ---- metrics and schema
 
 

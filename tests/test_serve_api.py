@@ -388,6 +388,31 @@ def test_wrong_argument_types_are_request_errors_naming_the_argument(call, param
     assert e.value.param == param
 
 
+@pytest.mark.parametrize("call,param,needle", [
+    (lambda lm: lm.score("ab", top_logprobs="x"), "top_logprobs", r"top_logprobs must be an integer in \[0, 1000\]"),
+    (lambda lm: lm.score("ab", top_logprobs=-1), "top_logprobs", "got -1"),
+    (lambda lm: lm.score("ab", top_logprobs=True), "top_logprobs", "got True"),
+    (lambda lm: lm.generate("ab", None, default_max_new_tokens=-5), "default_max_new_tokens", "got -5"),
+    (lambda lm: lm.generate("ab", default_max_new_tokens=2.5), "default_max_new_tokens", "got 2.5"),
+    (lambda lm: lm.generate("ab", 10**5000), "max_tokens", "more than 4300 digits"),
+    (lambda lm: lm.generate("ab", 10**30), "max_tokens", "asks for a 31-digit number more"),
+    (lambda lm: lm.generate([5, 10**5000], 1), "prompt", "token id a number of more than 4300 digits"),
+    (lambda lm: lm.start_choices("ab", 10**5000), "n", "got a number of more than 4300 digits"),
+    (lambda lm: lm.generate("ab", 1, top_logprobs=-(10**40)), "logprobs", "got a 41-digit number"),
+])
+def test_bad_arguments_name_themselves_and_never_format_a_huge_int(call, param, needle):
+    """LM.score(top_logprobs='x') said "invalid literal for int()" and took -1; default_max_new_tokens=-5 gave ''; a
+    huge int made the message itself raise (Python formats at most 4300 digits)."""
+    with pytest.raises(RequestError, match=needle) as e:
+        call(scripted_lm(["ab"], context=64))
+    assert e.value.param == param
+
+
+def test_score_takes_top_logprobs():
+    s = scripted_lm(["ab"], context=64).score("abab", top_logprobs=np.int64(2))
+    assert s.token_nll and s.nll_sum > 0
+
+
 @pytest.mark.parametrize("kwargs,exc,needle", [
     ({"path": None}, TypeError, "path"), ({"path": 5}, TypeError, "path"),
     ({"threads": 0}, ValueError, "threads"), ({"threads": -1}, ValueError, "threads"),

@@ -144,6 +144,10 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
         param = next((str(x) for x in unicode.get("loc", ()) if x != "body"), param)
         return error_response(400, f"{param} holds a lone surrogate (such as \\ud800): not valid Unicode text",
                               param=param, code="invalid_unicode")
+    wide = next((e for e in errors if e.get("type") == "int64"), None)
+    if wide is not None:  # an integer past 64 bits (serve.http.schemas.integer), also inside a union's branch
+        param = next((str(x) for x in wide.get("loc", ()) if x != "body"), param)
+        return error_response(400, wide["ctx"]["message"], param=param, code="int64")
     if "message" in ctx:  # serve.http.schemas' own errors (PydanticCustomError with a whole message)
         return error_response(400, ctx["message"], param=param, code=first["type"])
     if param in UNION_FIELDS and len(loc) > 1:  # a union: pydantic reports every branch

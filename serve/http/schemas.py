@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 from contract.bundle import EOT
 from contract.chat_format import ChatFormatError, normalize_messages
 from serve.chat import COMPLETION_ONLY
+from serve.errors import shown
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -25,31 +26,41 @@ def _integral(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-def integer(**constraints: int) -> Any:
-    """An int field type taking integral floats (constraints before the validator, so the schema shows them
-    as minimum/maximum)."""
-    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+#: every integer of a request lies in this range: a 64-bit signed int (what OpenAI's and vLLM's clients send and
+#: rust_runtime takes). Past it a number only reaches a message (max_tokens against the context) or arithmetic,
+#: where a 4300-digit one cannot even be formatted; checked before any other rule of the field.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-TokenId = integer(ge=0)
+def _int64(what: str) -> Any:
+    """A before-validator refusing an int outside [:data:`INT64_MIN`, :data:`INT64_MAX`]; ``what`` names the value
+    (``{field}`` is replaced by the field's name)."""
+    def check(v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= INT64_MAX:
+            name = what.format(field=info.field_name)
+            raise PydanticCustomError("int64", "{message}", {"message": f"{name} a 64-bit signed integer "
+                                                                        f"(-2**63 to 2**63 - 1), got {shown(v)}"})
+        return v
+
+    return check
+
+
+def integer(what: str = "{field} must be", **constraints: int) -> Any:
+    """An int field type: a 64-bit signed int (:data:`INT64_MIN` .. :data:`INT64_MAX`; the schema says ``format:
+    int64`` rather than a minimum/maximum: a JSON Schema tool that holds numbers as floats misplaces bounds near
+    2**63), integral floats taken as ints, then ``constraints`` (before the validators, so the schema shows them as
+    minimum/maximum). ``what`` starts the out-of-range message."""
+    return Annotated[int, Field(**constraints, json_schema_extra={"format": "int64"}), BeforeValidator(_int64(what)),
+                     BeforeValidator(_integral)]
+
+
+TokenId = integer("each token id in {field} must be", ge=0)
 StopString = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Texts = Annotated[list[str], Field(min_length=1)]
 TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
-
-
-def _int64(v: Any) -> Any:
-    """A seed over HTTP is a 64-bit signed int (vLLM's and OpenAI's range): serve.sampling takes any int mod 2**64,
-    so a wider one would silently share another's stream. (The schema says ``format: int64`` rather than a
-    minimum/maximum: a JSON Schema tool that holds numbers as floats misplaces bounds near 2**63.)"""
-    if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
-        got = str(v) if len(str(v)) <= 24 else f"a {len(str(abs(v)))}-digit number"
-        raise PydanticCustomError("int64", "{message}", {"message": f"seed must be a 64-bit signed integer "
-                                                                    f"(-2**63 to 2**63 - 1), got {got}"})
-    return v
-
-
-Seed = Annotated[int, Field(json_schema_extra={"format": "int64"}), BeforeValidator(_int64), BeforeValidator(_integral)]
+#: a seed: serve.sampling takes any int mod 2**64, so a wider one would silently share another's stream
+Seed = integer()
 
 
 def _only_with_rules(schema: dict, cls: type) -> None:
