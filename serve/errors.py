@@ -7,6 +7,7 @@
   both numbers (tokens requested and the context length).
 * :class:`ModelOutputError` (a ``RuntimeError``): the model produced logits that cannot be sampled (all
   ``-inf`` or NaN). That is a fault of the model, not of the request (HTTP 500).
+* :class:`Cancelled`: work abandoned by its caller (a timeout, a client gone) stopped before its end.
 
 :func:`shown` is how a message quotes a value it refuses (a huge integer by its number of digits).
 """
@@ -58,3 +59,6 @@ class ContextLengthError(RequestError):
 class ModelOutputError(RuntimeError):
     """The model returned logits that cannot be sampled: all ``-inf``, or NaN somewhere."""
 
+
+class Cancelled(Exception):
+    """Work stopped before its end because its caller abandoned it (:meth:`serve.lm.LM.score`'s ``cancel``)."""

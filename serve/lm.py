@@ -34,7 +34,7 @@ from serve.chat import missing_tokens, start_chat
 from serve.checks import check_token_ids, new_token_budget
 from serve.detok import StreamDecoder, TokenTable
 from serve.engine import make_engine
-from serve.errors import RequestError, shown
+from serve.errors import Cancelled, RequestError, shown
 from serve.generation import ChoiceGroup, Generation
 from serve.policy import DEFAULT_MAX_BATCH, DEFAULT_TOKEN_BUDGET, check_engine_limits
 from serve.results import Chunk, Completion, Score, TokenLogprobs
@@ -282,13 +282,15 @@ class LM:
 
     # ---- scoring
 
-    def score(self, text: Prompt, top_logprobs: int | None = None) -> Score:
+    def score(self, text: Prompt, top_logprobs: int | None = None, cancel: threading.Event | None = None) -> Score:
         """Per-token negative log-likelihood (nats) of ``text`` (a string or token ids).
 
         The first token is predicted from ``<|endoftext|>``. A text longer than the context is scored with a
         sliding window (stride half the context): every token after the first window is predicted from at
         least half a context of the tokens before it. ``top_logprobs``: N alternatives per token, an int in
-        [0, :data:`MAX_TOP_LOGPROBS`] or None. Raises RequestError for an empty text or a bad ``top_logprobs``.
+        [0, :data:`MAX_TOP_LOGPROBS`] or None. ``cancel``: once set (by another thread: a caller that stopped
+        waiting), the scoring stops before its next block of :data:`PREFILL_BLOCK` positions and raises
+        :class:`serve.errors.Cancelled`. Raises RequestError for an empty text or a bad ``top_logprobs``.
         """
         top_logprobs = check_top_logprobs(top_logprobs, "top_logprobs")
         ids = self.encode_prompt(text, "text")
@@ -304,7 +306,7 @@ class LM:
             end = min(begin + ctx, len(ids))  # inputs full[begin:end] predict full[begin + 1:end + 1]
             skip = len(logprobs) - begin  # targets already scored by the previous window
             lp, top, _ = self.prefill_logprobs(self.backend.new_sequence(), full[begin:end],
-                                                full[begin + 1:end + 1], top_logprobs, skip)
+                                                full[begin + 1:end + 1], top_logprobs, skip, cancel)
             logprobs += lp
             tops += top
             begin += stride
@@ -316,11 +318,13 @@ class LM:
         return Score(text=s, token_ids=ids, token_nll=nll, nll_sum=total, nll_mean=total / len(ids), chars=chars,
                      bits_per_char=total / math.log(2) / chars if chars else float("nan"))
 
-    def prefill_logprobs(self, seq, inputs: list[int], targets: list[int], top_n: int | None, skip: int = 0
-                          ) -> tuple[list[float], list[dict[str, float] | None], np.ndarray]:
+    def prefill_logprobs(self, seq, inputs: list[int], targets: list[int], top_n: int | None, skip: int = 0,
+                         cancel: threading.Event | None = None
+                         ) -> tuple[list[float], list[dict[str, float] | None], np.ndarray]:
         """Prefill ``inputs`` into ``seq`` in blocks of :data:`PREFILL_BLOCK` (bounded memory) and return the
         log-probs of ``targets[i]`` (predicted after ``inputs[:i + 1]``) for ``i >= skip``, their top-N
-        dicts, and the logits row after the last input (float32 ``[V]``).
+        dicts, and the logits row after the last input (float32 ``[V]``). Raises :class:`serve.errors.Cancelled`
+        before a block once ``cancel`` is set.
 
         Part of the package-internal interface that :class:`Generation` (and a batching runner) drive: with
         :meth:`describe` and :meth:`top_alternatives` it is everything a generation loop needs of the model
@@ -329,6 +333,8 @@ class LM:
         tops: list[dict[str, float] | None] = []
         row = None
         for b in range(0, len(inputs), PREFILL_BLOCK):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("scoring stopped: its caller stopped waiting")
             rows = np.asarray(seq.prefill(inputs[b:b + PREFILL_BLOCK], all_logits=True))
             rows = rows.reshape(-1, rows.shape[-1])
             row = rows[-1]

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from serve.http.app import create_app
 from serve.http.settings import Settings, SettingsError
 from serve.sampling import log_softmax
+from tests.polling import wait_until
 from tests.scripted import scripted_lm
 
 PIECES = ["ABC", "DEF", "G", "HI", "J", "KL"]
@@ -399,6 +400,32 @@ def test_timeout_is_504_and_ends_streams_with_an_error_event():
         events = sse_events(r.text)
         assert json.loads(events[-2])["error"]["type"] == "timeout_error"
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_an_abandoned_score_stops_and_frees_its_slot():
+    """/v1/score past its deadline (504) stopped neither the scoring nor its hold on the only slot: every request for
+    the rest of the scoring was a 429. Now the scoring stops before its next block and the slot is free at once."""
+    lm = scripted_lm(["ab"], context=64, delay_s=0.05)  # 0.05 s a block: ~60 windows take 3 s
+    with client_for(lm, request_timeout_s=0.4, max_concurrency=1, max_queue=0) as c:
+        t0 = time.perf_counter()
+        assert_error(c.post("/v1/score", json={"text": [5] * 2000}), 504, kind="timeout_error")
+        assert time.perf_counter() - t0 < 2.0
+        assert wait_until(lambda: c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200,
+                          limit_s=1.0)
+        assert c.post("/v1/score", json={"text": [5] * 40}).status_code == 200
+
+
+def test_score_cancel_stops_between_blocks():
+    import threading
+
+    from serve.errors import Cancelled
+
+    lm = scripted_lm(["ab"], context=64)
+    cancel = threading.Event()
+    assert len(lm.score([5] * 300, cancel=cancel).token_nll) == 300
+    cancel.set()
+    with pytest.raises(Cancelled):
+        lm.score([5] * 300, cancel=cancel)
 
 
 HUGE = "9" * 4300  # as many digits as Python's JSON parser takes (sys.get_int_max_str_digits())

@@ -4,6 +4,7 @@ bodies are built by :mod:`serve.http.translate`. Also the playground page and it
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -119,15 +120,17 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/score", response_model=ScoreResponse, responses=err(400, 404, 413, 429, 503, 504))
     async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
-        """Per-token negative log-likelihood (nats) and bits per NFC character of a text."""
+        """Per-token negative log-likelihood (nats) and bits per NFC character of a text. A request abandoned (504
+        past the deadline, or the client gone) stops scoring before its next block, giving its slot back."""
         arrived = time.perf_counter()
         lm = state.require_lm()
         state.check_model(req.model)
         deadline = arrived + settings.request_timeout_s
         admission.refuse_early(state.admission)
         await admission.admit(state.admission, deadline, settings.request_timeout_s)
-        s = await runs.wait(admission.in_slot_thread(state.admission, lm.score, req.text), request, deadline,
-                            on_abandon=lambda: None)
+        cancel = threading.Event()
+        s = await runs.wait(admission.in_slot_thread(state.admission, lm.score, req.text, None, cancel), request,
+                            deadline, on_abandon=cancel.set)
         state.metrics.prompt_tokens.inc(len(s.token_ids))
         return score_body(lm, state.name, s)
 

@@ -118,22 +118,22 @@ class ThreadedRun:
 
 
 async def wait(task: asyncio.Future, request: Request, deadline: float, on_abandon: Callable[[], None]) -> Any:
-    """Await ``task`` until ``deadline``; call ``on_abandon`` and raise 504 on timeout, or 499 when the
-    client disconnects first."""
+    """Await ``task`` until ``deadline``: raise 504 on timeout, or 499 when the client disconnects first. Whenever
+    it stops waiting before ``task`` is done (those two, or this coroutine cancelled), ``on_abandon()`` tells the
+    work to stop (a worker thread cannot be cancelled from here) and ``task`` is cancelled."""
     try:
         while True:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
-                on_abandon()
                 raise timeout_error(request.app.state.shalik.settings.request_timeout_s)
             done, _ = await asyncio.wait({task}, timeout=min(DISCONNECT_POLL_S, remaining))
             if task in done:
                 return task.result()
             if await request.is_disconnected():
-                on_abandon()
                 raise HTTPError(499, "the client closed the connection", code="client_closed")
     finally:
         if not task.done():
+            on_abandon()
             task.cancel()
 
 
