@@ -108,6 +108,27 @@ def test_settings_from_env(tmp_path):
         Settings.from_env({"SHALIK_THREADS": "100000"})
 
 
+@pytest.mark.parametrize("key,needle", [(" secret", "leading or trailing whitespace"),
+                                        ("secret\n", "leading or trailing whitespace"),
+                                        ("   ", "leading or trailing whitespace"),
+                                        ("sécret", "U\\+00E9 at character 1"), ("ключ", "U\\+043A at character 0"),
+                                        ("se\tcret", "U\\+0009"), ("\udcffkey", "U\\+DCFF")])
+def test_an_api_key_no_client_can_send_stops_the_server(key, needle):
+    """SHALIK_API_KEY=' secret' (or one outside ASCII) was taken, and every request was then a 401: the middleware
+    strips the token and reads the header as latin-1. Now it is refused at start, naming the variable, not the key."""
+    with pytest.raises(SettingsError, match=f"SHALIK_API_KEY.*{needle}.*printable ASCII") as e:
+        Settings.from_env({"SHALIK_API_KEY": key})
+    assert key.strip() not in str(e.value) or not key.strip()
+
+
+def test_a_printable_api_key_is_taken_as_it_is():
+    key = "sk-A1_b2.c3~d4+e5/f6= g7!"
+    assert Settings.from_env({"SHALIK_API_KEY": key}).api_key == key
+    assert Settings.from_env({"SHALIK_API_KEY": ""}).api_key is None
+    with client_for(api_key=key) as c:
+        assert c.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
 def _rust_available() -> bool:
     try:
         import rust_runtime  # noqa: F401

@@ -263,6 +263,17 @@ def test_bad_setting_prints_its_message_alone_and_exits_non_zero():
     assert "SHALIK_MAX_CONCURRENCY='abc': expected a positive integer" in out.stderr
 
 
+def test_an_api_key_no_client_can_send_stops_the_server_with_one_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "uvicorn", "serve.app:app", "--port", str(free_port())],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "SHALIK_API_KEY": " secret"})
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: SHALIK_API_KEY has leading or trailing whitespace") and "secret" not in out.stderr
+
+
 def test_body_timeout_does_not_cut_a_stream_that_outlasts_it():
     with live_server(("ab",), lm={"delay_s": 0.05}, body_timeout_s=0.5) as srv:
         with httpx.Client(timeout=30) as c, c.stream("POST", f"{srv.url}/v1/completions", json={

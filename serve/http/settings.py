@@ -10,7 +10,7 @@ SHALIK_QUANTIZE             ``none``                  a name of contract.quant.N
                                                       (contract.quant.BACKEND_NAMES; docs/design.md)
 SHALIK_THREADS              all cores                 compute threads (1 to 1024)
 SHALIK_API_KEY              unset (no auth)           ``Authorization: Bearer KEY`` on all but /, /health,
-                                                      /static/*
+                                                      /static/*; printable ASCII, no surrounding whitespace
 SHALIK_MAX_CONCURRENCY      16                        sequences stepped together (the engine's batch)
 SHALIK_MAX_QUEUE            64                        waiting requests; beyond → 429 with Retry-After
 SHALIK_MAX_BODY_BYTES       1048576                   larger body → 413
@@ -52,6 +52,26 @@ def parse_bool(raw: str) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise ValueError(raw)
+
+
+def check_api_key(raw: str | None) -> str | None:
+    """``SHALIK_API_KEY`` as the server compares it: None when unset or empty (no auth), else the key itself, which
+    must be printable ASCII (U+0021 to U+007E, inner spaces allowed) without surrounding whitespace — what a client
+    can send as ``Authorization: Bearer KEY`` (the middleware strips the token and reads the header as latin-1, so any
+    other key could never match and every request would be a 401). Raises SettingsError naming the variable and the
+    first offending character (never the key: it is a secret)."""
+    if not raw:
+        return None
+    if raw != raw.strip():
+        raise SettingsError("SHALIK_API_KEY has leading or trailing whitespace: expected printable ASCII without "
+                            "surrounding whitespace (a client sends it as 'Authorization: Bearer KEY')")
+    bad = next(((i, c) for i, c in enumerate(raw) if not " " <= c <= "~"), None)
+    if bad is not None:
+        i, c = bad
+        raise SettingsError(f"SHALIK_API_KEY holds U+{ord(c):04X} at character {i}: expected printable ASCII "
+                            "(U+0021 to U+007E, inner spaces allowed) without surrounding whitespace, as a bearer "
+                            "token is sent")
+    return raw
 
 
 def newest_bundle(runs_dir: str | Path = "runs") -> Path | None:
@@ -143,7 +163,7 @@ class Settings:
             backend=backend,
             quantize=quantize,
             threads=get("threads", int, lambda v: 1 <= v <= MAX_THREADS, f"an integer from 1 to {MAX_THREADS}"),
-            api_key=env.get("SHALIK_API_KEY") or None,
+            api_key=check_api_key(env.get("SHALIK_API_KEY")),
             max_concurrency=get("max_concurrency", int, lambda v: 1 <= v <= MAX_BATCH_LIMIT,
                                 f"a positive integer (at most {MAX_BATCH_LIMIT})"),
             max_queue=get("max_queue", int, lambda v: v >= 0, "an integer >= 0"),
