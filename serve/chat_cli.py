@@ -39,9 +39,16 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from contract.chat_format import RESERVED_TOKENS
-from contract.text import lone_surrogate
 from serve.chat import chat_prompt_ids, why_not_chat
-from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model, run_command, utf8_stdout
+from serve.cli import (
+    add_model_args,
+    add_sampling_args,
+    describe_sampling,
+    not_utf8,
+    open_model,
+    run_command,
+    utf8_stdout,
+)
 from serve.errors import RequestError
 from serve.lm import LM
 
@@ -152,10 +159,11 @@ def _about_the_message(error: str, has_system: bool) -> str:
 
 def _check_utf8(text: str, what: str = "the message") -> None:
     """TurnRefused for input bytes that were not UTF-8 (standard input and arguments are read with
-    ``surrogateescape``: such a byte arrives as U+DC80..U+DCFF), naming the first and where it is."""
-    at = lone_surrogate(text)
-    if at is not None and 0xDC80 <= ord(text[at]) <= 0xDCFF:
-        raise TurnRefused(f"{what} is not valid UTF-8: byte 0x{ord(text[at]) - 0xDC00:02X} at character {at}")
+    ``surrogateescape``: such a byte arrives as U+DC80..U+DCFF), naming the first and where it is
+    (:func:`serve.cli.not_utf8`)."""
+    why = not_utf8(text)
+    if why is not None:
+        raise TurnRefused(f"{what} is {why}")
 
 
 def check_system(lm: LM, system: str, reserve: int) -> None:

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from contract.bundle import GENERATION_CONFIG, MANIFEST, SAMPLING_KEYS, BundleError, sampling_defaults
 from contract.quant import NAMES, QuantizeError, Scheme, parse
+from contract.text import lone_surrogate
 from serve.errors import RequestError
 from serve.lm import LM
 from serve.loader import BACKENDS, MAX_THREADS, load
@@ -94,6 +95,19 @@ def describe_sampling(settings: dict, seed: int) -> str:
     if settings["temperature"] == 0:
         return "greedy"
     return "sampled: " + ", ".join(f"{k} {settings[k]:g}" for k in SETTINGS) + f", seed {seed}"
+
+
+def not_utf8(text: str) -> str | None:
+    """Why ``text`` from the command line or standard input is not text (``not valid UTF-8: byte 0xFF at character
+    0``), or None when it is. Both are read with ``surrogateescape``: a byte that is not UTF-8 arrives as a lone
+    surrogate U+DC80..U+DCFF, which no output can encode (printing it raised UnicodeEncodeError)."""
+    at = lone_surrogate(text)
+    if at is None:
+        return None
+    code = ord(text[at])
+    if 0xDC80 <= code <= 0xDCFF:
+        return f"not valid UTF-8: byte 0x{code - 0xDC00:02X} at character {at}"
+    return f"not valid Unicode text: a lone surrogate U+{code:04X} at character {at}"
 
 
 def utf8_stdout() -> None:

@@ -19,8 +19,17 @@ import argparse
 import sys
 
 from contract.text import distinct_word_share
-from serve.cli import add_model_args, add_sampling_args, describe_sampling, open_model, run_command, utf8_stdout
+from serve.cli import (
+    add_model_args,
+    add_sampling_args,
+    describe_sampling,
+    not_utf8,
+    open_model,
+    run_command,
+    utf8_stdout,
+)
 from serve.errors import RequestError
+from serve.generation import Generation
 from serve.lm import LM
 
 DEFAULT_PROMPTS = [("bn", "বাংলা ভাষা"), ("en", "The river")]
@@ -40,17 +49,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def continuations(prompts: list[tuple[str | None, str]], args: argparse.Namespace,
+                  settings: dict) -> list[tuple[str | None, str, dict]]:
+    """What the command prints, in order: (label, prompt, sampling settings) — each sampled continuation followed by
+    the greedy one of its prompt unless ``--no-greedy`` (or it is greedy already)."""
+    out = []
+    for label, prompt in prompts:
+        out.append((label, prompt, settings))
+        if settings["temperature"] != 0 and not args.no_greedy:
+            out.append((f"{label}, greedy" if label else "greedy", prompt, {**settings, "temperature": 0.0}))
+    return out
+
+
+def start(lm: LM, prompt: str, args: argparse.Namespace, settings: dict) -> Generation:
+    """The generation of one continuation (lazy: nothing runs yet). Raises RequestError for a prompt or
+    ``--max-new-tokens`` the model cannot take, its message naming the option."""
+    try:
+        return lm.start(prompt, args.max_new_tokens, seed=args.seed, **settings)
+    except RequestError as e:
+        option = {"max_tokens": "--max-new-tokens", "prompt": "--prompt"}.get(e.param or "")
+        raise RequestError(f"{option}: {e}" if option else str(e), e.param, e.code) from None
+
+
 def print_continuation(lm: LM, prompt: str, args: argparse.Namespace, settings: dict,
                        label: str | None = None) -> str:
-    """Stream one continuation of ``prompt`` to stdout (prompt first), then a line with how it was drawn and its
-    share of distinct words; returns the generated text."""
+    """Stream one continuation of ``prompt`` to stdout (prompt first, once the request is known to be valid), then a
+    line with how it was drawn and its share of distinct words; returns the generated text. RequestError (nothing
+    written) for a request the model cannot take."""
+    gen = start(lm, prompt, args, settings)
     head = f"[{label}] " if label else ""
     sys.stdout.write(f"{head}{prompt}")
     sys.stdout.flush()
     pieces = []
-    for piece in lm.stream(prompt, args.max_new_tokens, seed=args.seed, **settings):
-        pieces.append(piece)
-        sys.stdout.write(piece)
+    for chunk in gen:
+        pieces.append(chunk.text)
+        sys.stdout.write(chunk.text)
         sys.stdout.flush()
     text = "".join(pieces)
     share = distinct_word_share(text)
@@ -67,16 +100,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    """Every input is checked before anything is printed: ``--prompt`` (bytes that are not UTF-8 would fail only when
+    printed), then the bundle and options, then each continuation's request (its prompt against the context and
+    ``--max-new-tokens``); a failure is one ``error:`` line on stderr and exit status 2."""
     args = parse_args(argv)
+    why = None if args.prompt is None else not_utf8(args.prompt)
+    if why is not None:
+        print(f"error: --prompt: the prompt is {why}", file=sys.stderr)
+        return 2
     utf8_stdout()
     lm, settings = open_model(args)
-    prompts = [(None, args.prompt)] if args.prompt is not None else DEFAULT_PROMPTS
+    todo = continuations([(None, args.prompt)] if args.prompt is not None else DEFAULT_PROMPTS, args, settings)
     try:
-        for label, prompt in prompts:
-            print_continuation(lm, prompt, args, settings, label)
-            if settings["temperature"] != 0 and not args.no_greedy:
-                greedy = {**settings, "temperature": 0.0}
-                print_continuation(lm, prompt, args, greedy, f"{label}, greedy" if label else "greedy")
+        for _label, prompt, s in todo:
+            start(lm, prompt, args, s)  # validation only: a generation runs when it is iterated
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        for label, prompt, s in todo:
+            print_continuation(lm, prompt, args, s, label)
     except RequestError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2

@@ -228,3 +228,42 @@ def test_serve_generate_ends_as_the_chat_does(bundle):
         out = subprocess.run([sys.executable, "-m", "serve.generate", str(bundle), *args], capture_output=True,
                              text=True, cwd=ROOT, timeout=120)
         assert out.returncode == 2 and out.stdout == "" and msg in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.fixture
+def generate_with(monkeypatch):
+    """``serve.generate.main`` over a scripted model instead of a bundle (greedy unless the test says otherwise)."""
+    import serve.generate
+
+    def use(lm, **settings):
+        sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **settings}
+        monkeypatch.setattr(serve.generate, "open_model", lambda args: (lm, sampling))
+        return serve.generate.main
+
+    return use
+
+
+def test_serve_generate_refuses_a_prompt_that_is_not_utf8_in_one_line(generate_with, capsys):
+    """``--prompt $'\\xff\\xfe'`` ended in a UnicodeEncodeError traceback when the prompt was printed; now it is one
+    line and exit 2, before the bundle is even loaded (as chat_cli refuses such a message)."""
+    main = generate_with(scripted_lm(["ab"], context=64))
+    assert main(["bundle", "--prompt", "ok\udcff\udcfe"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: --prompt: the prompt is not valid UTF-8: byte 0xFF at character 2\n"
+    raw = subprocess.run([sys.executable, "-m", "serve.generate", "no-such-bundle", "--prompt", b"\xff\xfe"],
+                         capture_output=True, cwd=ROOT, timeout=120)
+    assert (raw.returncode, raw.stdout) == (2, b"")
+    assert raw.stderr == b"error: --prompt: the prompt is not valid UTF-8: byte 0xFF at character 0\n"
+
+
+def test_serve_generate_checks_every_request_before_printing(generate_with, capsys):
+    """``--max-new-tokens 100000`` printed the prompt, then the context-length error; now nothing reaches stdout."""
+    main = generate_with(scripted_lm(["ab"], context=64), temperature=0.8)
+    assert main(["bundle", "--max-new-tokens", "100000"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("error: --max-new-tokens: the prompt is ") and "100000" in err and "context length 64" in err
+    assert main(["bundle", "--prompt", "ab", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("abababab\n    (sampled: ") and "[greedy] abababab\n    (greedy" in out
+
