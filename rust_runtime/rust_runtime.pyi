@@ -14,6 +14,10 @@ simd_level: str  # "Avx512", "Avx2Fma" or "Generic": the f32 kernels picked at r
 int_simd_level: str  # "Avx512Vnni", "Avx2" or "Generic": the integer kernels (quantized weights)
 QUANTIZE_NAMES: tuple[str, ...]  # ("none", "int8", "q4_0", "q4_mix"): what Model.load(quantize=...) accepts (contract.quant's names)
 QUANTIZE_PLAN: dict[str, dict[str, str | None]]  # name -> role (q_proj, ..., lm_head) -> "q8_0" / "q4_0" / None (f32)
+MAX_THREADS: int  # 1024: Model.load's threads at most (serve.loader.MAX_THREADS)
+GREEDY_TEMPERATURE: float  # 1e-5: temperatures below it are greedy (serve.sampling.GREEDY_TEMPERATURE)
+REPETITION_PENALTY_RANGE: tuple[float, float]  # (0.1, 10.0), both ends allowed (serve.sampling's)
+PENALTY_RANGE: tuple[float, float]  # (-2.0, 2.0): presence_penalty and frequency_penalty (serve.sampling's)
 
 class SamplingKwargs(TypedDict, total=False):
     """The sampling keyword arguments of Model.generate, Model.stream, Engine.submit and Sampler, parsed in one
@@ -23,9 +27,9 @@ class SamplingKwargs(TypedDict, total=False):
     temperature: float | None  # >= 0, default 1.0; below 1e-5 greedy (ties to the lower id)
     top_k: int | None  # >= 0, default 0 (off); any k >= the vocabulary is off too
     top_p: float | None  # in [0, 1], default 1.0 (off); 0 keeps the top token
-    presence_penalty: float | None  # finite, default 0.0
-    frequency_penalty: float | None  # finite, default 0.0
-    repetition_penalty: float | None  # > 0, default 1.0 (off)
+    presence_penalty: float | None  # in PENALTY_RANGE ([-2, 2]), default 0.0
+    frequency_penalty: float | None  # in PENALTY_RANGE ([-2, 2]), default 0.0
+    repetition_penalty: float | None  # in REPETITION_PENALTY_RANGE ([0.1, 10]), default 1.0 (off)
     seed: int | None  # any int, taken modulo 2**64; None (default) = fresh entropy
 
 class Model:

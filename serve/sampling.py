@@ -5,8 +5,9 @@ For one step, given the model's raw logits (float ``[V]``, any float dtype; comp
 1. ``repetition_penalty`` over every id seen so far (prompt + generated, each id once): a positive logit is
    divided by the penalty, a negative one multiplied (so a repeated token always becomes less likely; case S1);
 2. ``presence_penalty`` / ``frequency_penalty`` over the generated ids only:
-   ``logit -= presence * [count > 0] + frequency * count`` (case S4). A penalty that pushes a finite logit
-   past the float range gives the largest finite value of that sign (its limit), never ±inf;
+   ``logit -= presence * [count > 0] + frequency * count`` (case S4). The penalties' ranges
+   (:data:`REPETITION_PENALTY_RANGE`, :data:`PENALTY_RANGE`) keep a model's logits finite in float32; should one be
+   pushed past the float range anyway, it gives the largest finite value of that sign, never ±inf;
 3. ``temperature < GREEDY_TEMPERATURE`` (1e-5, vLLM's rule; 0 included) → greedy: the argmax, ties to the
    lowest id (case S3); otherwise divide ``logits - max`` by it (no temperature overflows that);
 4. ``top_k`` (0 = off): keep the k largest and every id tied with the k-th (Hugging Face's ``TopKLogitsWarper``
@@ -31,10 +32,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serve.errors import ModelOutputError, RequestError
+from serve.errors import ModelOutputError, RequestError, shown
 
 SEED_MODULUS = 2**64
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it are greedy (vLLM's _SAMPLING_EPS); rust_runtime uses the same
+#: repetition_penalty's range, both ends included (1 = off). Hugging Face and vLLM take any penalty > 0, but they
+#: apply it in the logits' float32, where a tiny one (1e-45) overflows: transformers then samples from inf, and
+#: rust_runtime (float32 too) tied every penalised logit at the largest float while this sampler (float64) did not,
+#: so the two backends disagreed. Within [0.1, 10] a penalty scales a logit by at most 10, which keeps any logit a
+#: model produces finite in float32 and both samplers computing the same thing; it spans every practical use
+#: (1.0-1.5, below 1 to favour repeats) and mirrors the HTTP bound of 10 the server always had.
+#: rust_runtime.REPETITION_PENALTY_RANGE (src/sampling.rs) is this; the HTTP schema reads it.
+REPETITION_PENALTY_RANGE = (0.1, 10.0)
+#: presence_penalty's and frequency_penalty's range, both ends included (0 = off): OpenAI's, for the same reason
+#: (a penalty of 1e10 rounds logits together in float32 but not in float64). rust_runtime.PENALTY_RANGE is this.
+PENALTY_RANGE = (-2.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -42,8 +54,9 @@ class SamplingParams:
     """How to pick each next token. Validated on construction (:class:`RequestError` naming the field).
 
     temperature: >= 0 (below ``GREEDY_TEMPERATURE`` = greedy); top_k: >= 0 (0 = off); top_p: in [0, 1] (1 = off, 0 = the top token);
-    presence_penalty, frequency_penalty: finite floats (OpenAI's range is [-2, 2]); repetition_penalty: > 0
-    (1 = off); seed: any int (reduced mod 2**64) or None for fresh entropy.
+    presence_penalty, frequency_penalty: in :data:`PENALTY_RANGE` ([-2, 2], OpenAI's; 0 = off); repetition_penalty:
+    in :data:`REPETITION_PENALTY_RANGE` ([0.1, 10]; 1 = off); seed: any int (reduced mod 2**64) or None for fresh
+    entropy.
     """
 
     temperature: float = 1.0
@@ -55,24 +68,29 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        def number(name: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
+        def number(name: str, *, lo: float | None = None, hi: float | None = None) -> None:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise RequestError(f"{name} must be a finite number, got {v!r}", param=name)
-            if lo is not None and (v <= lo if lo_open else v < lo):
-                raise RequestError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}", param=name)
+            try:
+                finite = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
+            except OverflowError:  # an int past the float range
+                finite = False
+            if not finite:
+                raise RequestError(f"{name} must be a finite number, got {shown(v)}", param=name)
+            got = shown(v) if isinstance(v, int) else v  # a float as str() spells it
+            if lo is not None and v < lo:
+                raise RequestError(f"{name} must be >= {lo}, got {got}", param=name)
             if hi is not None and v > hi:
-                raise RequestError(f"{name} must be <= {hi}, got {v}", param=name)
+                raise RequestError(f"{name} must be <= {hi}, got {got}", param=name)
 
         number("temperature", lo=0.0)
         number("top_p", lo=0.0, hi=1.0)
-        number("presence_penalty")
-        number("frequency_penalty")
-        number("repetition_penalty", lo=0.0, lo_open=True)
+        number("presence_penalty", lo=PENALTY_RANGE[0], hi=PENALTY_RANGE[1])
+        number("frequency_penalty", lo=PENALTY_RANGE[0], hi=PENALTY_RANGE[1])
+        number("repetition_penalty", lo=REPETITION_PENALTY_RANGE[0], hi=REPETITION_PENALTY_RANGE[1])
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int | np.integer) or self.top_k < 0:
-            raise RequestError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}", param="top_k")
+            raise RequestError(f"top_k must be an int >= 0 (0 = off), got {shown(self.top_k)}", param="top_k")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer)):
-            raise RequestError(f"seed must be an int or None, got {self.seed!r}", param="seed")
+            raise RequestError(f"seed must be an int or None, got {shown(self.seed)}", param="seed")
 
     @property
     def greedy(self) -> bool:

@@ -620,17 +620,22 @@ def test_tiny_top_p_is_greedy(model):
 
 
 def test_sampling_edges_behave_as_their_limit(model):
-    """Issue 18: temperature 1e-310 / repetition_penalty 5e-324 raised "no token left to sample", and
-    top_p=0 was refused; now the first is greedy, the second a finite penalty, top_p=0 the top token."""
+    """Issue 18: temperature 1e-310 raised "no token left to sample", and top_p=0 was refused; now the first is
+    greedy, top_p=0 the top token. A vanishing repetition penalty (1e-45) made greedy decoding tie every seen logit at
+    the largest f32 and stop at end-of-text at once (generate returned []): the penalty's range refuses it, and its
+    smallest value generates."""
     p = prompt_ids(6, seed=33)
     greedy = model.generate(p, 12, temperature=0.0)
     for seed in range(3):
         assert model.generate(p, 12, temperature=1e-310, seed=seed) == greedy
         assert model.generate(p, 12, temperature=0.9, top_p=0.0, seed=seed) == greedy
-    out = model.generate(p, 12, temperature=0.0, repetition_penalty=5e-324)
+    for tiny in (1e-39, 1e-45, 5e-324):
+        expect_error(lambda tiny=tiny: model.generate([0, 100, 101], 5, temperature=0.0, repetition_penalty=tiny),
+                     ValueError, r"repetition_penalty is .*; expected a number from 0\.1 to 10")
+    out = model.generate(p, 12, temperature=0.0, repetition_penalty=0.1)
     assert len(out) > 0 and all(0 <= t < 512 for t, _ in out)
-    assert model.generate(p, 6, temperature=1.0, repetition_penalty=5e-324, seed=1) == model.generate(
-        p, 6, temperature=1.0, repetition_penalty=5e-324, seed=1
+    assert model.generate(p, 6, temperature=1.0, repetition_penalty=0.1, seed=1) == model.generate(
+        p, 6, temperature=1.0, repetition_penalty=0.1, seed=1
     )
 
 
@@ -827,6 +832,13 @@ def test_errors_are_exceptions_and_the_model_stays_usable(model, tiny, tmp_path)
     expect_error(lambda: rust_runtime.Model.load(str(d), quantize="int4"), ValueError, r"int4")
     expect_error(lambda: rust_runtime.Model.load(str(d), threads=0), ValueError, r"threads")
     expect_error(lambda: rust_runtime.Model.load(str(d), threads=100_000), ValueError, r"threads is 100000; expected an integer from 1 to 1024")
+    # threads=True was taken as 1; 2**70 said "Python int too large to convert to C long", naming nothing
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads=True), TypeError, r"threads is True \(bool\)")
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads=2.0), TypeError, r"threads is 2\.0 \(float\)")
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads="2"), TypeError, r"threads is '2' \(str\)")
+    expect_error(lambda: rust_runtime.Model.load(str(d), threads=2**70), ValueError,
+                 rf"threads is {2**70}; expected an integer from 1 to 1024")
+    assert rust_runtime.Model.load(str(d), threads=np.int64(1)).threads == 1
     still_usable()
 
 

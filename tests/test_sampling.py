@@ -15,7 +15,16 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from serve.errors import ModelOutputError, RequestError
-from serve.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams, log_softmax, make_rng, top_logprobs
+from serve.sampling import (
+    GREEDY_TEMPERATURE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+    Sampler,
+    SamplingParams,
+    log_softmax,
+    make_rng,
+    top_logprobs,
+)
 
 
 class PythonImpl:
@@ -129,12 +138,13 @@ def test_s4_zero_penalties_change_nothing(impl):
     np.testing.assert_array_equal(s.penalize(x), x)
 
 
-def test_huge_penalties_leave_the_logit_finite(impl):
-    # the only finite logit, penalised past the float range, is still the token picked (the penalty's limit)
-    x = np.array([0.0, -np.inf, -np.inf], dtype=np.float32)
-    for params in [dict(temperature=0.0, frequency_penalty=1e39), dict(presence_penalty=1e300),
-                   dict(presence_penalty=-1e300, temperature=0.5)]:
-        s = force(impl.sampler(**params), [0], 3)
+def test_a_logit_penalised_past_float32_stays_finite(impl):
+    # a logit near the float32 limit, penalised past it (the largest penalties in range), is still finite and,
+    # the only finite one, still the token picked
+    for logit, params in [(-1e38, dict(repetition_penalty=10.0)), (1e38, dict(repetition_penalty=0.1)),
+                          (-1e38, dict(repetition_penalty=10.0, temperature=0.0))]:
+        x = np.array([logit, -np.inf, -np.inf], dtype=np.float32)
+        s = impl.sampler(prompt_ids=[0], **params)
         out = s.penalize(x)
         assert np.isfinite(out[0]) and np.isneginf(out[1:]).all()
         assert [s(x) for _ in range(5)] == [0] * 5
@@ -304,7 +314,11 @@ def test_some_neg_inf_logits_are_never_drawn(impl):
                                          ("temperature", True), ("top_p", 1.5), ("top_p", -0.1),
                                          ("top_p", float("nan")), ("top_k", -1), ("top_k", True), ("top_k", 2.0),
                                          ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-                                         ("repetition_penalty", float("inf")), ("presence_penalty", float("inf")),
+                                         ("repetition_penalty", float("inf")), ("repetition_penalty", 1e-45),
+                                         ("repetition_penalty", 1e-39), ("repetition_penalty", 5e-324),
+                                         ("repetition_penalty", 0.0999), ("repetition_penalty", 10.01),
+                                         ("presence_penalty", float("inf")), ("presence_penalty", -2.01),
+                                         ("presence_penalty", -1e300), ("frequency_penalty", 1e39),
                                          ("frequency_penalty", float("nan")), ("seed", 1.5), ("seed", True)])
 def test_params_reject_out_of_range(impl, field, value):
     """A ValueError naming the parameter, in both (serve's RequestError is a ValueError with ``param``)."""
@@ -317,7 +331,8 @@ def test_params_reject_out_of_range(impl, field, value):
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=0), dict(top_p=0.0), dict(top_p=1), dict(top_k=0),
                                     dict(top_k=np.int64(3)), dict(temperature=np.float32(0.5)),
-                                    dict(repetition_penalty=1e-300), dict(presence_penalty=-1e300),
+                                    dict(repetition_penalty=0.1), dict(repetition_penalty=10),
+                                    dict(presence_penalty=-2.0), dict(frequency_penalty=2),
                                     dict(seed=-(2**70)), dict(seed=np.uint64(2**64 - 1))])
 def test_params_accept_the_edges(impl, kwargs):
     x = np.array([0.0, 1.0, 0.5], dtype=np.float32)
@@ -378,11 +393,44 @@ def test_greedy_picks_are_identical_in_both(logits, rep, presence, frequency, pr
 
 
 def test_extreme_penalty_and_temperature_stay_finite(impl):
-    # a repetition penalty of 5e-324 sends positive seen logits to the largest float: sampling picks among them
+    # the smallest repetition penalty multiplies positive seen logits by 10: at temperature 1, 20 beats 10 ~always
     x = np.array([1.0, 2.0, -1.0, 0.5], dtype=np.float32)
-    picks = {impl.sampler(repetition_penalty=5e-324, prompt_ids=[0, 1], seed=s)(x) for s in range(50)}
-    assert picks == {0, 1}
+    picks = {impl.sampler(repetition_penalty=0.1, prompt_ids=[0, 1], seed=s)(x) for s in range(50)}
+    assert picks == {1}
     assert impl.sampler(temperature=1e-308, seed=0)(x) == 1
+
+
+def test_the_smallest_repetition_penalty_is_computed_alike_in_both():
+    """A repetition penalty of 1e-45 made rust_runtime (float32) tie every penalised logit at the largest float and
+    pick the lowest id, end-of-text, while serve.sampling (float64) picked the largest: Model.generate returned [].
+    The range (REPETITION_PENALTY_RANGE) keeps both computing the same logits, down to its smallest penalty."""
+    rust = _rust_or_skip()
+    lo = REPETITION_PENALTY_RANGE[0]
+    x = np.array([5.0, 30.0, 40.0, -3.0, 35.0], dtype=np.float32)
+    prompt = [0, 1, 2, 3]
+    py, rs = (impl.sampler(prompt_ids=prompt, temperature=0.0, repetition_penalty=lo) for impl in (PythonImpl, rust))
+    np.testing.assert_allclose(rs.penalize(x), py.penalize(x), rtol=1e-6)
+    assert py(x) == rs(x) == 2
+
+
+def test_the_rust_ranges_are_serve_samplings():
+    """One owner per limit: rust_runtime mirrors serve.sampling's constants (src/sampling.rs, src/python.rs), and
+    refuses exactly past them, as serve.sampling does."""
+    rust = _rust_or_skip()
+    from serve.loader import MAX_THREADS
+
+    assert rust.rr.REPETITION_PENALTY_RANGE == REPETITION_PENALTY_RANGE
+    assert rust.rr.PENALTY_RANGE == PENALTY_RANGE
+    assert rust.rr.GREEDY_TEMPERATURE == GREEDY_TEMPERATURE
+    assert rust.rr.MAX_THREADS == MAX_THREADS
+    for name, (lo, hi) in [("repetition_penalty", REPETITION_PENALTY_RANGE), ("presence_penalty", PENALTY_RANGE),
+                           ("frequency_penalty", PENALTY_RANGE)]:
+        for impl in (PythonImpl, rust):
+            impl.sampler(**{name: lo})
+            impl.sampler(**{name: hi})
+            for bad in (np.nextafter(lo, -np.inf), np.nextafter(hi, np.inf)):
+                with pytest.raises(ValueError, match=name):
+                    impl.sampler(**{name: float(bad)})
 
 
 @pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300])

@@ -73,6 +73,28 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
     }
 }
 
+/// The most compute threads a model may be given: serve.loader.MAX_THREADS (tests/test_rust_runtime.py
+/// checks they agree; exposed as `rust_runtime.MAX_THREADS`).
+pub const MAX_THREADS: i64 = 1024;
+
+/// `Model.load`'s threads: None (all cores) or an int from 1 to [`MAX_THREADS`], as serve.loader.load takes
+/// it. TypeError naming it for a bool or a non-integer, ValueError for an integer out of range (also
+/// one past 64 bits, which pyo3 reported as a bare "Python int too large to convert to C long").
+fn threads_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+    let want = format!("expected an integer from 1 to {MAX_THREADS} or None (all cores)");
+    let shown = || o.repr().map(|r| r.to_string()).unwrap_or_else(|_| "an integer past 64 bits".into());
+    let index = o.call_method0("__index__").ok().filter(|_| !o.is_instance_of::<pyo3::types::PyBool>());
+    let Some(i) = index else {
+        let kind = o.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(PyTypeError::new_err(format!("threads is {} ({kind}); {want}", shown())));
+    };
+    match i.extract::<i64>() {
+        Ok(t) if (1..=MAX_THREADS).contains(&t) => Ok(Some(t as usize)),
+        _ => Err(PyValueError::new_err(format!("threads is {}; {want}", shown()))),
+    }
+}
+
 /// Default compute threads: RAYON_NUM_THREADS if set, else the number of physical cores.
 fn default_threads() -> usize {
     candle_core::utils::get_num_threads().max(1)
@@ -120,7 +142,7 @@ impl PyModel {
     fn load(
         py: Python<'_>,
         path: PathBuf,
-        threads: Option<i64>,
+        threads: Option<&Bound<'_, PyAny>>,
         quantize: Option<&str>,
         verify: bool,
         allow_ungated: bool,
@@ -129,12 +151,7 @@ impl PyModel {
         if let Some(note) = note {
             py.import("logging")?.call_method1("getLogger", ("rust_runtime",))?.call_method1("warning", (note,))?;
         }
-        let req = match threads {
-            None => None,
-            Some(t) if t >= 1 && t <= 1024 => Some(t as usize),
-            Some(t) => return Err(PyValueError::new_err(format!("threads is {t}; expected an integer from 1 to 1024"))),
-        };
-        let n = req.unwrap_or_else(default_threads);
+        let n = threads_arg(threads)?.unwrap_or_else(default_threads);
         let (inner, overridden) = detach(py, move || {
             let dir: &Path = &path;
             let tok_path = dir.join(crate::bundle::TOKENIZER);
@@ -930,6 +947,11 @@ fn rust_runtime(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_top_logprobs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("simd_level", format!("{:?}", crate::kernels::simd_level()))?;
+    // the limits the Python side owns, mirrored here (tests/test_sampling.py and test_rust_runtime.py compare)
+    m.add("MAX_THREADS", MAX_THREADS)?;
+    m.add("GREEDY_TEMPERATURE", crate::sampling::GREEDY_TEMPERATURE)?;
+    m.add("REPETITION_PENALTY_RANGE", crate::sampling::REPETITION_PENALTY_RANGE)?;
+    m.add("PENALTY_RANGE", crate::sampling::PENALTY_RANGE)?;
     crate::quant::register(m)?;
     Ok(())
 }

@@ -7,7 +7,8 @@
 //! `TopKLogitsWarper` and vLLM do), top_p (the smallest set whose probability reaches top_p,
 //! never empty, so top_p = 0 is the top token), and a draw from a generator seeded per sequence.
 //! Probabilities are exp((z - max) / T), so no temperature can overflow; sums are accumulated in
-//! f64. A penalty that pushes a logit past f32 gives the largest finite value (its limit).
+//! f64. The penalties' ranges ([`REPETITION_PENALTY_RANGE`], [`PENALTY_RANGE`]) keep a model's
+//! logits finite in f32; a logit pushed past f32 anyway gets the largest finite value.
 //!
 //! The Python sampler `serve/sampling.py` implements the same order and edges; the tests of
 //! `tests/test_sampling.py` run against both (this one through `rust_runtime.Sampler`).
@@ -16,6 +17,16 @@ use crate::error::{Error, Result};
 use crate::kernels;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+/// repetition_penalty's range, both ends included (1 = off): serve/sampling.py's
+/// `REPETITION_PENALTY_RANGE` (tests/test_sampling.py checks they agree). Within it a penalty
+/// scales a logit by at most 10, so a model's logits stay finite in f32 and this sampler computes
+/// what the f64 Python one does (a penalty of 1e-45 tied every penalised logit at f32::MAX here).
+pub const REPETITION_PENALTY_RANGE: (f64, f64) = (0.1, 10.0);
+
+/// presence_penalty's and frequency_penalty's range, both ends included (0 = off): OpenAI's,
+/// serve/sampling.py's `PENALTY_RANGE`.
+pub const PENALTY_RANGE: (f64, f64) = (-2.0, 2.0);
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -61,14 +72,16 @@ impl SamplingParams {
         if !(top_p.is_finite() && (0.0..=1.0).contains(&top_p)) {
             return Err(Error::arg(format!("top_p is {top_p}; expected 0 <= top_p <= 1 (1 = off, 0 = the top token)")));
         }
-        if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
+        let (lo, hi) = REPETITION_PENALTY_RANGE;
+        if !(repetition_penalty.is_finite() && (lo..=hi).contains(&repetition_penalty)) {
             return Err(Error::arg(format!(
-                "repetition_penalty is {repetition_penalty}; expected a finite number > 0 (1 = off)"
+                "repetition_penalty is {repetition_penalty:?}; expected a number from {lo} to {hi} (1 = off)"
             )));
         }
+        let (lo, hi) = PENALTY_RANGE;
         for (name, v) in [("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)] {
-            if !v.is_finite() {
-                return Err(Error::arg(format!("{name} is {v}; expected a finite number (0 = off)")));
+            if !(v.is_finite() && (lo..=hi).contains(&v)) {
+                return Err(Error::arg(format!("{name} is {v:?}; expected a number from {lo} to {hi} (0 = off)")));
             }
         }
         Ok(SamplingParams {
@@ -550,11 +563,25 @@ mod tests {
         assert!(SamplingParams::new(1.0, 0, 1.0, f64::NAN, 0.0, 1.0).is_err());
         assert!(SamplingParams::new(1.0, 0, 1.0, 0.0, 0.0, 0.0).is_err());
         assert!(SamplingParams::new(0.0, 0, 1e-8, 0.0, 0.0, 1.0).is_ok());
+        // the penalties' ranges, both ends included
+        let (lo, hi) = REPETITION_PENALTY_RANGE;
+        for rep in [1e-45, 1e-39, 5e-324, lo * 0.99, hi * 1.01, f64::INFINITY] {
+            let e = SamplingParams::new(0.0, 0, 1.0, 0.0, 0.0, rep).unwrap_err().to_string();
+            assert!(e.contains("repetition_penalty") && e.contains("from 0.1 to 10"), "{e}");
+        }
+        assert!(SamplingParams::new(0.0, 0, 1.0, 0.0, 0.0, lo).is_ok());
+        assert!(SamplingParams::new(0.0, 0, 1.0, 0.0, 0.0, hi).is_ok());
+        let (lo, hi) = PENALTY_RANGE;
+        for v in [lo - 0.01, hi + 0.01, 1e39] {
+            assert!(SamplingParams::new(0.0, 0, 1.0, v, 0.0, 1.0).unwrap_err().to_string().contains("presence_penalty"));
+            assert!(SamplingParams::new(0.0, 0, 1.0, 0.0, v, 1.0).unwrap_err().to_string().contains("frequency_penalty"));
+        }
+        assert!(SamplingParams::new(0.0, 0, 1.0, lo, hi, 1.0).is_ok());
     }
 
     #[test]
     fn edge_values_behave_as_their_limit() {
-        // temperature 1e-310 and repetition_penalty 5e-324 raised "no token left to sample"
+        // temperature 1e-310 raised "no token left to sample"
         let l = [1.0f32, 3.0, 2.5, -1.0];
         let pen = PenaltyState::new(4);
         for t in [1e-310, 1e-45, 5e-324] {
@@ -563,19 +590,20 @@ mod tests {
                 assert_eq!(sample(&l, &p, &pen, &mut make_rng(Some(seed))).unwrap(), 1, "temperature {t}");
             }
         }
-        // a vanishing repetition penalty: seen positive logits go to the largest float, negative to ~0
+        // the smallest repetition penalty: seen positive logits times 10, negative ones a tenth
         let mut pen = PenaltyState::new(4);
         pen.add_prompt(2);
         pen.add_prompt(3);
-        let p = SamplingParams::new(1.0, 0, 1.0, 0.0, 0.0, 5e-324).unwrap();
+        let p = SamplingParams::new(0.0, 0, 1.0, 0.0, 0.0, REPETITION_PENALTY_RANGE.0).unwrap();
         let mut z = l.to_vec();
         pen.apply(&p, &mut z);
+        assert_eq!(z, vec![1.0, 3.0, 25.0, -0.1]);
+        assert_eq!(sample(&l, &p, &pen, &mut make_rng(None)).unwrap(), 2);
+        // new() refuses a vanishing penalty; should one get here, a logit past f32 is its largest value
+        let tiny = SamplingParams { repetition_penalty: 5e-324, ..p.clone() };
+        let mut z = l.to_vec();
+        pen.apply(&tiny, &mut z);
         assert_eq!(z, vec![1.0, 3.0, f32::MAX, -0.0]);
-        for seed in 0..10 {
-            assert_eq!(sample(&l, &p, &pen, &mut make_rng(Some(seed))).unwrap(), 2);
-        }
-        let g = SamplingParams { temperature: 0.0, ..p.clone() };
-        assert_eq!(sample(&l, &g, &pen, &mut make_rng(None)).unwrap(), 2);
         // top_p = 0 keeps the top token (ties to the lower id), as the Python sampler does
         let p = SamplingParams::new(1.0, 0, 0.0, 0.0, 0.0, 1.0).unwrap();
         let pen = PenaltyState::new(4);
@@ -603,16 +631,17 @@ mod tests {
 
     #[test]
     fn a_huge_frequency_penalty_leaves_a_finite_logit() {
-        // the only finite logit, penalised past f32: the largest negative value, still sampleable
+        // the only finite logit, penalised past f32 (a penalty new() refuses, or a logit near f32::MAX):
+        // the largest negative value, still sampleable
         let mut pen = PenaltyState::new(3);
         pen.add_generated(0);
-        let p = SamplingParams::new(0.0, 0, 1.0, 0.0, 1e39, 1.0).unwrap();
+        let p = SamplingParams { temperature: 0.0, frequency_penalty: 1e39, ..Default::default() };
         let mut z = vec![0.0f32, f32::NEG_INFINITY, f32::NEG_INFINITY];
         pen.apply(&p, &mut z);
         assert_eq!(z, vec![-f32::MAX, f32::NEG_INFINITY, f32::NEG_INFINITY]);
         assert_eq!(sample(&[0.0, f32::NEG_INFINITY, f32::NEG_INFINITY], &p, &pen, &mut make_rng(None)).unwrap(), 0);
         // a negative one cannot overflow to +inf either
-        let p = SamplingParams::new(1.0, 0, 1.0, -1e39, 0.0, 1.0).unwrap();
+        let p = SamplingParams { presence_penalty: -1e39, ..Default::default() };
         let mut z = vec![1.0f32, 0.0, 0.0];
         pen.apply(&p, &mut z);
         assert_eq!(z, vec![f32::MAX, 0.0, 0.0]);

@@ -15,6 +15,7 @@ from contract.bundle import EOT
 from contract.chat_format import ChatFormatError, normalize_messages
 from serve.chat import COMPLETION_ONLY
 from serve.errors import shown
+from serve.sampling import PENALTY_RANGE, REPETITION_PENALTY_RANGE
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -112,9 +113,10 @@ class CompletionRequest(_Request):
     stream_options: StreamOptions | None = None
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Return log-probs and the top N alternatives.")
     echo: bool = Field(False, description="Return the prompt (and, with logprobs, its tokens' log-probs) too.")
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
+    presence_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                             description="Over prompt + generated ids; 1 = off.")
     ignore_eos: bool = Field(False, description=f"Keep generating past `{EOT}` (its text then appears), as vLLM's "
                                                 "`ignore_eos`: fixed lengths for benchmarks.")
     user: str | None = Field(None, description="Ignored.")
@@ -221,9 +223,10 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = Field(False, description="Return the log-prob of each reply token.")
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="The N most likely alternatives at each position; only with logprobs: true.")
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10, description="Over prompt + generated ids; 1 = off.")
+    presence_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                             description="Over prompt + generated ids; 1 = off.")
     user: str | None = Field(None, description="Ignored.")
     parallel_tool_calls: bool | None = Field(None, description="Accepted: without tools it has no effect.")
     # OpenAI parameters of features this text-only server does not have: refused (400) when they ask for the
