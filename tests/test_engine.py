@@ -136,6 +136,8 @@ def test_bad_requests_name_the_argument(model):
         (lambda: eng.submit([1], 4, temperature=-1.0), ValueError, r"temperature"),
         (lambda: eng.submit([1], 4, timeout=-1.0), ValueError, r"timeout"),
         (lambda: eng.submit([1], -1), ValueError, r"max_new_tokens"),
+        (lambda: eng.submit([1], 2**70), ValueError, r"max_new_tokens is 1180591620717411303424"),
+        (lambda: eng.submit([1], False), TypeError, r"max_new_tokens is False \(bool\)"),
         (lambda: rust_runtime.Engine(model, max_batch=0), ValueError, r"max_batch"),
         (lambda: rust_runtime.Engine(model, token_budget=0), ValueError, r"token_budget"),
         (lambda: rust_runtime.Engine(model, prefill_chunk=0), ValueError, r"prefill_chunk"),

@@ -77,22 +77,34 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
 /// checks they agree; exposed as `rust_runtime.MAX_THREADS`).
 pub const MAX_THREADS: i64 = 1024;
 
-/// `Model.load`'s threads: None (all cores) or an int from 1 to [`MAX_THREADS`], as serve.loader.load takes
-/// it. TypeError naming it for a bool or a non-integer, ValueError for an integer out of range (also
-/// one past 64 bits, which pyo3 reported as a bare "Python int too large to convert to C long").
-fn threads_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
-    let want = format!("expected an integer from 1 to {MAX_THREADS} or None (all cores)");
+/// An integer argument `name` whose rule is `want` ("expected an integer >= 0"): its value if it
+/// lies in `ok`. TypeError naming it for a bool or a non-integer (pyo3's i64 took True as 1),
+/// ValueError for an integer outside `ok`, also one past 64 bits (pyo3 said a bare "Python int
+/// too large to convert to C long", naming nothing).
+fn int_in(o: &Bound<'_, PyAny>, name: &str, ok: std::ops::RangeInclusive<i64>, want: &str) -> PyResult<i64> {
     let shown = || o.repr().map(|r| r.to_string()).unwrap_or_else(|_| "an integer past 64 bits".into());
     let index = o.call_method0("__index__").ok().filter(|_| !o.is_instance_of::<pyo3::types::PyBool>());
     let Some(i) = index else {
         let kind = o.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        return Err(PyTypeError::new_err(format!("threads is {} ({kind}); {want}", shown())));
+        return Err(PyTypeError::new_err(format!("{name} is {} ({kind}); {want}", shown())));
     };
     match i.extract::<i64>() {
-        Ok(t) if (1..=MAX_THREADS).contains(&t) => Ok(Some(t as usize)),
-        _ => Err(PyValueError::new_err(format!("threads is {}; {want}", shown()))),
+        Ok(v) if ok.contains(&v) => Ok(v),
+        _ => Err(PyValueError::new_err(format!("{name} is {}; {want}", shown()))),
     }
+}
+
+/// `Model.load`'s threads: None (all cores) or an int from 1 to [`MAX_THREADS`], as serve.loader.load takes
+/// it ([`int_in`]'s errors).
+fn threads_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    let Some(o) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+    let want = format!("expected an integer from 1 to {MAX_THREADS} or None (all cores)");
+    Ok(Some(int_in(o, "threads", 1..=MAX_THREADS, &want)? as usize))
+}
+
+/// max_new_tokens of generate, stream and Engine.submit: an int >= 0 ([`int_in`]'s errors).
+fn max_new_tokens_arg(o: &Bound<'_, PyAny>) -> PyResult<i64> {
+    int_in(o, "max_new_tokens", 0..=i64::MAX, "expected an integer >= 0")
 }
 
 /// Default compute threads: RAYON_NUM_THREADS if set, else the number of physical cores.
@@ -289,11 +301,12 @@ impl PyModel {
         &self,
         py: Python<'_>,
         ids: &Bound<'_, PyAny>,
-        max_new_tokens: i64,
+        max_new_tokens: &Bound<'_, PyAny>,
         stop_ids: Option<&Bound<'_, PyAny>>,
         sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Vec<(u32, f32)>> {
         let (ids, stops, s) = self.generation_args(ids, stop_ids, sampling, "generate")?;
+        let max_new_tokens = max_new_tokens_arg(max_new_tokens)?;
         let inner = self.inner.clone();
         detach(py, move || {
             let mut g = Generator::new(&inner.model, &ids, max_new_tokens, s.params, s.seed, &stops, inner.eot)?;
@@ -307,11 +320,12 @@ impl PyModel {
     fn stream(
         &self,
         ids: &Bound<'_, PyAny>,
-        max_new_tokens: i64,
+        max_new_tokens: &Bound<'_, PyAny>,
         stop_ids: Option<&Bound<'_, PyAny>>,
         sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyTokenStream> {
         let (ids, stops, s) = self.generation_args(ids, stop_ids, sampling, "stream")?;
+        let max_new_tokens = max_new_tokens_arg(max_new_tokens)?;
         let g = catch_panic(|| {
             Generator::new(&self.inner.model, &ids, max_new_tokens, s.params, s.seed, &stops, self.inner.eot)
         })?;
@@ -483,7 +497,7 @@ impl PyEngine {
     fn submit(
         &self,
         ids: &Bound<'_, PyAny>,
-        max_new_tokens: i64,
+        max_new_tokens: &Bound<'_, PyAny>,
         stop_ids: Option<&Bound<'_, PyAny>>,
         n: i64,
         top_logprobs: i64,
@@ -495,9 +509,7 @@ impl PyEngine {
         let s = SamplingArgs::parse(sampling, "submit")?;
         let ids = id_list(ids, "ids")?;
         let stops = opt_id_list(stop_ids, "stop_ids")?;
-        if max_new_tokens < 0 {
-            return Err(PyValueError::new_err(format!("max_new_tokens is {max_new_tokens}; expected an integer >= 0")));
-        }
+        let max_new_tokens = max_new_tokens_arg(max_new_tokens)?;
         if n < 1 {
             return Err(PyValueError::new_err(format!("n is {n}; expected an integer >= 1")));
         }
