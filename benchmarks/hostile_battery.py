@@ -219,7 +219,7 @@ def http_battery(port: int, tag: str) -> None:
         (C, j({"prompt": "a", "temperature": -1}), "negative temperature", 400),
         (C, j({"prompt": "a", "temperature": 1e-310, "max_tokens": 3}), "temperature 1e-310", 200),
         (C, '{"prompt": "a", "temperature": 5e-324, "max_tokens": 3}', "temperature 5e-324", 200),
-        (C, '{"prompt": "a", "repetition_penalty": 5e-324, "max_tokens": 3}', "repetition_penalty 5e-324", 200),
+        (C, '{"prompt": "a", "repetition_penalty": 5e-324, "max_tokens": 3}', "repetition_penalty 5e-324", 400),
         (C, j({"prompt": "a", "top_p": 0, "max_tokens": 3}), "top_p 0", 200),
         (C, '{"prompt": "a", "temperature": NaN}', "temperature NaN", 400),
         (C, '{"prompt": "a", "temperature": Infinity}', "temperature Infinity", 400),
