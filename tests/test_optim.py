@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from train.model import LlamaForCausalLM, ModelConfig
-from train.optim import MUON_MATRICES, MuonAdamW, build_optimizer, lr_at
+from train.optim import (
+    MUON_MATRICES,
+    Muon,
+    MuonAdamW,
+    build_optimizer,
+    is_muon_matrix,
+    lr_at,
+    newton_schulz,
+    newton_schulz_dtype,
+)
 from train.preflight import run_preflight
 
 CFG = ModelConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -63,8 +72,8 @@ def test_lr_at_refuses_bad_input(kw, match):
 # ------------------------------------------------------------------------------------------------ config errors
 
 @pytest.mark.parametrize("setting, message", [
-    ("train.optimizer=sgd", "train.optimizer: expected adamw or muon, got 'sgd'"),
-    ("train.schedule=step", "train.schedule: expected cosine, linear or wsd, got 'step'"),
+    ("train.optimizer=sgd", "train.optimizer: expected adamw or muon, got \"sgd\""),
+    ("train.schedule=step", "train.schedule: expected cosine, linear or wsd, got \"step\""),
     ("train.cooldown_frac=1.5", "train.cooldown_frac: expected a number in [0, 1], got 1.5"),
     ("train.cooldown_frac=-0.1", "train.cooldown_frac: expected a number in [0, 1], got -0.1"),
 ])
@@ -129,6 +138,59 @@ def test_muon_state_dict_round_trip_continues_bit_identically():
         loss_of(m, windows(9)).backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(ma.state_dict().values(), mb.state_dict().values()))
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (32, 32)])
+def test_newton_schulz_in_bfloat16_is_torchs_bit_for_bit(shape):
+    from torch.optim._muon import _zeropower_via_newtonschulz as torchs
+
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    coeffs = (3.4445, -4.7750, 2.0315)
+    ours = newton_schulz(g, coeffs, 5, 1e-7, torch.bfloat16)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, torchs(g, coeffs, 5, 1e-7))
+    # in float32 the same iteration: near-orthogonal rows (singular values in Muon's ~[0.5, 1.5] band), and within
+    # bfloat16's rounding of torch's
+    f32 = newton_schulz(g, coeffs, 5, 1e-7, torch.float32)
+    s = torch.linalg.svdvals(f32)
+    assert f32.dtype == torch.float32 and 0.5 < float(s.min()) and float(s.max()) < 1.5
+    assert float((f32 - ours.float()).abs().max()) < 0.05
+
+
+def test_muon_in_float32_is_torchs_update_with_a_float32_iteration():
+    """Muon._step_in is torch's step: in bfloat16 it gives torch.optim.Muon's parameters and momentum bit for bit;
+    the float32 iteration (a CPU without native bfloat16) moves them by bfloat16's rounding only."""
+    ref, ours, f32 = model(), model(), model()
+    for m in (ours, f32):
+        m.load_state_dict(ref.state_dict())
+    kw = dict(lr=1e-2, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+
+    def mats(m):
+        return [p for n, p in m.named_parameters() if is_muon_matrix(n, p)]
+
+    o_ref, o_ours, o_f32 = (torch.optim.Muon(mats(ref), **kw), Muon(mats(ours), **kw),
+                            Muon(mats(f32), ns_dtype=torch.float32, **kw))
+    for k in range(2):
+        for m, o in ((ref, o_ref), (ours, o_ours), (f32, o_f32)):
+            o.zero_grad()
+            loss_of(m, windows(k)).backward()
+        o_ref.step()
+        o_ours._step_in(torch.bfloat16)
+        o_f32.step()
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), ours.state_dict().values()))
+    assert all(torch.equal(o_ref.state[a]["momentum_buffer"], o_ours.state[b]["momentum_buffer"])
+               for a, b in zip(mats(ref), mats(ours)))
+    moved = max(float((a - b).abs().max()) for a, b in zip(ref.state_dict().values(), f32.state_dict().values()))
+    one_update = 1e-2 * 0.2 * math.sqrt(max(CFG.hidden_size, CFG.intermediate_size))  # lr × match_rms_adamw scale
+    assert 0 < moved < 0.2 * one_update, (moved, one_update)
+
+
+def test_the_newton_schulz_dtype_follows_native_bfloat16(monkeypatch):
+    monkeypatch.setenv("SHALIK_CPU_BF16", "0")
+    assert newton_schulz_dtype("cpu") == torch.float32 and newton_schulz_dtype("cuda") == torch.bfloat16
+    opt = build_optimizer(model(), 1e-2, 0.1, (0.9, 0.95), optimizer="muon")
+    assert opt.muon.ns_dtype == torch.float32
+    monkeypatch.setattr("train.optim.native_cpu_bf16", lambda: "avx512_bf16")
+    assert newton_schulz_dtype("cpu") == torch.bfloat16
 
 
 def test_muon_refuses_an_adamw_checkpoint_state():

@@ -13,6 +13,11 @@ Optimizers (``train.optimizer``):
   ``train.lr`` (and one schedule) drive both halves. Decoupled weight decay ``train.weight_decay`` applies to the
   Muon matrices as it does to AdamW's.
 
+torch's Muon runs its Newton–Schulz iteration in bfloat16 (Keller Jordan's choice for GPUs). A CPU without native
+bfloat16 (AVX2 only: AMD Zen 3, older Xeons) emulates those matmuls, which made Muon half of the ``cpu`` preset's
+step there; :class:`Muon` runs the iteration in float32 on such a CPU and is torch's own step everywhere else
+(:func:`newton_schulz_dtype`).
+
 Each trainable tensor appears once: ``named_parameters()`` yields a tied matrix once, so a tied embedding is never
 stepped twice (TR3).
 
@@ -30,6 +35,7 @@ import torch
 from torch import nn
 
 from train.config import OPTIMIZERS, SCHEDULES, TrainSection
+from train.device import native_cpu_bf16
 
 # The decoder-layer projections Muon owns (train/model.py names them so); anything else stays on AdamW.
 MUON_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,6 +66,76 @@ def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
     """Whether parameter ``name`` (a 2-D decoder projection weight) is stepped by Muon under ``"muon"``."""
     parts = name.split(".")
     return p.dim() == 2 and len(parts) >= 2 and parts[-2] in MUON_MATRICES
+
+
+def newton_schulz_dtype(device_type: str) -> torch.dtype:
+    """The dtype of Muon's Newton–Schulz matmuls on ``device_type``: bfloat16 (torch's, Keller Jordan's) on CUDA
+    and on a CPU that computes it natively (:func:`train.device.native_cpu_bf16`), float32 on any other CPU, where
+    bfloat16 matmuls are emulated (the ``cpu`` preset's step on an AVX2-only AMD EPYC: 1.8 s, half of it in
+    Muon)."""
+    return torch.bfloat16 if device_type == "cuda" or native_cpu_bf16() else torch.float32
+
+
+def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's orthogonalisation of the 2-D update ``g`` ([rows, cols], any float dtype) in ``dtype``: the quintic
+    Newton–Schulz iteration ``X ← a·X + (b·A + c·A²)·X`` with ``A = X·Xᵀ`` after scaling ``X`` to Frobenius norm
+    ≤ 1 (the wide orientation, transposed back). The same operations as ``torch.optim._muon``'s
+    ``_zeropower_via_newtonschulz`` (Jordan et al. 2024, github.com/KellerJordan/Muon), whose dtype is fixed to
+    bfloat16; returns a tensor of ``dtype`` and ``g``'s shape."""
+    a, b, c = coefficients
+    x = g.to(dtype=dtype, copy=True)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Muon):
+    """:class:`torch.optim.Muon` whose Newton–Schulz iteration runs in ``ns_dtype`` (:func:`newton_schulz_dtype`).
+    With bfloat16 it is torch's step itself; with another dtype the same update (Nesterov momentum, the
+    orthogonalised update scaled by ``adjust_lr_fn``, decoupled weight decay) is computed here, with torch's
+    parameter groups and state, so checkpoints move between the two. Supports ``adjust_lr_fn`` None /
+    ``"original"`` (``sqrt(max(1, rows/cols))``) and ``"match_rms_adamw"`` (``0.2·sqrt(max(rows, cols))``);
+    ValueError for another."""
+
+    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+        for g in self.param_groups:
+            if g["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+                raise ValueError(f"Muon: adjust_lr_fn {g['adjust_lr_fn']!r} is not supported here; expected None, "
+                                 "'original' or 'match_rms_adamw'")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        if closure is not None:
+            raise ValueError("Muon.step: a closure is not supported (compute the loss before the step)")
+        self._step_in(self.ns_dtype)
+        return None
+
+    @torch.no_grad()
+    def _step_in(self, dtype: torch.dtype) -> None:
+        """torch's update with the Newton–Schulz iteration in ``dtype`` (in bfloat16: torch's step, bit for bit)."""
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+            for p, grad, buf in zip(params, grads, bufs, strict=True):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+                rows, cols = p.shape[:2]
+                scale = (0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw"
+                         else math.sqrt(max(1, rows / cols)))
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * scale)
 
 
 class MuonAdamW:
@@ -119,7 +195,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
                     muon_momentum: float = 0.95) -> torch.optim.Optimizer | MuonAdamW:
     """The optimizer named ``optimizer`` (one of :data:`OPTIMIZERS`) over ``model``'s trainable parameters.
 
-    ``"adamw"``: AdamW over :func:`param_groups`, fused on CUDA. ``"muon"``: :class:`MuonAdamW` — Muon (Nesterov
+    ``"adamw"``: AdamW over :func:`param_groups`, fused on CUDA. ``"muon"``: :class:`MuonAdamW` — :class:`Muon` (Nesterov
     momentum ``muon_momentum``, 5 Newton–Schulz steps, ``adjust_lr_fn="match_rms_adamw"``) on the
     :data:`MUON_MATRICES`, AdamW (``betas``) on the rest, both at ``lr``. Raises ``ValueError`` for another name.
     """
@@ -141,8 +217,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
         keep = [(p, n) for p, n in zip(g["params"], g["names"]) if id(p) not in muon_ids]
         g["params"], g["names"] = [p for p, _ in keep], [n for _, n in keep]
     rest_groups = [g for g in rest_groups if g["params"]]
-    muon = torch.optim.Muon([{"params": hidden, "names": hn}], lr=lr, weight_decay=weight_decay,
-                            momentum=muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    muon = Muon([{"params": hidden, "names": hn}], lr=lr, weight_decay=weight_decay, momentum=muon_momentum,
+                nesterov=True, adjust_lr_fn="match_rms_adamw", ns_dtype=newton_schulz_dtype(device_type))
     adamw = torch.optim.AdamW(rest_groups, lr=lr, betas=tuple(betas), eps=1e-8, **kwargs)
     return MuonAdamW(muon, adamw)
 
