@@ -19,7 +19,7 @@ from contract.bundle import write_manifest
 ROOT = Path(__file__).resolve().parent.parent
 # the scripts that time lanes against each other (each uses benchmarks/timing.py)
 TIMED_SCRIPTS = ("decode", "prefill", "onnx_batching", "serve_batching", "batch_invariance_cost", "serve_latency",
-                 "serve_load", "verify_startup", "train_throughput", "prepare_scale", "cpu_bf16", "onnx_q8_0")
+                 "serve_load", "verify_startup", "train_throughput", "prepare_scale", "cpu_bf16", "onnx_q8_0", "muon_ns")
 
 
 def test_rotated_gives_every_item_the_lead_equally_often():
