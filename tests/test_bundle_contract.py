@@ -32,7 +32,8 @@ FACTS = ({v for k, v in vars(B).items() if k.isupper() and isinstance(v, str)
          | set(B.LEGACY_GRAPHS.values()))
 # the Rust constants and the Python value each must equal
 RUST_MIRROR = {"CONFIG": B.CONFIG, "WEIGHTS": B.WEIGHTS, "TOKENIZER": B.TOKENIZER, "MANIFEST": B.MANIFEST,
-               "FORMAT": B.FORMAT, "FORMAT_VERSION": B.FORMAT_VERSION, "FORMAT_MINOR": B.FORMAT_MINOR, "EOT": B.EOT}
+               "FORMAT": B.FORMAT, "FORMAT_VERSION": B.FORMAT_VERSION, "FORMAT_MINOR": B.FORMAT_MINOR, "EOT": B.EOT,
+               "SKIP_VERIFY": B.SKIP_VERIFY}
 
 
 # ---------------------------------------------------------------- scanning sources

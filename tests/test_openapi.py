@@ -114,7 +114,7 @@ def test_schema_bounds_and_the_declared_exception():
         schema = c.get("/openapi.json").json()
         props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
         int_options = [o for o in props["max_tokens"]["anyOf"] if o.get("type") == "integer"]
-        assert int_options == [{"type": "integer", "minimum": 0, "maximum": CONTEXT - 1}]
+        assert int_options == [{"type": "integer", "format": "int64", "minimum": 0, "maximum": CONTEXT - 1}]
         assert f'"maximum": {lm.vocab_size - 1}' in json.dumps(props["prompt"])
         prompt = "abc" * 5
         n = len(lm.tokenize(prompt)) + 1

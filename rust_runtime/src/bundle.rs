@@ -20,5 +20,8 @@ pub const FORMAT_VERSION: u64 = 1;
 pub const FORMAT_MINOR: u64 = 1;
 /// The files of a bundle that `Model::load` and the tokenizer read (what `integrity` verifies).
 pub const CHECKED_FILES: [&str; 3] = [CONFIG, WEIGHTS, TOKENIZER];
+/// How a reader skips the sha256 check, as every message says it: the Python argument, the CLIs' flag,
+/// the HTTP server's variable.
+pub const SKIP_VERIFY: &str = "verify=False (--no-verify, SHALIK_VERIFY=0)";
 /// Every prompt starts with it; generation stops at it.
 pub const EOT: &str = "<|endoftext|>";

@@ -8,7 +8,7 @@
 //! not a Shalik manifest, of a newer `format_version`, lacking an entry for one of these files, or
 //! disagreeing with one, is an error naming the file.
 
-use crate::bundle::{CHECKED_FILES, FORMAT, FORMAT_MINOR, FORMAT_VERSION, MANIFEST};
+use crate::bundle::{CHECKED_FILES, FORMAT, FORMAT_MINOR, FORMAT_VERSION, MANIFEST, SKIP_VERIFY};
 use crate::error::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::io::Read;
@@ -164,8 +164,6 @@ const FIGURES: [(&str, &str, bool, &str, &str, bool); 3] = [
         false,
     ),
 ];
-/// How the check of sha256 sums is skipped, in every message (`contract.bundle.SKIP_VERIFY`).
-const SKIP_VERIFY: &str = "verify=False (--no-verify, SHALIK_VERIFY=0)";
 /// How a gate can be overridden, in every message (`serve.verdict.OVERRIDE`): the Python argument, the
 /// CLIs' flag and the HTTP server's variable.
 const OVERRIDE: &str = "allow_ungated=True (--allow-ungated, SHALIK_ALLOW_UNGATED=1)";
