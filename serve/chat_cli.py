@@ -41,6 +41,7 @@ from typing import TextIO
 from contract.chat_format import RESERVED_TOKENS
 from serve.chat import chat_prompt_ids, why_not_chat
 from serve.cli import (
+    HelpFormatter,
     add_model_args,
     add_sampling_args,
     describe_sampling,
@@ -225,7 +226,7 @@ def line_reader(stream: TextIO) -> Callable[[str], str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m serve.chat_cli", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--system", default=None, help="a system message for the conversation")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,

@@ -20,6 +20,7 @@ import sys
 
 from contract.text import distinct_word_share
 from serve.cli import (
+    HelpFormatter,
     add_model_args,
     add_sampling_args,
     describe_sampling,
@@ -37,7 +38,7 @@ DEFAULT_PROMPTS = [("bn", "বাংলা ভাষা"), ("en", "The river")]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--prompt", default=None, help="continue this text instead of the Bangla and English defaults")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")

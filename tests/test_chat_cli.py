@@ -5,6 +5,7 @@ pipe is in test_chat_clients.py (slow: it fine-tunes one)."""
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -228,6 +229,32 @@ def test_serve_generate_ends_as_the_chat_does(bundle):
         out = subprocess.run([sys.executable, "-m", "serve.generate", str(bundle), *args], capture_output=True,
                              text=True, cwd=ROOT, timeout=120)
         assert out.returncode == 2 and out.stdout == "" and msg in out.stderr and "Traceback" not in out.stderr
+
+
+def _help_defaults(parse_args, capsys) -> dict[str, list[str]]:
+    """``--help`` of a terminal command: each option → the ``(default: ...)`` texts its entry states (an entry's
+    wrapped lines joined)."""
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    options = capsys.readouterr().out.split("options:\n", 1)[1]
+    entries = re.split(r"\n(?=  -)", options)
+    return {e.split()[0].rstrip(","): re.findall(r"\(default: ([^)]*)\)", " ".join(e.split())) for e in entries}
+
+
+def test_each_option_of_the_terminal_commands_states_its_default_once(capsys):
+    """--help of serve.generate and serve.chat_cli: a default stated by the help text is not stated again by argparse
+    ("(default: all cores) (default: None)"), flags and options without a value state none, and --backend states
+    its own."""
+    from serve.chat_cli import parse_args as chat_args
+    from serve.generate import parse_args as generate_args
+
+    bundles = "the bundle's"
+    shared = {"-h": [], "--backend": ["onnx"], "--quantize": ["none"], "--no-verify": [], "--allow-ungated": [],
+              "--threads": ["all cores"], "--temperature": [bundles], "--top-k": [bundles], "--top-p": [bundles],
+              "--repetition-penalty": [bundles], "--seed": ["1234"]}
+    assert _help_defaults(generate_args, capsys) == {**shared, "--prompt": [], "--max-new-tokens": ["64"],
+                                                     "--no-greedy": []}
+    assert _help_defaults(chat_args, capsys) == {**shared, "--system": [], "--max-new-tokens": ["256"]}
 
 
 @pytest.fixture
