@@ -261,6 +261,33 @@ def test_the_link_checker_sees_a_broken_link(tmp_path):
     assert _anchors(page) == {"a-code-heading-here"}
 
 
+# ---------------------------------------------------------------- the presets
+
+
+def test_the_preset_table_of_design_md_is_the_configs():
+    """docs/design.md's preset table (the one the guides point to) against configs/: every preset, its shape, its
+    vocabulary and its parameter count (embedding + per layer q, k, v, o, gate, up, down and two norms + the final
+    norm; a head of its own unless tied)."""
+    from train.config import load_config, preset_names
+
+    rows = {}
+    for line in DESIGN.read_text(encoding="utf-8").split("## Configuration (TOML)", 1)[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0].split()[0] in preset_names():
+            rows[cells[0].split()[0]] = cells[1:]
+    assert sorted(rows) == preset_names()
+    for name, cells in rows.items():
+        cfg = load_config(name)
+        m, vocab = cfg.model, cfg.tokenizer.vocab_size
+        h, heads, kv, inter, layers = (m.hidden_size, m.num_attention_heads, m.num_key_value_heads,
+                                       m.intermediate_size, m.num_hidden_layers)
+        head_dim = h // heads
+        layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * inter + 2 * h
+        params = vocab * h * (1 if m.tie_word_embeddings else 2) + layers * layer + h
+        assert cells == [str(h), str(layers), f"{heads} / {kv}", str(inter), str(m.max_position_embeddings),
+                         f"{vocab:,}", f"{params:,}"], name
+
+
 # ---------------------------------------------------------------- the HTTP settings table
 
 
