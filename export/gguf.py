@@ -4,7 +4,9 @@ Writes a bundle's weights and tokenizer as one GGUF file for llama.cpp (architec
 package (its writer, its Q8_0 / Q4_0 quantizers for q8_0 and q4_0, and its ``SpecialVocab`` for merges and special
 ids); ``q4_k_m`` is llama.cpp's own quantizer (llama-cpp-python). The quantized types pass the quality gate through
 llama.cpp and are recorded in the bundle's manifest (:mod:`export.gguf_quant`). Default output:
-``BUNDLE/model-<type>.gguf``; an existing file is refused unless ``--force``. The file is written under a temporary
+``BUNDLE/model-<type>.gguf``. Running the same command again does nothing when the file is the GGUF the bundle's
+manifest records (written from this bundle, its gate passed); any other existing file is refused unless
+``--force``. The file is written under a temporary
 name in the same folder, fsynced and renamed into place, so a crash, Ctrl-C or a failed gate never leaves a
 half-written GGUF.
 
@@ -44,8 +46,8 @@ What goes in (names as in llama.cpp's ``convert_hf_to_gguf.py``):
   tokenization without a model.
 
 Exit codes: 0 done, 1 the quality gate refused the quantized GGUF, 2 bad input (not a bundle, an unknown ``--type``,
-a type whose quantizer is not installed, a tensor its blocks do not fit, an existing output without ``--force``, a
-config or weights that do not describe a plain Llama, a tokenizer whose split or normalizer llama.cpp has no name
+a type whose quantizer is not installed, a tensor its blocks do not fit, an existing output that is not the
+recorded GGUF, without ``--force``, a config or weights that do not describe a plain Llama, a tokenizer whose split or normalizer llama.cpp has no name
 for, a format-2 tokenizer without ``--approximate-pretokenizer``), 130 interrupted.
 
 Running a GGUF through llama.cpp (a benchmark and test peer) is :mod:`serve.backends.llamacpp`.
@@ -70,7 +72,7 @@ from gguf import TokenType
 from safetensors import safe_open
 
 from contract.atomic import atomic_path, clean_stale, tmp_prefix
-from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, gguf_file
+from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, file_entry, gguf_file
 from contract.chat_format import CHAT_TEMPLATE, IM_END
 from contract.quant import role_of
 from export import gguf_quant as GQ
@@ -315,12 +317,13 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
     ``type``: "f32", "f16", "q8_0", "q4_0" or "q4_k_m" for the 2-D weights (norms stay f32;
     :mod:`export.gguf_quant`). A quantized type passes the quality gate through llama.cpp on the bundle's validation
     text (its run's val shards, or ``val_data``) before it is put in place, and is recorded in the bundle's
-    manifest. ``tokenizer.ggml.pre`` is the llama.cpp name of the bundle's split (:func:`llama_cpp_pre`);
+    manifest; an ``out`` the manifest already records (same sha256) is left as it is ("nothing to do") unless
+    ``force`` or ``val_data``. ``tokenizer.ggml.pre`` is the llama.cpp name of the bundle's split (:func:`llama_cpp_pre`);
     ``approximate_pretokenizer`` allows the ``qwen35`` approximation for a bundle made with tokenizer format 2 and
     changes nothing for a newer one. Raises PretokenizerError (an ExportError, exit code 2) for a tokenizer
     llama.cpp would split differently, ExportError for a folder that is not a bundle, an unknown type, a type whose
-    quantizer is not installed, a tensor whose rows do not fill the type's blocks, an existing ``out`` without
-    ``force``, a ``val_data`` that does not exist or is given for an unquantized type, weights/config/tokenizer that cannot be represented, or a failed write (naming the errno);
+    quantizer is not installed, a tensor whose rows do not fill the type's blocks, an existing ``out`` that is not
+    the recorded GGUF, without ``force``, a ``val_data`` that does not exist or is given for an unquantized type, weights/config/tokenizer that cannot be represented, or a failed write (naming the errno);
     QualityGateError (exit code 1) when the quantized GGUF fails its gate; nothing is left at ``out`` then.
     """
     s = GQ.scheme_of(type)
@@ -329,27 +332,31 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
     out = Path(out) if out is not None else bundle / gguf_file(type)
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; give a file name")
-    if out.exists() and not force:
-        raise ExportError(f"{out} already exists (use --force to replace it)")
     if val_data is not None and s is None:
         raise ExportError(f"--val-data {val_data}: --type {type} is not quantized, so it has no quality gate to "
                           "measure on it (drop --val-data, or choose a quantized --type)")
     if val_data is not None and not Path(val_data).exists():
         raise ExportError(f"--val-data {val_data}: no such file or directory")
     pre, record = llama_cpp_pre(bundle / TOKENIZER, approximate_pretokenizer)
-    clean_stale(out.parent)
-    try:
-        with atomic_path(out) as tmp:
-            write_gguf(bundle, tmp, type, approximate_pretokenizer=approximate_pretokenizer)
-            entry = GQ.gate_gguf(bundle, tmp, s, out.name, val_data, log) if s is not None else None
-    except OSError as e:
-        raise ExportError(f"cannot write {out}: {e.strerror or e} ({errno.errorcode.get(e.errno, '?')}); "
-                          "no GGUF was written") from None
-    GQ.record(bundle, out, entry)
+    if out.exists() and not force and val_data is None and _recorded(bundle, out):
+        log(f"gguf: {out} is already the recorded {type} GGUF of {bundle}; nothing to do (use --force to rebuild it)")
+    else:
+        if out.exists() and not force:
+            raise ExportError(f"{out} already exists and is not a GGUF recorded in {bundle}'s manifest "
+                              "(use --force to replace it)")
+        clean_stale(out.parent)
+        try:
+            with atomic_path(out) as tmp:
+                write_gguf(bundle, tmp, type, approximate_pretokenizer=approximate_pretokenizer)
+                entry = GQ.gate_gguf(bundle, tmp, s, out.name, val_data, log) if s is not None else None
+        except OSError as e:
+            raise ExportError(f"cannot write {out}: {e.strerror or e} ({errno.errorcode.get(e.errno, '?')}); "
+                              "no GGUF was written") from None
+        GQ.record(bundle, out, entry)
+        log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
+            f"tokenizer.ggml.pre {pre}, " + ("exact for NFC text)" if record.startswith("exact:")
+                                             else "an approximation: feed llama.cpp our token ids)"))
     exact = record.startswith("exact:")
-    log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
-        f"tokenizer.ggml.pre {pre}, " + ("exact for NFC text)" if exact
-                                         else "an approximation: feed llama.cpp our token ids)"))
     if exact:
         try:
             mf = write_modelfile(out, bundle, cfg.max_position_embeddings, log)
@@ -358,6 +365,20 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
         if mf is not None:
             log(f"gguf: wrote {mf} (FROM ./{out.name}): ollama create NAME -f {mf}")
     return out
+
+
+def _recorded(bundle: Path, out: Path) -> bool:
+    """True when ``out`` lies in ``bundle`` and the manifest lists it with this very sha256 and size: a GGUF that
+    :func:`export_gguf` wrote from this bundle (it records one only after the quality gate passed), so running the
+    same command again has nothing to do. A re-export replaces the bundle and its manifest, so a GGUF of older
+    weights is never listed."""
+    if out.resolve().parent != bundle.resolve():
+        return False
+    try:
+        entry = read_manifest(bundle)["files"].get(out.name)
+    except ExportError:
+        return False
+    return entry is not None and entry.get("bytes") == out.stat().st_size and entry == file_entry(out)
 
 
 def write_gguf(bundle: str | Path, path: str | Path, type: str, *, approximate_pretokenizer: bool = False) -> None:

@@ -257,9 +257,24 @@ def test_bad_input_and_overwrite(bundle, tmp_path, capsys):
     out = G.export_gguf(b, type="q8_0", log=lambda m: None, approximate_pretokenizer=True)
     assert out == b / "model-q8_0.gguf" and out.stat().st_size > 0
     first = out.stat().st_mtime_ns
-    with pytest.raises(ExportError, match="already exists"):
+    # the same command again: the manifest records this very file, so there is nothing to do (it exited 2)
+    said = []
+    assert G.export_gguf(b, type="q8_0", log=said.append, approximate_pretokenizer=True) == out
+    assert "nothing to do" in said[0] and out.stat().st_mtime_ns == first
+    assert G.main([str(b), "--type", "q8_0", "--approximate-pretokenizer"]) == 0 and out.stat().st_mtime_ns == first
+    # a file the manifest does not vouch for (changed since, or never written by export.gguf) needs --force
+    with out.open("r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(ExportError, match="already exists and is not a GGUF recorded in .*manifest.*--force"):
         G.export_gguf(b, type="q8_0", log=lambda m: None, approximate_pretokenizer=True)
-    assert G.main([str(b), "--type", "q8_0"]) == 2 and out.stat().st_mtime_ns == first
+    other = b / "model-f16.gguf"
+    other.write_bytes(b"not written by export.gguf")
+    assert G.main([str(b), "--type", "f16", "--approximate-pretokenizer"]) == 2
+    assert other.read_bytes() == b"not written by export.gguf"
+    other.unlink()
     assert G.main([str(b), "--type", "q8_0", "--force", "--approximate-pretokenizer"]) == 0
     assert sorted(p.name for p in b.iterdir() if p.name.startswith(".")) == []  # no temporary leftovers
     assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
