@@ -47,6 +47,7 @@ from export.source import Source, load_source
 from export.target import check_target, os_error_in, write_error
 from export.valdata import find_run_shards, from_shards, load_val_data, run_seq_len
 from serve.verdict import fmt_figure
+from train.components.checkpoint import step_name
 from train.hf_files import turn_end_ids_of_checkpoint
 
 __all__ = ["DTYPES", "ExportError", "ParityError", "export_bundle"]
@@ -82,6 +83,22 @@ def _stale(src: Source, out: Path, dtype: str, schemes: tuple[Scheme, ...], pari
         return ("a chat template, but the checkpoint is a base model" if not chat
                 else "no chat template, but the checkpoint was fine-tuned on conversations")
     return None
+
+
+def _older_own(src: Source, out: Path) -> int | None:
+    """The step of the bundle at ``out`` when it is the run's own default bundle (``<run dir>/bundle``) exported from
+    an older checkpoint of the run (``checkpoints/step-N`` with N below ``src``'s step): after a ``--resume`` the
+    README's line replaces it without ``--force``. None otherwise (another folder, a newer or unrecorded step)."""
+    if src.run_dir is None or out.resolve() != (src.run_dir / "bundle").resolve():
+        return None
+    try:
+        s = read_manifest(out).get("source") or {}
+    except BundleError:
+        return None
+    step, ckpt = s.get("step"), Path(str(s.get("checkpoint", "")))
+    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step < src.step):
+        return None
+    return step if ckpt.parent.name == "checkpoints" and ckpt.name == step_name(step) else None
 
 
 def parse_schemes(quantize: str | Sequence[str] | None) -> tuple[Scheme, ...]:
@@ -195,6 +212,9 @@ def export_bundle(src: str | Path, out: str | Path | None = None, *, force: bool
         log(f"export: {out} is already an up-to-date bundle of {source.ckpt} (step {source.step}); nothing to do "
             f"(use --force to rebuild it)")
         return out
+    if stale is not None and (older := _older_own(source, out)) is not None:
+        log(f"export: {out} is this run's bundle of step {older}; replacing it with step {source.step}")
+        force = True
     _check_out(source, out, force, stale)
     log(f"export: {source.ckpt} (step {source.step}, {source.model.num_params():,} parameters) → {out}")
     untrained = source.step == 0   # a random-init model's near-flat logits say nothing about a quantization

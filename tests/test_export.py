@@ -826,6 +826,35 @@ def test_existing_up_to_date_bundle_is_kept(trained_run, bundle, tmp_path):
     assert not has_chat_template(old)
 
 
+def test_the_run_s_bundle_of_an_older_step_is_replaced_without_force(trained_run, bundle, tmp_path):
+    """After a --resume the README's line exports the run again: its own bundle of an older checkpoint of the run is
+    replaced (it was refused without --force); a bundle of a newer step, or one outside the run's default folder,
+    still is refused."""
+    from export.onnx import ExportError, export_bundle
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("bundle"))
+    step = json.loads((find_checkpoint(run) / "trainer_state.json").read_text())["step"]
+
+    def plant(where: Path, old_step: int) -> None:
+        shutil.copytree(bundle, where, dirs_exist_ok=True)
+        m = json.loads((where / "manifest.json").read_text())
+        m["source"] = {"checkpoint": f"runs/x/checkpoints/step-{old_step:06d}", "step": old_step, "sha256": "0" * 64}
+        (where / "manifest.json").write_text(json.dumps(m))
+
+    plant(run / "bundle", step + 10)
+    with pytest.raises(ExportError, match=r"not an up-to-date bundle .*: exported from another checkpoint"):
+        export_bundle(run, parity=False, log=lambda m: None)
+    plant(tmp_path / "elsewhere", step - 10)
+    with pytest.raises(ExportError, match=r"elsewhere already exists and is not an up-to-date bundle"):
+        export_bundle(run, tmp_path / "elsewhere", parity=False, log=lambda m: None)
+    plant(run / "bundle", step - 10)
+    msgs: list[str] = []
+    assert export_bundle(run, parity=False, log=msgs.append) == run / "bundle"
+    assert f"is this run's bundle of step {step - 10}; replacing it with step {step}" in msgs[0]
+    assert json.loads((run / "bundle" / "manifest.json").read_text())["source"]["step"] == step
+
+
 def test_damaged_latest_is_an_export_error_naming_it(tmp_path):
     """A run whose checkpoints/latest holds bytes that are not UTF-8: a clear ExportError, not a traceback."""
     root = tmp_path / "run" / "checkpoints"
