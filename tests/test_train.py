@@ -102,6 +102,41 @@ def test_existing_run_needs_resume_or_new_name(tmp_path, session_cache):
         Trainer(cfg, **QUIET).train()
 
 
+def test_the_same_command_again_continues_an_unfinished_run(tmp_path, session_cache, monkeypatch, capsys):
+    """Re-running the README's line after an interruption continues the run (it exited 2 asking for --resume), a
+    finished one is a no-op, and a run of another config is refused naming why. The continued run is the run that
+    was never stopped."""
+    from train.run import main
+
+    args = ["--config", "tiny", "--name", "again", *set_args(tmp_path, session_cache, **{"train.max_steps": 4})]
+    assert main([*args[:3], "whole", *args[4:]]) == 0
+    real_step = Trainer._train_step
+
+    def sigterm_after_2(self, model):
+        out = real_step(self, model)
+        if self.state.step == 2:
+            self.stop._handler(signal.SIGTERM, None)
+        return out
+
+    monkeypatch.setattr(Trainer, "_train_step", sigterm_after_2)
+    assert main(args) == 143
+    monkeypatch.setattr(Trainer, "_train_step", real_step)
+    run = tmp_path / "runs" / "again"
+    assert read_latest_name(run / "checkpoints") == "step-000002"
+    capsys.readouterr()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "holds an unfinished run of this config (checkpoint at step 2 of 4); continuing it" in err
+    assert "resumed from" in err and read_latest_name(run / "checkpoints") == "step-000004"
+    whole = weights(tmp_path / "runs" / "whole")
+    assert all(torch.equal(whole[k], v) for k, v in weights(run).items())
+    assert main(args) == 0 and "already trained to step 4 with this config; nothing to do" in capsys.readouterr().err
+    other = [*args, "--set", "train.lr=0.002"]
+    assert main(other) == 2
+    assert "already holds a run of another config (its config.toml differs), checkpoint at step 4" in \
+        capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- TR4
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -235,7 +270,9 @@ def test_tr5_process_killed_mid_write(tmp_path, session_cache):
 
 # ---------------------------------------------------------------------------------------------- signals
 
-def test_sigterm_saves_and_exits_zero(tmp_path, session_cache):
+def test_sigterm_saves_and_exits_143(tmp_path, session_cache):
+    """A stopped run exits 128 + SIGTERM, so the README's ``train.run && export.onnx`` line stops there (it exited 0
+    and the line exported a half-trained model)."""
     args = ["--config", "tiny", "--name", "sig", *set_args(tmp_path, session_cache, **{"train.max_steps": 100000})]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "train.run", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -251,8 +288,8 @@ def test_sigterm_saves_and_exits_zero(tmp_path, session_cache):
         pytest.fail("training did not start")
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
-    assert "received SIGTERM" in err and "--resume" in err
+    assert proc.returncode == 128 + signal.SIGTERM == 143, err[-2000:]
+    assert "received SIGTERM" in err and "the same command again continues it" in err
     run = tmp_path / "runs" / "sig"
     ck = find_checkpoint(run)
     step = json.loads((ck / "trainer_state.json").read_text())["step"]

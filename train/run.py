@@ -21,7 +21,7 @@ metrics keys and the checkpoint layout are docs/design.md's. The loop:
   random-init twin) and greedy samples of fixed Bangla and English prompts;
 * checkpoints every ``ckpt_every`` steps and at the end (``train.components.checkpoint``), ``--resume`` continues exactly
   (same weights, optimizer, data position, schedule and RNG), a changed model config is refused;
-* SIGTERM / SIGINT save a checkpoint and exit 0; a non-finite loss or gradient skips the step, and
+* SIGTERM / SIGINT save a checkpoint and exit 128 + the signal (143, 130); a non-finite loss or gradient skips the step, and
   ``max_nonfinite`` in a row stop the run (exit 1) naming the last good checkpoint;
 * under ``torchrun`` DistributedDataParallel (100 MB buckets, gradients as bucket views, no buffer broadcast,
   static graph when there is no gradient accumulation), each rank its slice of every step, rank 0 alone writing; rank 0 prepares the data while the
@@ -52,7 +52,7 @@ import torch
 from tqdm import tqdm
 
 from train import windows as W
-from train.components.checkpoint import Checkpointer
+from train.components.checkpoint import Checkpointer, CheckpointError, find_checkpoint, same_config
 from train.components.evaluation import Evaluator
 from train.components.placement import Placement, all_reduce_sum, any_rank, barrier, shutdown
 from train.components.run_data import RunData
@@ -60,7 +60,7 @@ from train.components.run_log import RunLog, Throughput
 from train.components.signals import StopRequest
 from train.components.state import TrainState
 from train.components.step_module import CompileInfo, StepModuleBuilder
-from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, to_toml
+from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args
 from train.device import peak_memory_bytes, reset_peak_memory
 from train.errors import NonFiniteStop, TrainError
 from train.loader import step_batches
@@ -167,7 +167,7 @@ class Trainer:
 
     def init_weights(self) -> None:
         """Weights beyond the random initialisation: ``--init-from``'s (clears ``state.at_init``)."""
-        if self.init_from:
+        if self.init_from and not self.resume:  # resuming loads the run's own checkpoint instead
             src = self.checkpointer.load_init(self.init_from, self.model)
             self.state.at_init = False
             self.log(f"init-from: loaded weights of {src} (fresh optimizer, step 0)")
@@ -264,10 +264,15 @@ class Trainer:
         if t.final_eval and step == t.max_steps and step > start_step:
             final = self.evaluator.final(self.model, self.cfg, self.state)
         summary = self._summary(meter, final, trained=step > start_step)
-        if self.stop.requested:
-            self.log(f"stopped by signal at step {step}; resume with: python -m train.run --name "
-                     f"{self.cfg.run.name} --resume")
+        if self.stopped_early:
+            self.log(f"stopped by signal at step {step} of {t.max_steps} (checkpoint saved); the same command again "
+                     f"continues it")
         return summary
+
+    @property
+    def stopped_early(self) -> bool:
+        """True when a stop signal ended the run before ``train.max_steps`` (the CLI then exits 128 + the signal)."""
+        return self.stop.requested and self.state.step < self.cfg.train.max_steps
 
     def _loop(self, train_model) -> Throughput:
         """Steps until ``train.max_steps``, a stop request or a non-finite stop; logs, evaluates and checkpoints on
@@ -305,6 +310,7 @@ class Trainer:
                         self.save()
                     meter.exclude_pause()
                 if stats.stop:
+                    self.stop.agree()
                     break
         finally:
             bar.close()
@@ -399,15 +405,31 @@ FINAL_KEYS = ("val_sources", "compression_floor", "samples")
 def _already_done(cfg: Config) -> bool:
     """True when runs/NAME holds a finished run of the same config (re-running the README is then a no-op)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
-    s, c = run_dir / "summary.json", run_dir / "config.toml"
-    if not (s.is_file() and c.is_file()):
+    s = run_dir / "summary.json"
+    if not (s.is_file() and same_config(run_dir, cfg)):
         return False
     try:
         summary = json.loads(s.read_text())
     except json.JSONDecodeError:
         return False
-    return c.read_text() == to_toml(cfg) and summary.get("steps") == cfg.train.max_steps and bool(summary.get("checkpoint")) \
+    return summary.get("steps") == cfg.train.max_steps and bool(summary.get("checkpoint")) \
         and Path(summary["checkpoint"]).is_dir()
+
+
+def _unfinished_step(cfg: Config) -> int | None:
+    """The step of the newest intact checkpoint when runs/NAME holds an unfinished run of the same config (stopped
+    by a signal, killed, or its machine lost): re-running the same command continues it, as ``--resume`` would;
+    None otherwise (no run there, or a run of another config, which :meth:`Checkpointer.refuse_existing_run`
+    refuses)."""
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    if not same_config(run_dir, cfg):
+        return None
+    try:
+        ckpt = find_checkpoint(run_dir)
+        step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and step < cfg.train.max_steps else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,9 +450,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_trainer(make: Callable[[], Trainer], resume: bool, done: str = "trained") -> int:
-    """Make a Trainer with ``make()`` and train it, as a CLI does (``train.run``, ``train.sft``): a run already
-    finished with the same config is a no-op unless ``resume``; a TrainError is one line on stderr and its exit
-    code (PreflightFailed and NonFiniteStop 1, the rest 2: train/errors.py); the process group is shut down in
+    """Make a Trainer with ``make()`` and train it, as a CLI does (``train.run``, ``train.sft``), so that running
+    the same command again is safe: a run already finished with the same config is a no-op unless ``resume``, and
+    an unfinished one of the same config is continued (``--resume`` implied, said on stderr). A TrainError is one
+    line on stderr and its exit code (PreflightFailed and NonFiniteStop 1, the rest 2: train/errors.py); a stop
+    signal before the last step exits 128 + the signal (:class:`StopRequest`); the process group is shut down in
     every case. ``done`` words the no-op message. Returns the exit code."""
     trainer = None
     try:
@@ -439,7 +463,13 @@ def run_trainer(make: Callable[[], Trainer], resume: bool, done: str = "trained"
             print(f"{trainer.run_dir} is already {done} to step {trainer.cfg.train.max_steps} with this config; "
                   f"nothing to do (use --name for a new run)", file=sys.stderr)
             return 0
+        if not resume and (step := _unfinished_step(trainer.cfg)) is not None:
+            print(f"{trainer.run_dir} holds an unfinished run of this config (checkpoint at step {step} of "
+                  f"{trainer.cfg.train.max_steps}); continuing it (--name NEW starts a new run)", file=sys.stderr)
+            trainer.resume = True
         trainer.train()
+        if trainer.stopped_early:
+            return trainer.stop.exit_code
     except TrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

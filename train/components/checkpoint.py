@@ -34,7 +34,7 @@ from contract.atomic import TMP_PREFIX, atomic_dir, atomic_write_bytes, atomic_w
 from train.components.placement import DistInfo, barrier
 from train.components.run_data import RunData
 from train.components.state import TrainState
-from train.config import Config
+from train.config import Config, to_toml
 from train.errors import TrainError
 from train.hf_files import NAMES as HF_NAMES
 from train.hf_files import write_hf_files
@@ -284,6 +284,16 @@ def check_same_model(ckpt: Path, mcfg: ModelConfig) -> None:
         raise CheckpointError(f"the model config differs from {ckpt}: " + "; ".join(diffs))
 
 
+def same_config(run_dir: Path, cfg: Config) -> bool:
+    """True when ``run_dir/config.toml`` (written when a run starts) is ``cfg`` resolved
+    (:func:`train.config.to_toml`): the folder holds a run of this very config."""
+    c = Path(run_dir) / "config.toml"
+    try:
+        return c.is_file() and c.read_text(encoding="utf-8") == to_toml(cfg)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 class Checkpointer:
     """``run_dir/checkpoints`` of one run; ``last`` is the newest checkpoint this run wrote or resumed from (None
     before either). ``log`` is the run's (rank 0) log."""
@@ -298,7 +308,8 @@ class Checkpointer:
 
     def refuse_existing_run(self, resume: bool) -> None:
         """TrainError when runs/NAME already holds a checkpoint and this is not a --resume (checked before the data
-        is prepared, so the refusal is immediate; rank 0 only)."""
+        is prepared, so the refusal is immediate; rank 0 only). The CLIs resume a run of the same config on their
+        own (:func:`train.run.run_trainer`), so from them this refuses a run of another config."""
         if not self.dist.is_main:
             return
         existing = None
@@ -309,9 +320,10 @@ class Checkpointer:
                 existing = None
         if existing is not None and not resume:
             state = json.loads((existing / "trainer_state.json").read_text())
+            which = "a run" if same_config(self.run_dir, self.cfg) else "a run of another config (its config.toml differs)"
             raise TrainError(
-                f"{self.run_dir} already holds a run (checkpoint at step {state['step']}). Pass --resume to continue "
-                f"it, --name NEW for a new run, or delete {self.run_dir}.")
+                f"{self.run_dir} already holds {which}, checkpoint at step {state['step']}. Pass --resume to "
+                f"continue it with this config, --name NEW for a new run, or delete {self.run_dir}.")
 
     def load_init(self, init_from: str, model: LlamaForCausalLM) -> Path:
         """``--init-from``: the weights of a checkpoint (step folder, checkpoints folder or run folder) into

@@ -1,4 +1,6 @@
-"""SIGTERM / SIGINT as a request to stop: the run finishes its step, saves a checkpoint and exits 0."""
+"""SIGTERM / SIGINT as a request to stop: the run finishes its step, saves a checkpoint and exits 128 + the signal's
+number (130 for Ctrl-C, 143 for SIGTERM, the shell's convention), so a ``train.run && export.onnx`` line stops there
+instead of exporting a half-trained model."""
 
 from __future__ import annotations
 
@@ -9,15 +11,27 @@ from collections.abc import Callable, Iterator
 
 class StopRequest:
     """``requested`` turns true when SIGTERM or SIGINT arrives while :meth:`installed` is active (the loop reads
-    it between steps; under torchrun every rank agrees through the step's all-reduce)."""
+    it between steps; under torchrun every rank agrees through the step's all-reduce: :meth:`agree`)."""
 
     def __init__(self, log: Callable[[str], None]):
         self.requested = False
+        self.signum: int | None = None
         self._log = log
 
     def _handler(self, signum, _frame) -> None:
         self.requested = True
+        self.signum = signum
         self._log(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting")
+
+    def agree(self) -> None:
+        """Another rank was asked to stop: this one stops too (and saves with it), as if sent SIGTERM."""
+        if not self.requested:
+            self.requested, self.signum = True, signal.SIGTERM
+
+    @property
+    def exit_code(self) -> int:
+        """The process's exit code after the stop: 128 + the signal's number (0 when no stop was requested)."""
+        return 128 + int(self.signum) if self.requested and self.signum is not None else 0
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
