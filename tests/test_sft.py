@@ -299,6 +299,10 @@ def test_sft_run_end_to_end_resumes_exactly_and_exports(base_without_chat_tokens
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["base_val"] and summary["val"]["all"]["nll"] < summary["base_val"]["all"]["nll"]
     assert {s["lang"] for s in summary["samples"]} == {"bn", "en"}
+    # the final line gives both sides of the arrow (it printed the base figures alone)
+    line = next(x for x in out.stderr.splitlines() if "base model with the template → fine-tuned:" in x)
+    pairs = [f"{k} {v['nll']:.3f} → {summary['val'][k]['nll']:.3f}" for k, v in summary["base_val"].items()]
+    assert line.endswith("fine-tuned: " + ", ".join(pairs)) and len(pairs) >= 2
     ckpt = run / "checkpoints" / "step-000006"
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     assert [t["content"] for t in tok["added_tokens"]][-2:] == [IM_START, IM_END]

@@ -4,6 +4,7 @@ guard, refusal of a changed model on resume, --init-from, and preflight leaving 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -294,6 +295,24 @@ def test_sigterm_saves_and_exits_143(tmp_path, session_cache):
     ck = find_checkpoint(run)
     step = json.loads((ck / "trainer_state.json").read_text())["step"]
     assert step >= 3 and ck.name == f"step-{step:06d}"
+
+
+def test_the_progress_bar_loss_is_a_debiased_moving_average():
+    """The bar's loss is the trend, not one step's (fine-tuning's bar jumped 0.19 → 4.06 → 0.58 between steps of
+    short replies and long continuations); a skipped step's NaN leaves it alone."""
+    from train.run import SmoothedLoss
+
+    s = SmoothedLoss()
+    assert math.isnan(s.value)
+    s.add(2.0)
+    assert s.value == pytest.approx(2.0)   # debiased: the first step is itself
+    s.add(4.0)
+    assert s.value == pytest.approx((0.9 * 0.2 + 0.4) / (1 - 0.81))   # 3.0526: between, nearer the newer
+    s.add(float("nan"))
+    assert s.value == pytest.approx(3.0526, abs=1e-4)
+    for _ in range(200):
+        s.add(1.0)
+    assert s.value == pytest.approx(1.0, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- non-finite

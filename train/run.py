@@ -88,6 +88,26 @@ def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, **dataclasses.asdict(cfg.model))
 
 
+class SmoothedLoss:
+    """The progress bar's loss: an exponential moving average of the per-step losses, debiased for its first steps
+    (nanochat's ``smooth_train_loss``; beta 0.9, about the last ten steps). One step's loss swings with what its
+    batch holds (in fine-tuning, length-grouped steps of short replies next to long continuations), so the bar shows
+    the trend; ``metrics.jsonl`` keeps every step's own loss. Non-finite losses (skipped steps) are left out."""
+
+    def __init__(self, beta: float = 0.9):
+        self.beta, self.ema, self.n = beta, 0.0, 0
+
+    def add(self, loss: float) -> None:
+        if math.isfinite(loss):
+            self.ema = self.beta * self.ema + (1 - self.beta) * loss
+            self.n += 1
+
+    @property
+    def value(self) -> float:
+        """The debiased average (NaN before the first finite loss)."""
+        return self.ema / (1 - self.beta ** self.n) if self.n else float("nan")
+
+
 class Trainer:
     """One training run: ``Trainer(cfg, …).train()``; see the module doc. The loop and its wiring; the parts are
     in :mod:`train.components` (placement, data, state, checkpointer, run log, evaluation, step module, signals).
@@ -281,19 +301,21 @@ class Trainer:
         meter = Throughput(self.flops_per_token, self.placement.peak_flops)
         bar = tqdm(total=t.max_steps, initial=state.step, desc=self.cfg.run.name, unit="step", dynamic_ncols=True,
                    disable=not self.dist.is_main, mininterval=1.0)
+        smooth = SmoothedLoss()
         try:
             while state.step < t.max_steps:
                 if self.stop.requested and not self.dist.enabled:
                     break
                 stats = self._train_step(train_model)
                 meter.add(stats.tokens)
+                smooth.add(stats.loss)
                 if state.step % t.log_every == 0 or state.step == t.max_steps:
                     tps, mfu = meter.measure()
                     self.run_log.append_metrics({
                         "kind": "train", "step": state.step, "tokens": state.tokens, "loss": stats.loss,
                         "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens_per_s": tps, "mfu": mfu,
                         "elapsed_s": state.elapsed()})
-                    post = {"loss": f"{stats.loss:.3f}", "tok/s": f"{tps:,.0f}"}
+                    post = {"loss": f"{smooth.value:.3f}", "tok/s": f"{tps:,.0f}"}
                     if mfu is not None:
                         post["mfu"] = f"{mfu:.1%}"
                     bar.set_postfix(post, refresh=False)
@@ -482,4 +504,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["CompileInfo", "StepStats", "Trainer", "TrainError", "main", "model_config_for", "run_trainer"]
+__all__ = ["CompileInfo", "SmoothedLoss", "StepStats", "Trainer", "TrainError", "main", "model_config_for", "run_trainer"]

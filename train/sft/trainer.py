@@ -44,13 +44,14 @@ class SFTEvaluator(Evaluator):
         if not self.placement.dist.is_main:
             return None
         t0 = time.time()
-        base = next((r["val"] for r in self.run_log.metrics() if r.get("kind") == "eval" and r.get("step") == 0), None)
+        evals = {r.get("step"): r["val"] for r in self.run_log.metrics() if r.get("kind") == "eval" and "val" in r}
+        base, tuned = evals.get(0), evals.get(state.step)
         samples = user_samples(model, self.data.tokenizer, self.data.eot_id, SAMPLING, seed=cfg.run.seed,
                                max_new_tokens=128, prompts=self.prompts, stop_ids=self.stop_ids)
         self.run_log.append_samples(state.step, [{"kind": "final", **s} for s in samples])
-        if base:
+        if base and tuned:
             self.run_log.log("assistant-token validation NLL, base model with the template → fine-tuned: " + ", ".join(
-                f"{k} {v['nll']:.3f}" for k, v in base.items()))
+                f"{k} {v['nll']:.3f} → {tuned[k]['nll']:.3f}" for k, v in base.items() if k in tuned))
         for s in samples:
             q = s["prompt"].split("\n", 1)[1].split("<|im_end|>")[0]
             self.run_log.log(f"  [{s['lang']}, sampled] {q!r} → {s['sampled']!r}")
