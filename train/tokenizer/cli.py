@@ -50,14 +50,15 @@ def _cmd_train(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    check_out(args.out, args.force)
+    out = check_out(args.out, args.force)
     files = list_input_files(cfg.data.paths)
     texts, stats = choose_sample(files, cfg.data.languages, cfg.tokenizer.sample_weights, cfg.tokenizer.sample_chars,
                                  cfg.data.val_fraction, cfg.data.strict, workers=cfg.data.num_workers)
     for lang, s in stats.items():
         print(f"{lang}: sampling {s['sampled']:,} of {s['available']:,} train characters ({s['docs']} documents)")
     tok = train_tokenizer(texts, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
-    out = save_tokenizer(tok, check_out(args.out, args.force), cfg.model.max_position_embeddings, overwrite=args.force)
+    check_out(args.out, args.force)  # again: something may have appeared at --out while the BPE trained
+    save_tokenizer(tok, out, cfg.model.max_position_embeddings, overwrite=args.force)
     print(f"wrote {out}/tokenizer.json (vocab {tok.get_vocab_size()}, sha256 {tokenizer_sha256(out)[:16]}…)")
     return 0
 
