@@ -40,15 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import timing  # noqa: E402
+from benchmarks import timing, train_step  # noqa: E402
 from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
-from train.config import load_config  # noqa: E402
 from train.device import autocast_ctx, native_cpu_bf16  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM  # noqa: E402
 from train.optim import build_optimizer_for  # noqa: E402
 from train.run import model_config_for  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 # lane: (autocast dtype, chunk_tokens, compiled: False | "head" | "layers", attention)
 LANES = {"float32": (torch.float32, None, False, "sdpa"), "bf16-chunked": (torch.bfloat16, 8192, False, "sdpa"),
          "bf16": (torch.bfloat16, None, False, "sdpa"), "float32-head": (torch.float32, None, "head", "sdpa"),
@@ -58,19 +56,12 @@ LANES = {"float32": (torch.float32, None, False, "sdpa"), "bf16-chunked": (torch
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="cpu")
-    p.add_argument("--rows", type=int, default=8, help="windows a step (the cpu preset's micro-batch is 8)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    train_step.add_args(p, threads=1)
     a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    cfg = load_config(a.config, [])
+    cfg, x = train_step.setup(a)
     torch.manual_seed(0)
     model = LlamaForCausalLM(model_config_for(cfg, a.vocab))
     opt = build_optimizer_for(model, cfg.train, "cpu")
-    x = torch.randint(0, a.vocab, (a.rows, cfg.train.seq_len + 1))
     cpu = torch.device("cpu")
     mods = {}
     for name, (_, chunk, compiled, _) in LANES.items():
@@ -92,18 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - w0, time.process_time() - c0
 
     names = list(LANES)
-    for n in names:
-        step(n)  # warm-up
-    load0 = timing.loadavg()
-    runs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-    for r in range(a.rounds):
-        for n in timing.rotated(names, r):
-            runs[n].append(step(n))
-    load1 = timing.loadavg()
+    runs, (load0, load1) = train_step.interleave(step, names, a.rounds)
     tokens = a.rows * cfg.train.seq_len
     res = {"config": a.config, "rows": a.rows, "tokens_a_step": tokens, "threads": a.threads, "rounds": a.rounds,
            "cpu": timing.cpu_name(), "commit": timing.git_commit(), "native_bf16": native_cpu_bf16(), "torch": torch.__version__,
-           "loadavg": [load0[0], load1[0]], "lanes": {}}
+           "loadavg": [load0, load1], "lanes": {}}
     for n in names:
         wall, cput = [w for w, _ in runs[n]], [c for _, c in runs[n]]
         res["lanes"][n] = {"wall_min_s": min(wall), "wall_median_s": timing.median(wall),
@@ -116,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# cpu_bf16 ({a.config}, {a.rows} × {cfg.train.seq_len} tokens a step, {a.threads} thread(s))", "",
              f"`python benchmarks/cpu_bf16.py --config {a.config} --rows {a.rows} --threads {a.threads} --rounds "
              f"{a.rounds}` on {res['cpu']} (native bfloat16: {res['native_bf16'] or 'none'}), torch {torch.__version__}; "
-             f"load average {load0[0]:.1f} → {load1[0]:.1f} (other jobs ran beside). One full step a lane a round, "
+             f"load average {load0:.1f} → {load1:.1f} (other jobs ran beside). One full step a lane a round, "
              f"rotated order; speed = median of per-round ratios of step times.", "",
              "| lane | wall best s | wall median s | CPU best s | CPU median s | speed × float32 (CPU time) | "
              "speed × float32 (wall) |", "|---|---:|---:|---:|---:|---:|---:|"]

@@ -26,30 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import timing  # noqa: E402
+from benchmarks import timing, train_step  # noqa: E402
 from contract.atomic import atomic_write_json, atomic_write_text  # noqa: E402
-from train.config import load_config  # noqa: E402
 from train.device import native_cpu_bf16  # noqa: E402
 from train.model import CausalLMLoss, LlamaForCausalLM  # noqa: E402
 from train.optim import build_optimizer_for, newton_schulz_dtype  # noqa: E402
 from train.run import model_config_for  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 LANES = {"ns-bfloat16": torch.bfloat16, "ns-float32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="cpu")
-    p.add_argument("--rows", type=int, default=8, help="windows a step (the cpu preset's micro-batch is 8)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    train_step.add_args(p, threads=2)
     a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    cfg = load_config(a.config, [])
-    x = torch.randint(0, a.vocab, (a.rows, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    cfg, x = train_step.setup(a)
     lanes = {}
     for name, dtype in LANES.items():
         torch.manual_seed(0)
@@ -69,18 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return t2 - t0, t2 - t1
 
     names = list(LANES)
-    for n in names:
-        step(n)  # warm-up
-    load0 = timing.loadavg()
-    runs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-    for r in range(a.rounds):
-        for n in timing.rotated(names, r):
-            runs[n].append(step(n))
-    load1 = timing.loadavg()
+    runs, (load0, load1) = train_step.interleave(step, names, a.rounds)
     res = {"config": a.config, "rows": a.rows, "threads": a.threads, "rounds": a.rounds, "cpu": timing.cpu_name(),
            "simd": torch.backends.cpu.get_cpu_capability(),
            "native_bf16": native_cpu_bf16(), "default": str(newton_schulz_dtype("cpu")).removeprefix("torch."),
-           "commit": timing.git_commit(), "torch": torch.__version__, "loadavg": [load0[0], load1[0]], "lanes": {}}
+           "commit": timing.git_commit(), "torch": torch.__version__, "loadavg": [load0, load1], "lanes": {}}
     for n in names:
         steps, opts = [s for s, _ in runs[n]], [o for _, o in runs[n]]
         res["lanes"][n] = {"step_min_s": min(steps), "step_median_s": timing.median(steps),
@@ -91,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{a.threads} thread(s))", "",
              f"`python benchmarks/muon_ns.py --config {a.config} --rows {a.rows} --threads {a.threads} --rounds "
              f"{a.rounds}` on {res['cpu']} ({res['simd']}; native bfloat16: {res['native_bf16'] or 'none'}; the default here: "
-             f"{res['default']}), torch {torch.__version__}; load average {load0[0]:.1f} → {load1[0]:.1f}. One full "
+             f"{res['default']}), torch {torch.__version__}; load average {load0:.1f} → {load1:.1f}. One full "
              "step a lane a round, rotated order.", "",
              "| lane | step best s | step median s | optimizer best s | optimizer median s |", "|---|---:|---:|---:|---:|"]
     for n, v in res["lanes"].items():
