@@ -248,6 +248,29 @@ def test_an_old_bundle_reads_its_int8_names_as_q8_0_and_serves(bundle, tmp_path,
 # ---------------------------------------------------------------- Python and Rust agree
 
 
+def test_a_truncated_onnx_data_file_is_one_line_naming_the_cause(bundle, tmp_path, capfd):
+    """With verification on, a truncated model.onnx.data is refused by its size; without it onnxruntime fails, and
+    its error (a C++ signature, a source path, the reason) came out in 2 lines, with ORT's own red copy on stderr.
+    It is now one line with the reason, and ORT prints nothing."""
+    from serve.backends.base import BackendError
+
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    data = b / "model.onnx.data"
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(B.BundleError, match=r"model.onnx.data is corrupt: \d+ bytes, the manifest says"):
+        load(b)
+    capfd.readouterr()
+    with pytest.raises(BackendError) as e:
+        load(b, verify=False)
+    msg = str(e.value)
+    assert "\n" not in msg and ".cc:" not in msg and "[ONNXRuntimeError]" not in msg, msg
+    assert re.search(r"model.onnx: onnxruntime cannot load it \((?:Deserialize tensor \S+ failed\. )?External "
+                     r"initializer: \S+ offset: \d+ size to read: \d+ given file_length: \d+ are out of bounds", msg), msg
+    assert "onnxruntime" not in capfd.readouterr().err
+
+
 def test_python_and_rust_refuse_a_missing_or_newer_manifest_alike(bundle, tmp_path):
     """The rule (docs/design.md "The bundle"): the manifest is written last, so a folder without one is not a
     finished export — refused by serve.load (both backends) and rust_runtime.Model.load, with the same message and

@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import re
 import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -137,6 +138,17 @@ class OnnxSequence:
         return other
 
 
+def ort_reason(e: BaseException) -> str:
+    """onnxruntime's error without its wrapping: the text after the last ``[ONNXRuntimeError] : N : CODE :``
+    without its source locations (``file.cc:123 Function``), on one line. ORT nests a C++ signature and a source path in
+    front of the reason (``Exception during initialization: …/optimizer_execution_frame.cc:74 onnxruntime::…``)."""
+    text = " ".join(str(e).split())
+    text = re.split(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", text)[-1]
+    text = re.sub(r"(?:/[\w.-]+)*/?[A-Za-z_]\w*\.(?:cc|h|cpp):\d+(?: [\w:~]+(?= [A-Z]))?", " ", text)
+    text = " ".join(text.removeprefix("Exception during initialization:").split())
+    return text or str(e)
+
+
 class OnnxBackend:
     """A bundle's ONNX graph in an onnxruntime session, plus a factory of KV caches.
 
@@ -186,10 +198,12 @@ class OnnxBackend:
         so.inter_op_num_threads = 1
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.log_severity_level = 4  # fatal only: a load error is ours to report, in one line (ORT also printed it)
         try:  # by path: external data (model.onnx.data) must be resolved beside the graph
             self.session = ort.InferenceSession(str(self.model_path), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception classes
-            raise BackendError(f"{self.model_path}: onnxruntime cannot load it ({e})") from None
+            raise BackendError(f"{self.model_path}: onnxruntime cannot load it ({ort_reason(e)}); a damaged or "
+                               f"incomplete bundle? Loading with verification checks every file's sha256") from None
         self._in_names = onnx_input_names(self.num_layers)  # ids, mask, positions, then (key, value) per layer
         self._past_names = list(zip(self._in_names[3::2], self._in_names[4::2], strict=True))
         inputs = {i.name: i for i in self.session.get_inputs()}
