@@ -106,11 +106,13 @@ class RequestStream(Iterator[Event]):
     def cancel_choice(self, index: int) -> None: ...
 
 class Engine:
-    def __init__(self, model: Model, max_batch: int = ..., token_budget: int = ..., prefill_chunk: int = ...) -> None:
+    def __init__(self, model: Model, max_batch: int | None = None, token_budget: int | None = None,
+                 prefill_chunk: int | None = None) -> None:
         """max_batch: sequences stepped together; token_budget: tokens per step (decodes plus prompt chunks);
         prefill_chunk: at most this many prompt tokens in a step that also decodes (a step with nothing
-        decoding prefills up to token_budget). Defaults and limits: src/policy.rs, equal to serve.policy's (a test
-        checks); ValueError naming a bad one."""
+        decoding prefills up to token_budget). None: the default. Defaults and limits: src/policy.rs, equal to
+        serve.policy's (a test checks); TypeError naming a bool or non-integer, ValueError naming one out of
+        range."""
     @property
     def max_batch(self) -> int: ...
     @property
@@ -123,16 +125,17 @@ class Engine:
         max_new_tokens: int,
         *,
         stop_ids: Seq[int] | None = None,
-        n: int = 1,
-        top_logprobs: int = 0,
+        n: int | None = None,
+        top_logprobs: int | None = None,
         timeout: float | None = None,
         ignore_eos: bool = False,
-        first_index: int = 0,
+        first_index: int | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> RequestStream:
-        """n <= max_batch choices (one prefill); timeout: seconds from now, then the choices still running end
-        "timeout"; first_index: the caller's index of this request's choice 0; choice i draws from
-        choice_seed(seed, first_index + i) (choice_seed(s, 0) = s)."""
+        """n <= max_batch choices (one prefill; None: 1); top_logprobs 0 to 1000 (None: 0); timeout: seconds from now, then the choices still running end
+        "timeout"; first_index: the caller's index of this request's choice 0 (None: 0); choice i draws from
+        choice_seed(seed, first_index + i) (choice_seed(s, 0) = s). TypeError naming an integer argument given a
+        bool or another type, ValueError naming one out of range (also past 64 bits)."""
     def cancel(self, id: int) -> None: ...
     def stats(self) -> dict[str, int | float]: ...
     def close(self) -> None: ...

@@ -142,6 +142,20 @@ def test_bad_requests_name_the_argument(model):
         (lambda: rust_runtime.Engine(model, token_budget=0), ValueError, r"token_budget"),
         (lambda: rust_runtime.Engine(model, prefill_chunk=0), ValueError, r"prefill_chunk"),
         (lambda: rust_runtime.Engine(model, prefill_chunk=-3), ValueError, r"prefill_chunk"),
+        # the other integer arguments took True as 1, and past 64 bits gave pyo3's bare OverflowError
+        (lambda: eng.submit([1], 4, n=True), TypeError, r"n is True \(bool\); expected an integer >= 1"),
+        (lambda: eng.submit([1], 4, n=2**70), ValueError, rf"n is {2**70}; expected an integer >= 1"),
+        (lambda: eng.submit([1], 4, n=0), ValueError, r"n is 0; expected an integer >= 1"),
+        (lambda: eng.submit([1], 4, top_logprobs=True), TypeError, r"top_logprobs is True \(bool\)"),
+        (lambda: eng.submit([1], 4, top_logprobs=1001), ValueError, r"top_logprobs is 1001; expected an integer "
+                                                                     r"from 0 to 1000"),
+        (lambda: eng.submit([1], 4, top_logprobs=2.0), TypeError, r"top_logprobs is 2\.0 \(float\)"),
+        (lambda: eng.submit([1], 4, first_index=2**64), ValueError, r"first_index is 18446744073709551616"),
+        (lambda: eng.submit([1], 4, first_index=-1), ValueError, r"first_index is -1; expected an integer from 0"),
+        (lambda: rust_runtime.Engine(model, max_batch=True), TypeError, r"max_batch is True \(bool\)"),
+        (lambda: rust_runtime.Engine(model, token_budget=2**70), ValueError, rf"token_budget is {2**70}; expected an "
+                                                                           r"integer >= 1 \(at most 1048576\)"),
+        (lambda: rust_runtime.Engine(model, prefill_chunk="8"), TypeError, r"prefill_chunk is '8' \(str\)"),
     ]
     for fn, exc, pat in cases:
         expect_error(fn, exc, pat)

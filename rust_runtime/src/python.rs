@@ -10,7 +10,9 @@ use crate::engine::{Engine, Event, Finish, Request};
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::{generate_all, Generator};
 use crate::model::{Model, Quantize};
-use crate::policy::{Limits, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET};
+use crate::policy::{
+    Limits, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET, MAX_BATCH_LIMIT, MAX_TOKEN_BUDGET,
+};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tok;
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
@@ -92,6 +94,26 @@ fn int_in(o: &Bound<'_, PyAny>, name: &str, ok: std::ops::RangeInclusive<i64>, w
         Ok(v) if ok.contains(&v) => Ok(v),
         _ => Err(PyValueError::new_err(format!("{name} is {}; {want}", shown()))),
     }
+}
+
+/// An optional integer argument: `default` when it is absent or None, else [`int_in`]'s value in `ok`.
+fn opt_int_in(
+    o: Option<&Bound<'_, PyAny>>,
+    name: &str,
+    default: i64,
+    ok: std::ops::RangeInclusive<i64>,
+    want: &str,
+) -> PyResult<i64> {
+    match o.filter(|o| !o.is_none()) {
+        None => Ok(default),
+        Some(o) => int_in(o, name, ok, want),
+    }
+}
+
+/// One of `Engine(...)`'s sizes: `default` when absent, else an int from 1 to `hi` ([`int_in`]'s errors;
+/// [`Limits::new`] holds the same rule).
+fn limit_arg(o: Option<&Bound<'_, PyAny>>, name: &str, default: usize, hi: usize) -> PyResult<i64> {
+    opt_int_in(o, name, default as i64, 1..=hi as i64, &format!("expected an integer >= 1 (at most {hi})"))
 }
 
 /// `Model.load`'s threads: None (all cores) or an int from 1 to [`MAX_THREADS`], as serve.loader.load takes
@@ -476,11 +498,20 @@ impl PyEngine {
     /// also carries decoding sequences, so that a long prompt is spread over several steps
     /// instead of stalling the streams already decoding (a step with nothing decoding prefills
     /// up to token_budget). Defaults and limits: `policy` (ValueError naming a bad one).
+    /// Each size is an int (TypeError for a bool or another type, ValueError out of range); None is its default.
     #[new]
-    #[pyo3(signature = (model, max_batch=DEFAULT_MAX_BATCH as i64, token_budget=DEFAULT_TOKEN_BUDGET as i64,
-                        prefill_chunk=DEFAULT_PREFILL_CHUNK as i64))]
-    fn new(model: &PyModel, max_batch: i64, token_budget: i64, prefill_chunk: i64) -> PyResult<Self> {
-        let limits = Limits::new(max_batch, token_budget, prefill_chunk)?;
+    #[pyo3(signature = (model, max_batch=None, token_budget=None, prefill_chunk=None))]
+    fn new(
+        model: &PyModel,
+        max_batch: Option<&Bound<'_, PyAny>>,
+        token_budget: Option<&Bound<'_, PyAny>>,
+        prefill_chunk: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let limits = Limits::new(
+            limit_arg(max_batch, "max_batch", DEFAULT_MAX_BATCH, MAX_BATCH_LIMIT)?,
+            limit_arg(token_budget, "token_budget", DEFAULT_TOKEN_BUDGET, MAX_TOKEN_BUDGET)?,
+            limit_arg(prefill_chunk, "prefill_chunk", DEFAULT_PREFILL_CHUNK, MAX_TOKEN_BUDGET)?,
+        )?;
         let inner = &model.inner;
         let engine = Engine::start(inner.model.clone(), inner.eot, limits)?;
         Ok(PyEngine { engine: Arc::new(engine) })
@@ -491,36 +522,30 @@ impl PyEngine {
     /// (alternatives reported per token), timeout (seconds from now, then the choices still
     /// running end with "timeout"), ignore_eos (end-of-text is then an ordinary token; stop_ids
     /// still stop) and first_index (choice i draws from choice_seed(seed, first_index + i)).
-    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, n=1, top_logprobs=0, timeout=None, ignore_eos=false,
-                        first_index=0, **sampling))]
+    /// n, top_logprobs and first_index are ints (TypeError for a bool or another type; None is the default).
+    #[pyo3(signature = (ids, max_new_tokens, *, stop_ids=None, n=None, top_logprobs=None, timeout=None,
+                        ignore_eos=false, first_index=None, **sampling))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         ids: &Bound<'_, PyAny>,
         max_new_tokens: &Bound<'_, PyAny>,
         stop_ids: Option<&Bound<'_, PyAny>>,
-        n: i64,
-        top_logprobs: i64,
+        n: Option<&Bound<'_, PyAny>>,
+        top_logprobs: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         ignore_eos: bool,
-        first_index: i64,
+        first_index: Option<&Bound<'_, PyAny>>,
         sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyRequestStream> {
         let s = SamplingArgs::parse(sampling, "submit")?;
         let ids = id_list(ids, "ids")?;
         let stops = opt_id_list(stop_ids, "stop_ids")?;
         let max_new_tokens = max_new_tokens_arg(max_new_tokens)?;
-        if n < 1 {
-            return Err(PyValueError::new_err(format!("n is {n}; expected an integer >= 1")));
-        }
-        if !(0..=1 << 32).contains(&first_index) {
-            return Err(PyValueError::new_err(format!("first_index is {first_index}; expected an integer >= 0")));
-        }
-        if !(0..=1000).contains(&top_logprobs) {
-            return Err(PyValueError::new_err(format!(
-                "top_logprobs is {top_logprobs}; expected 0 <= top_logprobs <= 1000"
-            )));
-        }
+        let n = opt_int_in(n, "n", 1, 1..=i64::MAX, "expected an integer >= 1")?;
+        let first_index =
+            opt_int_in(first_index, "first_index", 0, 0..=1 << 32, "expected an integer from 0 to 2**32")?;
+        let top_logprobs = opt_int_in(top_logprobs, "top_logprobs", 0, 0..=1000, "expected an integer from 0 to 1000")?;
         let timeout = match timeout {
             None => None,
             Some(t) if t.is_finite() && t > 0.0 && t < 1e9 => Some(std::time::Duration::from_secs_f64(t)),
