@@ -10,6 +10,8 @@ the default optimizer) on the same weights and the same random batch:
 * ``bf16``: bfloat16 autocast with the whole logits (``chunk_tokens=None``, the CPU path in eager);
 * ``float32-head``, ``bf16-head``: the same with the head + loss compiled (``train.compile = "head"``; the layers
   stay eager);
+* ``float32-layers``: float32 with each decoder layer and the head + loss compiled and SDPA's attention (what
+  ``auto`` runs on a CPU without native bfloat16);
 * ``bf16-layers``: bfloat16 with each decoder layer and the head + loss compiled (``train.compile = "auto"``) and
   SDPA's attention (``train.attention = "sdpa"``);
 * ``bf16-layers-blocked``: the same with :func:`train.model.blocked_causal_attention` (``train.attention =
@@ -50,21 +52,27 @@ from train.run import model_config_for  # noqa: E402
 # lane: (autocast dtype, chunk_tokens, compiled: False | "head" | "layers", attention)
 LANES = {"float32": (torch.float32, None, False, "sdpa"), "bf16-chunked": (torch.bfloat16, 8192, False, "sdpa"),
          "bf16": (torch.bfloat16, None, False, "sdpa"), "float32-head": (torch.float32, None, "head", "sdpa"),
-         "bf16-head": (torch.bfloat16, None, "head", "sdpa"), "bf16-layers": (torch.bfloat16, None, "layers", "sdpa"),
+         "bf16-head": (torch.bfloat16, None, "head", "sdpa"), "float32-layers": (torch.float32, None, "layers", "sdpa"),
+         "bf16-layers": (torch.bfloat16, None, "layers", "sdpa"),
          "bf16-layers-blocked": (torch.bfloat16, None, "layers", "blocked")}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     train_step.add_args(p, threads=1)
+    p.add_argument("--lanes", nargs="+", choices=list(LANES), default=list(LANES),
+                   help="lanes to time; float32, the reference, always runs (a CPU without native bfloat16 emulates "
+                        "the bf16 lanes at several seconds a step)")
     a = p.parse_args(argv)
+    names = [n for n in LANES if n == "float32" or n in a.lanes]
     cfg, x = train_step.setup(a)
     torch.manual_seed(0)
     model = LlamaForCausalLM(model_config_for(cfg, a.vocab))
     opt = build_optimizer_for(model, cfg.train, "cpu")
     cpu = torch.device("cpu")
     mods = {}
-    for name, (_, chunk, compiled, _) in LANES.items():
+    for name in names:
+        _, chunk, compiled, _ = LANES[name]
         mods[name] = CausalLMLoss(model, chunk_tokens=chunk)
         if compiled == "head":
             mods[name].compile_head()
@@ -82,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         return time.perf_counter() - w0, time.process_time() - c0
 
-    names = list(LANES)
     runs, (load0, load1) = train_step.interleave(step, names, a.rounds)
     tokens = a.rows * cfg.train.seq_len
     res = {"config": a.config, "rows": a.rows, "tokens_a_step": tokens, "threads": a.threads, "rounds": a.rounds,
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                     [r[i] for r in runs["float32"]], [r[i] for r in runs[n]])
     lines = [f"# cpu_bf16 ({a.config}, {a.rows} × {cfg.train.seq_len} tokens a step, {a.threads} thread(s))", "",
              f"`python benchmarks/cpu_bf16.py --config {a.config} --rows {a.rows} --threads {a.threads} --rounds "
-             f"{a.rounds}` on {res['cpu']} (native bfloat16: {res['native_bf16'] or 'none'}), torch {torch.__version__}; "
+             f"{a.rounds}{'' if names == list(LANES) else ' --lanes ' + ' '.join(names[1:])}` on {res['cpu']} (native bfloat16: {res['native_bf16'] or 'none'}), torch {torch.__version__}; "
              f"load average {load0:.1f} → {load1:.1f} (other jobs ran beside). One full step a lane a round, "
              f"rotated order; speed = median of per-round ratios of step times.", "",
              "| lane | wall best s | wall median s | CPU best s | CPU median s | speed × float32 (CPU time) | "
