@@ -124,11 +124,28 @@ def test_the_same_command_again_continues_an_unfinished_run(tmp_path, session_ca
     monkeypatch.setattr(Trainer, "_train_step", real_step)
     run = tmp_path / "runs" / "again"
     assert read_latest_name(run / "checkpoints") == "step-000002"
+    # Ctrl-C during the final evaluation (after the last checkpoint): one line, exit 130 (it was a traceback and
+    # exit 1, and the run could then never be finished by the same command)
+    from train.components.evaluation import Evaluator
+    from train.components.signals import Interrupted
+
+    real_final = Evaluator.final
+
+    def interrupted(*a, **k):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(Evaluator, "final", interrupted)
     capsys.readouterr()
-    assert main(args) == 0
+    assert main(args) == 130
     err = capsys.readouterr().err
     assert "holds an unfinished run of this config (checkpoint at step 2 of 4); continuing it" in err
-    assert "resumed from" in err and read_latest_name(run / "checkpoints") == "step-000004"
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGINT;") and "Traceback" not in err
+    assert read_latest_name(run / "checkpoints") == "step-000004"
+    monkeypatch.setattr(Evaluator, "final", real_final)
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "(checkpoint at step 4 of 4); continuing it" in err and "final evaluation" in err
+    assert "val_sources" in json.loads((run / "summary.json").read_text())
     whole = weights(tmp_path / "runs" / "whole")
     assert all(torch.equal(whole[k], v) for k, v in weights(run).items())
     assert main(args) == 0 and "already trained to step 4 with this config; nothing to do" in capsys.readouterr().err

@@ -42,6 +42,7 @@ import gc
 import json
 import math
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from train.components.evaluation import Evaluator
 from train.components.placement import Placement, all_reduce_sum, any_rank, barrier, shutdown
 from train.components.run_data import RunData
 from train.components.run_log import RunLog, Throughput
-from train.components.signals import StopRequest
+from train.components.signals import Interrupted, StopRequest, interrupts
 from train.components.state import TrainState
 from train.components.step_module import CompileInfo, StepModuleBuilder
 from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args
@@ -281,7 +282,8 @@ class Trainer:
             self.save()
         self.step_builder.count_recompiles(self.log)
         final = None
-        if t.final_eval and step == t.max_steps and step > start_step:
+        if t.final_eval and step == t.max_steps and (step > start_step or self.run_log.read_summary().get("steps") != step):
+            # also when a session stopped during it: the checkpoint at max_steps is there, its summary is not
             final = self.evaluator.final(self.model, self.cfg, self.state)
         summary = self._summary(meter, final, trained=step > start_step)
         if self.stopped_early:
@@ -440,9 +442,10 @@ def _already_done(cfg: Config) -> bool:
 
 def _unfinished_step(cfg: Config) -> int | None:
     """The step of the newest intact checkpoint when runs/NAME holds an unfinished run of the same config (stopped
-    by a signal, killed, or its machine lost): re-running the same command continues it, as ``--resume`` would;
-    None otherwise (no run there, or a run of another config, which :meth:`Checkpointer.refuse_existing_run`
-    refuses)."""
+    by a signal, killed, or its machine lost; at ``train.max_steps`` too when its summary was never written, i.e.
+    it stopped during the final evaluation): re-running the same command continues it, as ``--resume`` would;
+    None otherwise (no run there, a finished one, or a run of another config, which
+    :meth:`Checkpointer.refuse_existing_run` refuses)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     if not same_config(run_dir, cfg):
         return None
@@ -451,7 +454,9 @@ def _unfinished_step(cfg: Config) -> int | None:
         step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
     except (CheckpointError, OSError, ValueError, KeyError, TypeError):
         return None
-    return step if isinstance(step, int) and step < cfg.train.max_steps else None
+    if not isinstance(step, int) or step > cfg.train.max_steps:
+        return None
+    return step if step < cfg.train.max_steps or not _already_done(cfg) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,25 +481,32 @@ def run_trainer(make: Callable[[], Trainer], resume: bool, done: str = "trained"
     the same command again is safe: a run already finished with the same config is a no-op unless ``resume``, and
     an unfinished one of the same config is continued (``--resume`` implied, said on stderr). A TrainError is one
     line on stderr and its exit code (PreflightFailed and NonFiniteStop 1, the rest 2: train/errors.py); a stop
-    signal before the last step exits 128 + the signal (:class:`StopRequest`); the process group is shut down in
-    every case. ``done`` words the no-op message. Returns the exit code."""
+    signal exits 128 + the signal, after the loop's checkpoint (:class:`StopRequest`) or at once anywhere else
+    (:class:`Interrupted`: data preparation, preflight, the final evaluation), in one line; the process group is shut
+    down in every case. ``done`` words the no-op message. Returns the exit code."""
     trainer = None
     try:
-        trainer = make()
-        if not resume and _already_done(trainer.cfg):
-            print(f"{trainer.run_dir} is already {done} to step {trainer.cfg.train.max_steps} with this config; "
-                  f"nothing to do (use --name for a new run)", file=sys.stderr)
-            return 0
-        if not resume and (step := _unfinished_step(trainer.cfg)) is not None:
-            print(f"{trainer.run_dir} holds an unfinished run of this config (checkpoint at step {step} of "
-                  f"{trainer.cfg.train.max_steps}); continuing it (--name NEW starts a new run)", file=sys.stderr)
-            trainer.resume = True
-        trainer.train()
-        if trainer.stopped_early:
-            return trainer.stop.exit_code
+        with interrupts():
+            trainer = make()
+            if not resume and _already_done(trainer.cfg):
+                print(f"{trainer.run_dir} is already {done} to step {trainer.cfg.train.max_steps} with this config; "
+                      f"nothing to do (use --name for a new run)", file=sys.stderr)
+                return 0
+            if not resume and (step := _unfinished_step(trainer.cfg)) is not None:
+                print(f"{trainer.run_dir} holds an unfinished run of this config (checkpoint at step {step} of "
+                      f"{trainer.cfg.train.max_steps}); continuing it (--name NEW starts a new run)", file=sys.stderr)
+                trainer.resume = True
+            trainer.train()
+            if trainer.stopped_early:
+                return trainer.stop.exit_code
     except TrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        where = f"{trainer.run_dir} keeps its newest checkpoint, if any" if trainer is not None else "no run was started"
+        print(f"stopped by {signal.Signals(signum).name}; {where}; the same command again continues", file=sys.stderr)
+        return 128 + int(signum)
     finally:
         if trainer is not None:
             shutdown(trainer.dist)

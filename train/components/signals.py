@@ -1,12 +1,45 @@
-"""SIGTERM / SIGINT as a request to stop: the run finishes its step, saves a checkpoint and exits 128 + the signal's
-number (130 for Ctrl-C, 143 for SIGTERM, the shell's convention), so a ``train.run && export.onnx`` line stops there
-instead of exporting a half-trained model."""
+"""SIGTERM / SIGINT as a request to stop: in the training loop the run finishes its step, saves a checkpoint and exits
+128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM, the shell's convention), so a ``train.run &&
+export.onnx`` line stops there instead of exporting a half-trained model; anywhere else (data preparation,
+preflight, the final evaluation) :func:`interrupts` turns the signal into :class:`Interrupted`, and the command
+exits with the same code, its newest checkpoint kept."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 from collections.abc import Callable, Iterator
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT outside the training loop (``signum``): raised in the main thread where it was, so the
+    command stops at once and exits 128 + ``signum``. A BaseException, so ``except Exception`` (a preflight check's
+    own failure) does not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts() -> Iterator[None]:
+    """For the ``with`` block, SIGTERM and SIGINT raise :class:`Interrupted` (Python's default turns SIGINT into a
+    KeyboardInterrupt traceback and SIGTERM into a silent death); :meth:`StopRequest.installed` takes them over
+    inside the loop. Outside the main thread nothing is installed."""
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 class StopRequest:
