@@ -338,7 +338,7 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
     if val_data is not None and not Path(val_data).exists():
         raise ExportError(f"--val-data {val_data}: no such file or directory")
     pre, record = llama_cpp_pre(bundle / TOKENIZER, approximate_pretokenizer)
-    if out.exists() and not force and val_data is None and _recorded(bundle, out):
+    if out.exists() and not force and val_data is None and _recorded(bundle, out, type):
         log(f"gguf: {out} is already the recorded {type} GGUF of {bundle}; nothing to do (use --force to rebuild it)")
     else:
         if out.exists() and not force:
@@ -367,18 +367,26 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
     return out
 
 
-def _recorded(bundle: Path, out: Path) -> bool:
-    """True when ``out`` lies in ``bundle`` and the manifest lists it with this very sha256 and size: a GGUF that
-    :func:`export_gguf` wrote from this bundle (it records one only after the quality gate passed), so running the
-    same command again has nothing to do. A re-export replaces the bundle and its manifest, so a GGUF of older
-    weights is never listed."""
+def _recorded(bundle: Path, out: Path, type: str) -> bool:
+    """True when ``out`` lies in ``bundle``, the manifest lists it with this very sha256 and size, and its
+    ``general.file_type`` is ``type``'s: a GGUF that :func:`export_gguf` wrote from this bundle as this type (it
+    records one only after the quality gate passed), so running the same command again has nothing to do. A
+    re-export replaces the bundle and its manifest, so a GGUF of older weights is never listed."""
     if out.resolve().parent != bundle.resolve():
         return False
     try:
         entry = read_manifest(bundle)["files"].get(out.name)
     except ExportError:
         return False
-    return entry is not None and entry.get("bytes") == out.stat().st_size and entry == file_entry(out)
+    if entry is None or entry.get("bytes") != out.stat().st_size or entry != file_entry(out):
+        return False
+    try:
+        field = gguf.GGUFReader(out).fields["general.file_type"]
+        written = int(field.parts[field.data[0]][0])
+    except (KeyError, IndexError, ValueError, OSError):
+        return False
+    want = gguf.LlamaFileType.MOSTLY_Q4_K_M if type == "q4_k_m" else file_type(type)
+    return written == int(want)
 
 
 def write_gguf(bundle: str | Path, path: str | Path, type: str, *, approximate_pretokenizer: bool = False) -> None:

@@ -262,6 +262,9 @@ def test_bad_input_and_overwrite(bundle, tmp_path, capsys):
     assert G.export_gguf(b, type="q8_0", log=said.append, approximate_pretokenizer=True) == out
     assert "nothing to do" in said[0] and out.stat().st_mtime_ns == first
     assert G.main([str(b), "--type", "q8_0", "--approximate-pretokenizer"]) == 0 and out.stat().st_mtime_ns == first
+    # the recorded q8_0 file asked for as another type is not "nothing to do" (it said so, and stayed q8_0)
+    with pytest.raises(ExportError, match="already exists and is not a GGUF recorded"):
+        G.export_gguf(b, out=out, type="f32", log=lambda m: None, approximate_pretokenizer=True)
     # a file the manifest does not vouch for (changed since, or never written by export.gguf) needs --force
     with out.open("r+b") as f:
         f.seek(-1, 2)
