@@ -87,8 +87,9 @@ def _stale(src: Source, out: Path, dtype: str, schemes: tuple[Scheme, ...], pari
 
 def _older_own(src: Source, out: Path) -> int | None:
     """The step of the bundle at ``out`` when it is the run's own default bundle (``<run dir>/bundle``) exported from
-    an older checkpoint of the run (``checkpoints/step-N`` with N below ``src``'s step): after a ``--resume`` the
-    README's line replaces it without ``--force``. None otherwise (another folder, a newer or unrecorded step)."""
+    an older checkpoint of the run (its manifest's source ``<run name>/checkpoints/step-N``, N below ``src``'s step):
+    after a ``--resume`` the README's line replaces it without ``--force``. None otherwise (another folder, another
+    run's bundle, a newer or unrecorded step)."""
     if src.run_dir is None or out.resolve() != (src.run_dir / "bundle").resolve():
         return None
     try:
@@ -98,7 +99,8 @@ def _older_own(src: Source, out: Path) -> int | None:
     step, ckpt = s.get("step"), Path(str(s.get("checkpoint", "")))
     if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step < src.step):
         return None
-    return step if ckpt.parent.name == "checkpoints" and ckpt.name == step_name(step) else None
+    own = ckpt.name == step_name(step) and ckpt.parent.name == "checkpoints" and ckpt.parent.parent.name == src.run_dir.name
+    return step if own else None
 
 
 def parse_schemes(quantize: str | Sequence[str] | None) -> tuple[Scheme, ...]:

@@ -836,13 +836,17 @@ def test_the_run_s_bundle_of_an_older_step_is_replaced_without_force(trained_run
     shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("bundle"))
     step = json.loads((find_checkpoint(run) / "trainer_state.json").read_text())["step"]
 
-    def plant(where: Path, old_step: int) -> None:
+    def plant(where: Path, old_step: int, run_name: str = "run") -> None:
         shutil.copytree(bundle, where, dirs_exist_ok=True)
         m = json.loads((where / "manifest.json").read_text())
-        m["source"] = {"checkpoint": f"runs/x/checkpoints/step-{old_step:06d}", "step": old_step, "sha256": "0" * 64}
+        m["source"] = {"checkpoint": f"runs/{run_name}/checkpoints/step-{old_step:06d}", "step": old_step,
+                       "sha256": "0" * 64}
         (where / "manifest.json").write_text(json.dumps(m))
 
     plant(run / "bundle", step + 10)
+    with pytest.raises(ExportError, match=r"not an up-to-date bundle .*: exported from another checkpoint"):
+        export_bundle(run, parity=False, log=lambda m: None)
+    plant(run / "bundle", step - 10, run_name="another-run")   # an older step, but of another run
     with pytest.raises(ExportError, match=r"not an up-to-date bundle .*: exported from another checkpoint"):
         export_bundle(run, parity=False, log=lambda m: None)
     plant(tmp_path / "elsewhere", step - 10)
