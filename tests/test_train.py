@@ -155,6 +155,28 @@ def test_the_same_command_again_continues_an_unfinished_run(tmp_path, session_ca
         capsys.readouterr().err
 
 
+def test_a_run_folder_in_use_is_refused_and_a_fresh_start_drops_stale_rows(tmp_path, session_cache, capsys):
+    """Two copies of the same command both trained into one folder (the second continuing the first's run), and a
+    run killed before its first checkpoint left rows that the next start appended to."""
+    from train.run import main
+
+    args = ["--config", "tiny", "--name", "busy", *set_args(tmp_path, session_cache, **{"train.max_steps": 2})]
+    run = tmp_path / "runs" / "busy"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n' * 5)
+    (run / "samples.jsonl").write_text('{"step": 0, "lang": "bn", "text": "stale"}\n')
+    other = Trainer(fast_config(tmp_path, session_cache, **{"run.name": "busy"}), **QUIET)
+    other.run_log.lock()   # another process's train.run holds it
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "busy is in use: another train.run or train.sft is writing it" in capsys.readouterr().err
+    other.run_log.unlock()
+    assert main(args) == 0
+    train_rows = rows(run, "train")
+    assert [r["step"] for r in train_rows] == [1, 2] and all(r["loss"] != 9.0 for r in train_rows)
+    assert "stale" not in (run / "samples.jsonl").read_text()
+
+
 # ---------------------------------------------------------------------------------------------- TR4
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

@@ -207,12 +207,13 @@ class Trainer:
         return windows[:2, :min(t.seq_len, 64) + 1].copy(), windows[:n_big].copy()
 
     def start(self) -> None:
-        """Everything before the first step: refuse an existing run (unless resuming), set up, write runs/NAME,
+        """Everything before the first step: lock runs/NAME, refuse an existing run (unless resuming), set up, write runs/NAME,
         resume, preflight (PreflightFailed when a check fails), and start the peak-memory measurement."""
         t = self.cfg.train
+        self.run_log.lock()
         self.checkpointer.refuse_existing_run(self.resume)
         self.setup()
-        self.run_log.create(self.cfg)
+        self.run_log.create(self.cfg, fresh=not self.resume)
         self.state.t_start = time.time()
         resumed_dtype = None
         if self.resume:
@@ -265,7 +266,14 @@ class Trainer:
         return self.checkpointer.save(self.state, self.model, self.optimizer, self.data, serializer=serializer)
 
     def train(self) -> dict:
-        """Run to ``train.max_steps`` (or a stop signal); returns the summary dict."""
+        """Run to ``train.max_steps`` (or a stop signal); returns the summary dict. runs/NAME is locked meanwhile
+        (:meth:`RunLog.lock`: TrainError when another process trains into it)."""
+        try:
+            return self._train()
+        finally:
+            self.run_log.unlock()
+
+    def _train(self) -> dict:
         t = self.cfg.train
         self.start()
         train_model = None

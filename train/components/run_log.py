@@ -1,10 +1,12 @@
 """What a run writes to ``runs/NAME`` besides its checkpoints (docs/design.md, "The run folder"), rank 0 only:
 ``config.toml``, ``train.log``, ``metrics.jsonl`` (and its truncation on resume), ``samples.jsonl``,
-``preflight.json``, ``loss.png`` and ``summary.json``; and the throughput meter behind the train rows."""
+``preflight.json``, ``loss.png`` and ``summary.json``; the folder's lock; and the throughput meter behind the train rows."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -14,6 +16,7 @@ from tqdm import tqdm
 
 from contract.atomic import atomic_write_json, atomic_write_text
 from train.config import Config, to_toml
+from train.errors import TrainError
 from train.plots import plot_loss, read_metrics
 
 
@@ -26,6 +29,7 @@ class RunLog:
         self.is_main = is_main
         self._sink = sink
         self._early: list[str] = []  # lines logged before runs/NAME exists (setup), written first by create()
+        self._lock_fd: int | None = None  # runs/NAME's flock, held until the process ends (lock())
 
     @property
     def metrics_path(self) -> Path:
@@ -51,11 +55,39 @@ class RunLog:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
-    def create(self, cfg: Config) -> None:
-        """runs/NAME with its config.toml (the resolved config). Called once the data is prepared, so that bad
-        input (a missing data path, a corpus without a configured language) leaves no run folder behind."""
+    def lock(self) -> None:
+        """Hold an exclusive lock on runs/NAME until :meth:`unlock` (``flock`` on the folder; the kernel releases it
+        when the process ends, even by kill -9), once the folder exists: a second train.run or train.sft on the same run
+        folder is refused instead of interleaving its checkpoints and metrics. TrainError when another process
+        holds it."""
+        if not self.is_main or self._lock_fd is not None or not self.run_dir.is_dir():
+            return
+        fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TrainError(f"{self.run_dir} is in use: another train.run or train.sft is writing it. Wait for it "
+                             f"to end (or stop it), or use --name NEW") from None
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        """Release :meth:`lock`'s lock (the end of :meth:`train.run.Trainer.train`, however it ends)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def create(self, cfg: Config, fresh: bool = False) -> None:
+        """runs/NAME with its config.toml (the resolved config), locked (:meth:`lock`). Called once the data is
+        prepared, so that bad input (a missing data path, a corpus without a configured language) leaves no run
+        folder behind. ``fresh`` (a run that starts at step 0, not a resume): the metrics, samples and summary of a
+        session that stopped before its first checkpoint are removed, not appended to."""
         if self.is_main:
             self.ensure_dir()
+            self.lock()
+            if fresh:
+                for name in ("metrics.jsonl", "samples.jsonl", "summary.json"):
+                    (self.run_dir / name).unlink(missing_ok=True)
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
             if self._early:
                 with open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
