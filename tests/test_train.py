@@ -151,8 +151,27 @@ def test_the_same_command_again_continues_an_unfinished_run(tmp_path, session_ca
     assert main(args) == 0 and "already trained to step 4 with this config; nothing to do" in capsys.readouterr().err
     other = [*args, "--set", "train.lr=0.002"]
     assert main(other) == 2
-    assert "already holds a run of another config (its config.toml differs), checkpoint at step 4" in \
+    assert "already holds a run of another config (its config.toml or init.json differs), checkpoint at step 4" in \
         capsys.readouterr().err
+
+
+def test_the_checkpoint_a_run_started_from_is_part_of_the_same_run(tmp_path, session_cache, capsys):
+    """--init-from another checkpoint with the same config was taken for the finished run ("nothing to do"), and
+    would have continued an unfinished one from the old start; runs/NAME/init.json records the start now."""
+    from train.run import main
+
+    sets = set_args(tmp_path, session_cache, **{"train.max_steps": 2})
+    assert main(["--config", "tiny", "--name", "b1", *sets]) == 0
+    assert main(["--config", "tiny", "--name", "b2", *sets, "--set", "run.seed=2"]) == 0
+    ft = ["--config", "tiny", "--name", "ft", *sets, "--init-from"]
+    runs = tmp_path / "runs"
+    assert main([*ft, str(runs / "b1")]) == 0
+    init = json.loads((runs / "ft" / "init.json").read_text())
+    assert init["checkpoint"] == str((runs / "b1" / "checkpoints" / "step-000002").resolve())
+    capsys.readouterr()
+    assert main([*ft, str(runs / "b1")]) == 0 and "nothing to do" in capsys.readouterr().err
+    assert main([*ft, str(runs / "b2")]) == 2
+    assert "already holds a run of another config (its config.toml or init.json differs)" in capsys.readouterr().err
 
 
 def test_a_run_folder_in_use_is_refused_and_a_fresh_start_drops_stale_rows(tmp_path, session_cache, capsys):

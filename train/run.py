@@ -53,7 +53,13 @@ import torch
 from tqdm import tqdm
 
 from train import windows as W
-from train.components.checkpoint import Checkpointer, CheckpointError, find_checkpoint, same_config
+from train.components.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    checkpoint_identity,
+    find_checkpoint,
+    same_config,
+)
 from train.components.evaluation import Evaluator
 from train.components.placement import Placement, all_reduce_sum, any_rank, barrier, shutdown
 from train.components.run_data import RunData
@@ -186,6 +192,11 @@ class Trainer:
         """The run's data (:class:`RunData`: prepared shards and tokenizer). Raises TrainError on bad input."""
         return RunData.load(self.cfg, self.placement.dist, self.log)
 
+    def init_source(self) -> dict | None:
+        """The identity of the checkpoint this run starts from (``--init-from``'s; None from random weights), which
+        ``runs/NAME/init.json`` records: the same command with another start is another run."""
+        return checkpoint_identity(self.init_from) if self.init_from else None
+
     def init_weights(self) -> None:
         """Weights beyond the random initialisation: ``--init-from``'s (clears ``state.at_init``)."""
         if self.init_from and not self.resume:  # resuming loads the run's own checkpoint instead
@@ -211,9 +222,9 @@ class Trainer:
         resume, preflight (PreflightFailed when a check fails), and start the peak-memory measurement."""
         t = self.cfg.train
         self.run_log.lock()
-        self.checkpointer.refuse_existing_run(self.resume)
+        self.checkpointer.refuse_existing_run(self.resume, self.init_source())
         self.setup()
-        self.run_log.create(self.cfg, fresh=not self.resume)
+        self.run_log.create(self.cfg, fresh=not self.resume, init=self.init_source())
         self.state.t_start = time.time()
         resumed_dtype = None
         if self.resume:
@@ -434,11 +445,12 @@ SESSION_KEYS = ("tokens_per_s", "mfu", "peak_memory_gb", "peak_memory_scope", "c
 FINAL_KEYS = ("val_sources", "compression_floor", "samples")
 
 
-def _already_done(cfg: Config) -> bool:
-    """True when runs/NAME holds a finished run of the same config (re-running the README is then a no-op)."""
+def _already_done(cfg: Config, init: dict | None = None) -> bool:
+    """True when runs/NAME holds a finished run of the same config and start (``init``: :meth:`Trainer.init_source`);
+    re-running the README is then a no-op."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     s = run_dir / "summary.json"
-    if not (s.is_file() and same_config(run_dir, cfg)):
+    if not (s.is_file() and same_config(run_dir, cfg, init)):
         return False
     try:
         summary = json.loads(s.read_text())
@@ -448,14 +460,14 @@ def _already_done(cfg: Config) -> bool:
         and Path(summary["checkpoint"]).is_dir()
 
 
-def _unfinished_step(cfg: Config) -> int | None:
+def _unfinished_step(cfg: Config, init: dict | None = None) -> int | None:
     """The step of the newest intact checkpoint when runs/NAME holds an unfinished run of the same config (stopped
     by a signal, killed, or its machine lost; at ``train.max_steps`` too when its summary was never written, i.e.
     it stopped during the final evaluation): re-running the same command continues it, as ``--resume`` would;
     None otherwise (no run there, a finished one, or a run of another config, which
     :meth:`Checkpointer.refuse_existing_run` refuses)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
-    if not same_config(run_dir, cfg):
+    if not same_config(run_dir, cfg, init):
         return None
     try:
         ckpt = find_checkpoint(run_dir)
@@ -464,7 +476,7 @@ def _unfinished_step(cfg: Config) -> int | None:
         return None
     if not isinstance(step, int) or step > cfg.train.max_steps:
         return None
-    return step if step < cfg.train.max_steps or not _already_done(cfg) else None
+    return step if step < cfg.train.max_steps or not _already_done(cfg, init) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,11 +508,12 @@ def run_trainer(make: Callable[[], Trainer], resume: bool, done: str = "trained"
     try:
         with interrupts():
             trainer = make()
-            if not resume and _already_done(trainer.cfg):
+            init = trainer.init_source()
+            if not resume and _already_done(trainer.cfg, init):
                 print(f"{trainer.run_dir} is already {done} to step {trainer.cfg.train.max_steps} with this config; "
                       f"nothing to do (use --name for a new run)", file=sys.stderr)
                 return 0
-            if not resume and (step := _unfinished_step(trainer.cfg)) is not None:
+            if not resume and (step := _unfinished_step(trainer.cfg, init)) is not None:
                 print(f"{trainer.run_dir} holds an unfinished run of this config (checkpoint at step {step} of "
                       f"{trainer.cfg.train.max_steps}); continuing it (--name NEW starts a new run)", file=sys.stderr)
                 trainer.resume = True

@@ -18,6 +18,7 @@ refusing to overwrite an existing run, and the comparison of a checkpoint's mode
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -284,13 +285,29 @@ def check_same_model(ckpt: Path, mcfg: ModelConfig) -> None:
         raise CheckpointError(f"the model config differs from {ckpt}: " + "; ".join(diffs))
 
 
-def same_config(run_dir: Path, cfg: Config) -> bool:
-    """True when ``run_dir/config.toml`` (written when a run starts) is ``cfg`` resolved
-    (:func:`train.config.to_toml`): the folder holds a run of this very config."""
-    c = Path(run_dir) / "config.toml"
+INIT = "init.json"   # runs/NAME/init.json: the checkpoint a run started from (--init-from, a fine-tuning base)
+
+
+def checkpoint_identity(path: str | Path) -> dict | None:
+    """``{"checkpoint": resolved step folder, "sums_sha256": sha256 of its SHA256SUMS}`` of the newest intact
+    checkpoint at ``path`` (a step, checkpoints or run folder): what a run records of the weights it started from, so
+    that the same command with another start is not taken for the same run. None when there is none."""
     try:
-        return c.is_file() and c.read_text(encoding="utf-8") == to_toml(cfg)
-    except (OSError, UnicodeDecodeError):
+        ckpt = find_checkpoint(path)
+        return {"checkpoint": str(ckpt.resolve()), "sums_sha256": hashlib.sha256((ckpt / SUMS).read_bytes()).hexdigest()}
+    except (CheckpointError, OSError):
+        return None
+
+
+def same_config(run_dir: Path, cfg: Config, init: dict | None = None) -> bool:
+    """True when ``run_dir/config.toml`` (written when a run starts) is ``cfg`` resolved (:func:`train.config.to_toml`)
+    and its ``init.json`` records ``init`` (absent for None): the folder holds a run of this very config and start."""
+    c, i = Path(run_dir) / "config.toml", Path(run_dir) / INIT
+    try:
+        if not (c.is_file() and c.read_text(encoding="utf-8") == to_toml(cfg)):
+            return False
+        return (json.loads(i.read_text(encoding="utf-8")) if i.is_file() else None) == init
+    except (OSError, UnicodeDecodeError, ValueError):
         return False
 
 
@@ -306,7 +323,7 @@ class Checkpointer:
         self.log = log
         self.last: Path | None = None
 
-    def refuse_existing_run(self, resume: bool) -> None:
+    def refuse_existing_run(self, resume: bool, init: dict | None = None) -> None:
         """TrainError when runs/NAME already holds a checkpoint and this is not a --resume (checked before the data
         is prepared, so the refusal is immediate; rank 0 only). The CLIs resume a run of the same config on their
         own (:func:`train.run.run_trainer`), so from them this refuses a run of another config."""
@@ -320,7 +337,8 @@ class Checkpointer:
                 existing = None
         if existing is not None and not resume:
             state = json.loads((existing / "trainer_state.json").read_text())
-            which = "a run" if same_config(self.run_dir, self.cfg) else "a run of another config (its config.toml differs)"
+            which = ("a run" if same_config(self.run_dir, self.cfg, init)
+                     else f"a run of another config (its config.toml or {INIT} differs)")
             raise TrainError(
                 f"{self.run_dir} already holds {which}, checkpoint at step {state['step']}. Pass --resume to "
                 f"continue it with this config, --name NEW for a new run, or delete {self.run_dir}.")

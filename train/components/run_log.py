@@ -77,17 +77,21 @@ class RunLog:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def create(self, cfg: Config, fresh: bool = False) -> None:
+    def create(self, cfg: Config, fresh: bool = False, init: dict | None = None) -> None:
         """runs/NAME with its config.toml (the resolved config), locked (:meth:`lock`). Called once the data is
         prepared, so that bad input (a missing data path, a corpus without a configured language) leaves no run
         folder behind. ``fresh`` (a run that starts at step 0, not a resume): the metrics, samples and summary of a
-        session that stopped before its first checkpoint are removed, not appended to."""
+        session that stopped before its first checkpoint are removed, not appended to, and ``init`` (the identity
+        of the checkpoint the run starts from, :func:`train.components.checkpoint.checkpoint_identity`) is written
+        to ``init.json`` (removed when None)."""
         if self.is_main:
             self.ensure_dir()
             self.lock()
             if fresh:
-                for name in ("metrics.jsonl", "samples.jsonl", "summary.json"):
+                for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "init.json"):
                     (self.run_dir / name).unlink(missing_ok=True)
+                if init is not None:
+                    atomic_write_json(self.run_dir / "init.json", init)
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
             if self._early:
                 with open(self.run_dir / "train.log", "a", encoding="utf-8") as f:

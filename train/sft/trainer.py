@@ -13,6 +13,7 @@ import numpy as np
 
 from contract.chat_format import IM_END, render
 from train import windows as W
+from train.components.checkpoint import checkpoint_identity
 from train.components.evaluation import Evaluator, user_samples
 from train.config import Config
 from train.hf_files import SAMPLING
@@ -72,6 +73,9 @@ class SFTTrainer(Trainer):
         t = self.cfg.train
         return SFTData.load(self.cfg, self.base, t.micro_batch_size * t.grad_accum, self.log,
                             fixed_length=t.compile in (True, "auto"))  # compiled layers want static shapes
+
+    def init_source(self) -> dict | None:
+        return checkpoint_identity(self.base)
 
     def init_weights(self) -> None:
         if self.resume:  # the run's own checkpoint is loaded next; the base only fixes the shapes
