@@ -9,8 +9,9 @@ the bundle of docs/design.md — ``model.safetensors``, ``config.json``, ``gener
 ``<run dir>/bundle``.
 
 This module is the command line; the pipeline is :mod:`export.pipeline`, the graph :mod:`export.graph`.
-``--force`` replaces an existing bundle (a folder whose manifest says ``shalik-bundle``) or an empty folder,
-never another folder or a file. Exit codes: 0 done, 1 parity or quality-gate failure (the table is printed) or no exporter
+An up-to-date bundle of the same checkpoint is kept ("nothing to do"), and the run's own ``RUN/bundle`` of an older
+step of the run is replaced; ``--force`` replaces any other existing bundle (a folder whose manifest says
+``shalik-bundle``) or an empty folder, never another folder or a file. Exit codes: 0 done, 1 parity or quality-gate failure (the table is printed) or no exporter
 could build the graph, 2 bad input (a path that is not a checkpoint, a file that fails its sha256, a config that
 does not match the weights, an existing output without ``--force``, an output that cannot be written: the
 message names the path and the errno, e.g. ENOSPC), 130 interrupted.
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", metavar="CKPT_OR_RUN",
                    help="a checkpoint step folder, a checkpoints/ folder or a run folder (its latest checkpoint)")
     p.add_argument("--out", default=None, help="bundle folder (default: <run dir>/bundle)")
-    p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing bundle folder (not needed for an up-to-date bundle, which is kept, or "
+                        "for the run's own bundle of an older step, which is replaced)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="ONNX weights and KV cache (default: float32; safetensors stay float32)")
     p.add_argument("--quantize", nargs="+", default=None, metavar="NAME",  # checked by parse_schemes: one line
                    help=f"quantized forms to add and gate, of {', '.join(NAMES)} (contract/quant.py): " + ", ".join(

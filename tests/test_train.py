@@ -245,8 +245,9 @@ def test_resume_refuses_changed_model(tmp_path, session_cache):
 
 def test_resume_without_checkpoint_is_clear(tmp_path, session_cache):
     cfg = fast_config(tmp_path, session_cache, **{"run.name": "none"})
-    with pytest.raises(TrainError, match="--resume"):
+    with pytest.raises(TrainError, match="--resume: .*none holds no checkpoint to continue"):
         Trainer(cfg, resume=True, **QUIET).train()
+    assert not (tmp_path / "runs" / "none").exists()   # refused before the run folder is written (it was left)
 
 
 def test_init_from_loads_weights_with_fresh_optimizer(tmp_path, session_cache):

@@ -470,7 +470,7 @@ def _unfinished_step(cfg: Config, init: dict | None = None) -> int | None:
     if not same_config(run_dir, cfg, init):
         return None
     try:
-        ckpt = find_checkpoint(run_dir)
+        ckpt = find_checkpoint(run_dir, warn=False)
         step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
     except (CheckpointError, OSError, ValueError, KeyError, TypeError):
         return None

@@ -229,11 +229,12 @@ def read_latest_name(ckpt_root: Path) -> str | None:
     return name or None
 
 
-def find_checkpoint(path: str | Path) -> Path:
+def find_checkpoint(path: str | Path, warn: bool = True) -> Path:
     """A checkpoint folder from a step folder, a ``checkpoints/`` folder or a run folder (its latest).
 
     The folder named by ``latest`` is verified; if it is damaged the newest intact step folder is used instead
-    (and said so). Raises CheckpointError when there is none.
+    (and said so on stderr, unless ``warn`` is false: the checks that only look). Raises CheckpointError when there
+    is none.
     """
     p = Path(path)
     if (p / "trainer_state.json").is_file() or (p / SUMS).is_file():
@@ -251,12 +252,12 @@ def find_checkpoint(path: str | Path) -> Path:
         latest = None
     if latest:
         candidates.append(root / latest)
-    candidates += sorted((q for q in root.glob("step-*") if q.is_dir() and not q.name.startswith(TMP_PREFIX)),
-                         reverse=True)
+    candidates += sorted((q for q in root.glob("step-*") if q.is_dir() and not q.name.startswith(TMP_PREFIX)
+                          and q.name != latest), reverse=True)
     for c in candidates:
         try:
             verify_sums(c)
-            if errors:
+            if errors and warn:
                 print(f"warning: {'; '.join(errors)}; using {c}, the newest intact checkpoint, instead",
                       file=sys.stderr)
             return c
@@ -332,9 +333,11 @@ class Checkpointer:
         existing = None
         if self.root.is_dir():
             try:
-                existing = find_checkpoint(self.run_dir)
+                existing = find_checkpoint(self.run_dir, warn=False)
             except CheckpointError:
                 existing = None
+        if existing is None and resume:
+            raise TrainError(f"--resume: {self.run_dir} holds no checkpoint to continue (start it without --resume)")
         if existing is not None and not resume:
             state = json.loads((existing / "trainer_state.json").read_text())
             which = ("a run" if same_config(self.run_dir, self.cfg, init)

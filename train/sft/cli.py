@@ -5,7 +5,8 @@ The config is the pretrained run's ``config.toml`` with :data:`SFT_DEFAULTS` ove
 ``--set`` (the same keys as ``train.run``); the run goes to ``runs/<base name>-sft`` unless ``--name`` or
 ``run.name`` says otherwise. ``train.micro_batch_size`` counts conversations. Without ``--data`` it trains on the
 embedded Bangla + English set ``data/sft`` (built from the project's corpus by ``python -m train.sft.build``).
-Exit codes as ``train.run``: 0 done, 1 a check refused, 2 bad input, 130 interrupted.
+Exit codes as ``train.run``: 0 done, 1 a check refused, 2 bad input, 128 + the signal when stopped (130 Ctrl-C,
+143 SIGTERM; the same command again continues).
 """
 
 from __future__ import annotations
