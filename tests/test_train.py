@@ -151,7 +151,7 @@ def test_the_same_command_again_continues_an_unfinished_run(tmp_path, session_ca
     assert main(args) == 0 and "already trained to step 4 with this config; nothing to do" in capsys.readouterr().err
     other = [*args, "--set", "train.lr=0.002"]
     assert main(other) == 2
-    assert "already holds a run of another config (its config.toml or init.json differs), checkpoint at step 4" in \
+    assert "already holds a run of another config (train.lr 0.01 → 0.002), checkpoint at step 4" in \
         capsys.readouterr().err
 
 
@@ -171,7 +171,8 @@ def test_the_checkpoint_a_run_started_from_is_part_of_the_same_run(tmp_path, ses
     capsys.readouterr()
     assert main([*ft, str(runs / "b1")]) == 0 and "nothing to do" in capsys.readouterr().err
     assert main([*ft, str(runs / "b2")]) == 2
-    assert "already holds a run of another config (its config.toml or init.json differs)" in capsys.readouterr().err
+    assert "already holds a run of another config (init.json: it started from another checkpoint)" in \
+        capsys.readouterr().err
 
 
 def test_a_run_folder_in_use_is_refused_and_a_fresh_start_drops_stale_rows(tmp_path, session_cache, capsys):

@@ -192,58 +192,58 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     if (section, key) == ("train", "compile"):
         if value is True or value is False or value in ("auto", "head"):  # not 0 or 1: 0 == False, 1 == True
             return value
-        raise ConfigError(f"{where}: expected true, false, \"auto\" or \"head\", got {_spell(value)}")
+        raise ConfigError(f"{where}: expected true, false, \"auto\" or \"head\", got {spell(value)}")
     if (section, key) == ("train", "attention"):
         if value in ("auto", "sdpa", "blocked"):
             return value
-        raise ConfigError(f"{where}: expected \"auto\", \"sdpa\" or \"blocked\", got {_spell(value)}")
+        raise ConfigError(f"{where}: expected \"auto\", \"sdpa\" or \"blocked\", got {spell(value)}")
     if (section, key) == ("train", "activation_checkpoint"):
         if value in ("none", "selective", "full"):
             return value
-        raise ConfigError(f"{where}: expected \"none\", \"selective\" or \"full\", got {_spell(value)}")
+        raise ConfigError(f"{where}: expected \"none\", \"selective\" or \"full\", got {spell(value)}")
     if (section, key) == ("train", "activation_checkpoint_every") and not (
         isinstance(value, int) and not isinstance(value, bool) and value >= 1
     ):
-        raise ConfigError(f"{where}: expected an integer >= 1 (checkpoint every N-th decoder layer), got {_spell(value)}")
+        raise ConfigError(f"{where}: expected an integer >= 1 (checkpoint every N-th decoder layer), got {spell(value)}")
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected true or false, got {spell(value)}")
         return value
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected a number, got {spell(value)}")
         if not math.isfinite(value):  # no key of a config means anything at nan or inf; they only train NaNs
-            raise ConfigError(f"{where}: expected a finite number, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected a finite number, got {spell(value)}")
         return float(value)
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ConfigError(f"{where}: expected an integer, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected an integer, got {spell(value)}")
         return value
     if isinstance(default, str):
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected a string, got {spell(value)}")
         return value
     if isinstance(default, list):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected a list, got {spell(value)}")
         if default and isinstance(default[0], float):
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
-                raise ConfigError(f"{where}: expected a list of finite numbers, got {_spell(value)}")
+                raise ConfigError(f"{where}: expected a list of finite numbers, got {spell(value)}")
             return [float(v) for v in value]
         if not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}: expected a list of strings, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected a list of strings, got {spell(value)}")
         return list(value)
     if isinstance(default, dict):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table like {{bn=0.7, en=0.3}}, got {_spell(value)}")
+            raise ConfigError(f"{where}: expected a table like {{bn=0.7, en=0.3}}, got {spell(value)}")
         out = {}
         for k, v in value.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ConfigError(f"{where}.{k}: expected a non-negative number, got {_spell(v)}")
+                raise ConfigError(f"{where}.{k}: expected a non-negative number, got {spell(v)}")
             out[str(k)] = float(v)
         return out
     return value
@@ -297,7 +297,7 @@ def validate(cfg: Config) -> None:
     name = cfg.run.name
     if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
         raise ConfigError(f"run.name (--name): expected a folder name for {cfg.run.out_dir}/NAME, without / or \\ "
-                          f"and not . or .., got {_spell(name)}")
+                          f"and not . or .., got {spell(name)}")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "max_position_embeddings"):
         if getattr(m, key) <= 0:
@@ -307,7 +307,7 @@ def validate(cfg: Config) -> None:
                           f"{m.max_position_embeddings:,}")
     for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
         if getattr(m, key) <= 0:
-            raise ConfigError(f"model.{key}: expected a positive number, got {_spell(getattr(m, key))}")
+            raise ConfigError(f"model.{key}: expected a positive number, got {spell(getattr(m, key))}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
                           f"({m.num_attention_heads})")
@@ -325,42 +325,42 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{key}: expected an integer >= 0, got {getattr(t, key)}")
     if t.grad_clip <= 0:  # clip_grad_norm_ to 0 zeroes every gradient: the run would train nothing
         raise ConfigError(f"train.grad_clip: expected a positive number (the largest gradient norm), got "
-                          f"{_spell(t.grad_clip)}")
+                          f"{spell(t.grad_clip)}")
     if t.weight_decay < 0:
-        raise ConfigError(f"train.weight_decay: expected a number >= 0, got {_spell(t.weight_decay)}")
+        raise ConfigError(f"train.weight_decay: expected a number >= 0, got {spell(t.weight_decay)}")
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings "
                           f"({m.max_position_embeddings})")
     if not (0 < t.lr) or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr / train.min_lr: expected 0 <= min_lr <= lr and lr > 0, got {t.lr} / {t.min_lr}")
     if t.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"train.optimizer: expected {_one_of(OPTIMIZERS)}, got {_spell(t.optimizer)}")
+        raise ConfigError(f"train.optimizer: expected {_one_of(OPTIMIZERS)}, got {spell(t.optimizer)}")
     if t.schedule not in SCHEDULES:
-        raise ConfigError(f"train.schedule: expected {_one_of(SCHEDULES)}, got {_spell(t.schedule)}")
+        raise ConfigError(f"train.schedule: expected {_one_of(SCHEDULES)}, got {spell(t.schedule)}")
     if isinstance(t.cooldown_frac, bool) or not 0 <= t.cooldown_frac <= 1:
-        raise ConfigError(f"train.cooldown_frac: expected a number in [0, 1], got {_spell(t.cooldown_frac)}")
+        raise ConfigError(f"train.cooldown_frac: expected a number in [0, 1], got {spell(t.cooldown_frac)}")
     if not 0 <= t.muon_momentum < 1:
-        raise ConfigError(f"train.muon_momentum: expected a number in [0, 1), got {_spell(t.muon_momentum)}")
+        raise ConfigError(f"train.muon_momentum: expected a number in [0, 1), got {spell(t.muon_momentum)}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {_spell(t.betas)}")
+        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {spell(t.betas)}")
     if t.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"train.dtype: expected auto, float32, bfloat16 or float16, got {_spell(t.dtype)}")
+        raise ConfigError(f"train.dtype: expected auto, float32, bfloat16 or float16, got {spell(t.dtype)}")
     if not (t.device in ("auto", "cpu") or t.device.startswith("cuda")):
-        raise ConfigError(f"train.device: expected auto, cpu or cuda[:N], got {_spell(t.device)}")
+        raise ConfigError(f"train.device: expected auto, cpu or cuda[:N], got {spell(t.device)}")
     if not d.paths or any(not str(p).strip() for p in d.paths):
-        raise ConfigError(f"data.paths: expected at least one non-empty path, got {_spell(d.paths)}")
+        raise ConfigError(f"data.paths: expected at least one non-empty path, got {spell(d.paths)}")
     if not d.languages or any(lang not in ("bn", "en") for lang in d.languages):
-        raise ConfigError(f'data.languages: expected a non-empty subset of ["bn", "en"], got {_spell(d.languages)}')
+        raise ConfigError(f'data.languages: expected a non-empty subset of ["bn", "en"], got {spell(d.languages)}')
     if isinstance(d.num_workers, bool) or not isinstance(d.num_workers, int) or d.num_workers < 0:
-        raise ConfigError(f"data.num_workers: expected 0 (all cores) or a positive integer, got {_spell(d.num_workers)}")
+        raise ConfigError(f"data.num_workers: expected 0 (all cores) or a positive integer, got {spell(d.num_workers)}")
     if not (0 < d.val_fraction < 1):
         raise ConfigError(f"data.val_fraction: expected a number in (0, 1), got {d.val_fraction}")
     for name, table in (("data.mix", d.mix), ("tokenizer.sample_weights", cfg.tokenizer.sample_weights)):
         extra = sorted(set(table) - set(d.languages))
         if extra:
-            raise ConfigError(f"{name}: languages {_spell(extra)} are not in data.languages {_spell(d.languages)}")
+            raise ConfigError(f"{name}: languages {spell(extra)} are not in data.languages {spell(d.languages)}")
         if sum(table.get(lang, 0.0) for lang in d.languages) <= 0:
-            raise ConfigError(f"{name}: the weights of {_spell(d.languages)} must not all be zero")
+            raise ConfigError(f"{name}: the weights of {spell(d.languages)} must not all be zero")
     tok = cfg.tokenizer
     if not 300 <= tok.vocab_size <= MAX_VOCAB:
         raise ConfigError(f"tokenizer.vocab_size: expected 300 (256 bytes + specials) to {MAX_VOCAB:,}, got "
@@ -393,7 +393,7 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
-def _spell(v: Any) -> str:
+def spell(v: Any) -> str:
     """A config value as it is written in TOML (``true``, ``"head"``, ``[1, 2]``) for an error message, so the
     message shows what to type, not Python's spelling (``True``, ``'head'``); a value TOML cannot hold (a date
     parsed from ``--set``) as its text."""

@@ -35,12 +35,17 @@ from contract.atomic import TMP_PREFIX, atomic_dir, atomic_write_bytes, atomic_w
 from train.components.placement import DistInfo, barrier
 from train.components.run_data import RunData
 from train.components.state import TrainState
-from train.config import Config, to_toml
+from train.config import Config, spell, to_toml
 from train.errors import TrainError
 from train.hf_files import NAMES as HF_NAMES
 from train.hf_files import write_hf_files
 from train.model import LlamaForCausalLM, ModelConfig
 from train.optim import lr_for
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 SUMS = "SHA256SUMS"
 
@@ -312,6 +317,31 @@ def same_config(run_dir: Path, cfg: Config, init: dict | None = None) -> bool:
         return False
 
 
+def config_changes(run_dir: Path, cfg: Config, most: int = 4) -> str:
+    """What differs between ``run_dir/config.toml`` and ``cfg``, for a refusal: ``"train.lr 0.01 → 0.002, …"`` (at
+    most ``most`` keys, then how many more), "config.toml is missing" or "unreadable"; "" when they are equal."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        return "config.toml is missing"
+    try:
+        old = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return "config.toml is unreadable"
+    new = tomllib.loads(to_toml(cfg))
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            out.update(flat(v, key + ".") if isinstance(v, dict) and prefix == "" else {key: v})
+        return out
+
+    a, b = flat(old), flat(new)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    shown = [f"{k} {spell(a[k]) if k in a else '(none)'} → {spell(b[k]) if k in b else '(none)'}" for k in keys[:most]]
+    return ", ".join(shown) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
 class Checkpointer:
     """``run_dir/checkpoints`` of one run; ``last`` is the newest checkpoint this run wrote or resumed from (None
     before either). ``log`` is the run's (rank 0) log."""
@@ -340,11 +370,14 @@ class Checkpointer:
             raise TrainError(f"--resume: {self.run_dir} holds no checkpoint to continue (start it without --resume)")
         if existing is not None and not resume:
             state = json.loads((existing / "trainer_state.json").read_text())
-            which = ("a run" if same_config(self.run_dir, self.cfg, init)
-                     else f"a run of another config (its config.toml or {INIT} differs)")
+            if same_config(self.run_dir, self.cfg, init):
+                which = "a run"
+            else:
+                changes = config_changes(self.run_dir, self.cfg) or f"{INIT}: it started from another checkpoint"
+                which = f"a run of another config ({changes})"
             raise TrainError(
-                f"{self.run_dir} already holds {which}, checkpoint at step {state['step']}. Pass --resume to "
-                f"continue it with this config, --name NEW for a new run, or delete {self.run_dir}.")
+                f"{self.run_dir} already holds {which}, checkpoint at step {state['step']}. Use --name NEW for a "
+                f"new run, --resume to continue this one with this config, or delete {self.run_dir}.")
 
     def load_init(self, init_from: str, model: LlamaForCausalLM) -> Path:
         """``--init-from``: the weights of a checkpoint (step folder, checkpoints folder or run folder) into
