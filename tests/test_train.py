@@ -175,6 +175,32 @@ def test_the_checkpoint_a_run_started_from_is_part_of_the_same_run(tmp_path, ses
         capsys.readouterr().err
 
 
+def test_a_run_stopped_in_its_step_0_evaluation_is_not_evaluated_twice(tmp_path, session_cache, monkeypatch):
+    """SIGTERM during the step-0 evaluation saves a step-0 checkpoint; continuing from it logged the step-0
+    evaluation (and its samples) a second time."""
+    from train.components.evaluation import Evaluator
+    from train.run import main
+
+    args = ["--config", "tiny", "--name", "e0", *set_args(tmp_path, session_cache, **{"train.max_steps": 2})]
+    real_call = Evaluator.__call__
+
+    def sigterm_in_eval(self, model, state):
+        row = real_call(self, model, state)
+        if state.step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return row
+
+    monkeypatch.setattr(Evaluator, "__call__", sigterm_in_eval)
+    assert main(args) == 143
+    run = tmp_path / "runs" / "e0"
+    assert read_latest_name(run / "checkpoints") == "step-000000"
+    monkeypatch.setattr(Evaluator, "__call__", real_call)
+    assert main(args) == 0
+    assert [r["step"] for r in rows(run, "eval")].count(0) == 1
+    step0 = [r["prompt"] for r in map(json.loads, (run / "samples.jsonl").read_text().splitlines()) if r["step"] == 0]
+    assert step0 and len(step0) == len(set(step0))   # each prompt's step-0 sample once
+
+
 def test_a_run_folder_in_use_is_refused_and_a_fresh_start_drops_stale_rows(tmp_path, session_cache, capsys):
     """Two copies of the same command both trained into one folder (the second continuing the first's run), and a
     run killed before its first checkpoint left rows that the next start appended to."""

@@ -292,7 +292,8 @@ class Trainer:
             windows = self.data.loader.peek_windows(self.placement.micro)
             train_model = self.step_builder.build(self.model, self.placement, windows, self.log)
         with self.stop.installed():
-            if self.state.step == 0 and t.max_steps > 0:
+            evaluated = any(r.get("kind") == "eval" and r.get("step") == 0 for r in self.run_log.metrics())
+            if self.state.step == 0 and t.max_steps > 0 and not evaluated:  # not again when continuing from step 0
                 self.evaluator(self.model, self.state)
             start_step = self.state.step
             meter = self._loop(train_model)
