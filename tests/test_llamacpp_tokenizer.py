@@ -183,8 +183,10 @@ def test_unknown_type_and_existing_output(bundle, tmp_path):
     with pytest.raises(ExportError, match="--type 'q3'"):
         G.export_gguf(b, type="q3", log=lambda m: None)
     out = G.export_gguf(b, type="f16", log=lambda m: None)
-    with pytest.raises(ExportError, match="already exists"):
-        G.export_gguf(b, type="f16", log=lambda m: None)
+    said: list[str] = []   # the same command again: nothing to do (the manifest records this file)
+    assert G.export_gguf(b, type="f16", log=said.append) == out and "nothing to do" in said[0]
+    with pytest.raises(ExportError, match="already exists and is not a GGUF recorded"):
+        G.export_gguf(b, out=out, type="f32", log=lambda m: None)   # another type at that path
     assert out.is_file()
 
 
