@@ -338,6 +338,7 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
     if val_data is not None and not Path(val_data).exists():
         raise ExportError(f"--val-data {val_data}: no such file or directory")
     pre, record = llama_cpp_pre(bundle / TOKENIZER, approximate_pretokenizer)
+    exact = record.startswith("exact:")
     if out.exists() and not force and val_data is None and _recorded(bundle, out, type):
         log(f"gguf: {out} is already the recorded {type} GGUF of {bundle}; nothing to do (use --force to rebuild it)")
     else:
@@ -354,9 +355,8 @@ def export_gguf(bundle: str | Path, out: str | Path | None = None, type: str = "
                               "no GGUF was written") from None
         GQ.record(bundle, out, entry)
         log(f"gguf: wrote {out} ({type}, {out.stat().st_size / 1e6:.1f} MB, rope.freq_base {cfg.rope_theta:g}, "
-            f"tokenizer.ggml.pre {pre}, " + ("exact for NFC text)" if record.startswith("exact:")
+            f"tokenizer.ggml.pre {pre}, " + ("exact for NFC text)" if exact
                                              else "an approximation: feed llama.cpp our token ids)"))
-    exact = record.startswith("exact:")
     if exact:
         try:
             mf = write_modelfile(out, bundle, cfg.max_position_embeddings, log)

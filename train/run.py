@@ -194,7 +194,13 @@ class Trainer:
 
     def init_source(self) -> dict | None:
         """The identity of the checkpoint this run starts from (``--init-from``'s; None from random weights), which
-        ``runs/NAME/init.json`` records: the same command with another start is another run."""
+        ``runs/NAME/init.json`` records: the same command with another start is another run. Found once (finding it
+        verifies the checkpoint's sha256 sums) and kept."""
+        if not hasattr(self, "_init_source"):
+            self._init_source = self._find_init_source()
+        return self._init_source
+
+    def _find_init_source(self) -> dict | None:
         return checkpoint_identity(self.init_from) if self.init_from else None
 
     def init_weights(self) -> None:

@@ -74,7 +74,7 @@ class SFTTrainer(Trainer):
         return SFTData.load(self.cfg, self.base, t.micro_batch_size * t.grad_accum, self.log,
                             fixed_length=t.compile in (True, "auto"))  # compiled layers want static shapes
 
-    def init_source(self) -> dict | None:
+    def _find_init_source(self) -> dict | None:
         return checkpoint_identity(self.base)
 
     def init_weights(self) -> None:
