@@ -377,10 +377,34 @@ def test_sigterm_saves_and_exits_143(tmp_path, session_cache):
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM == 143, err[-2000:]
     assert "received SIGTERM" in err and "the same command again continues it" in err
+    assert "done:" not in err and "random-init twin" not in err  # a finished run's last lines, not a stopped one's
     run = tmp_path / "runs" / "sig"
     ck = find_checkpoint(run)
     step = json.loads((ck / "trainer_state.json").read_text())["step"]
     assert step >= 3 and ck.name == f"step-{step:06d}"
+
+
+def test_a_second_signal_stops_at_once():
+    """The first Ctrl-C asks the loop to save after its step; a second one does not wait for the step (it raised
+    nothing and the user had to wait, or kill -9 the run)."""
+    from train.components.signals import Interrupted, StopRequest
+
+    said = []
+    stop = StopRequest(said.append)
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs the handler between bytecodes of the main thread
+        assert stop.requested and stop.exit_code == 130 and "a second signal stops at once" in said[0]
+        with pytest.raises(Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert e.value.signum == signal.SIGINT
+    agreed = StopRequest(said.append)  # another rank asked: this rank's own first signal still only requests
+    agreed.agree()
+    with agreed.installed():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    assert agreed.exit_code == 143 and len(said) == 2
 
 
 def test_the_progress_bar_loss_is_a_debiased_moving_average():

@@ -442,7 +442,7 @@ class Trainer:
         if not trained:
             previous = self.run_log.read_summary()
             summary.update({k: previous[k] for k in (*SESSION_KEYS, *FINAL_KEYS) if k in previous})
-        self.run_log.write_summary(summary, title=self.cfg.run.name)
+        self.run_log.write_summary(summary, title=self.cfg.run.name, finished=not self.stopped_early)
         return summary
 
 

@@ -139,13 +139,15 @@ class RunLog:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def write_summary(self, summary: dict, title: str) -> None:
+    def write_summary(self, summary: dict, title: str, finished: bool = True) -> None:
         """summary.json and the final loss.png; logs the validation NLL against the random-init twin's and the
-        totals."""
+        totals when the run is ``finished`` (a run stopped by a signal says so itself: ``Trainer.train``)."""
         if not self.is_main:
             return
         atomic_write_json(self.run_dir / "summary.json", summary)
         self.plot(title)
+        if not finished:
+            return
         ri = summary["random_init"]
         if summary["val"] and ri:
             self.log("val NLL vs the random-init twin: " + ", ".join(

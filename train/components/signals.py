@@ -1,8 +1,9 @@
 """SIGTERM / SIGINT as a request to stop: in the training loop the run finishes its step, saves a checkpoint and exits
 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM, the shell's convention), so a ``train.run &&
-export.onnx`` line stops there instead of exporting a half-trained model; anywhere else (data preparation,
-preflight, the final evaluation) :func:`interrupts` turns the signal into :class:`Interrupted`, and the command
-exits with the same code, its newest checkpoint kept."""
+export.onnx`` line stops there instead of exporting a half-trained model (a second signal does not wait for
+the step: :class:`StopRequest`); anywhere else (data preparation, preflight, the final evaluation)
+:func:`interrupts` turns the signal into :class:`Interrupted`, and the command exits with the same code, its
+newest checkpoint kept."""
 
 from __future__ import annotations
 
@@ -44,17 +45,23 @@ def interrupts() -> Iterator[None]:
 
 class StopRequest:
     """``requested`` turns true when SIGTERM or SIGINT arrives while :meth:`installed` is active (the loop reads
-    it between steps; under torchrun every rank agrees through the step's all-reduce: :meth:`agree`)."""
+    it between steps; under torchrun every rank agrees through the step's all-reduce: :meth:`agree`). A second
+    signal does not wait for the step: it raises :class:`Interrupted` where the loop is, so a second Ctrl-C stops at
+    once, without this step's checkpoint (the newest one stays; a checkpoint being written is discarded whole)."""
 
     def __init__(self, log: Callable[[str], None]):
         self.requested = False
+        self.signalled = False  # this process received a signal (``requested`` may also come from another rank)
         self.signum: int | None = None
         self._log = log
 
     def _handler(self, signum, _frame) -> None:
-        self.requested = True
+        if self.signalled:
+            raise Interrupted(signum)
+        self.signalled = self.requested = True
         self.signum = signum
-        self._log(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting")
+        self._log(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting "
+                  f"(a second signal stops at once, without it)")
 
     def agree(self) -> None:
         """Another rank was asked to stop: this one stops too (and saves with it), as if sent SIGTERM."""
