@@ -74,6 +74,7 @@ from safetensors import safe_open
 from contract.atomic import atomic_path, clean_stale, tmp_prefix
 from contract.bundle import CONFIG, TOKENIZER, WEIGHTS, file_entry, gguf_file
 from contract.chat_format import CHAT_TEMPLATE, IM_END
+from contract.cli import HelpFormatter
 from contract.quant import role_of
 from export import gguf_quant as GQ
 from export.bundle import read_manifest
@@ -526,6 +527,7 @@ def write_vocab_gguf(tokenizer_dir: str | Path, out: str | Path, *, approximate_
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code (0 done, 1 the quality gate refused it, 2 bad input, 130 interrupted)."""
     p = argparse.ArgumentParser(prog="python -m export.gguf", description=__doc__.split("\n\n")[1],
+                                formatter_class=HelpFormatter,
                                 epilog="exit codes: 0 done, 1 the quality gate refused it, 2 bad input, 130 interrupted")
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle folder written by python -m export.onnx")
     p.add_argument("--out", default=None, help="output file (default: BUNDLE/model-<type>.gguf)")

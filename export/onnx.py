@@ -23,6 +23,7 @@ import argparse
 import sys
 
 from contract.bundle import ONNX_GRAPHS
+from contract.cli import HelpFormatter
 from contract.quant import BACKEND_NAMES, NAMES
 from export.errors import ExportError, ParityError, run_cli
 from export.graph import EXPORTERS
@@ -34,6 +35,7 @@ __all__ = ["ExportError", "ParityError", "export_bundle", "main"]
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code (0, 1 parity failure, 2 bad input, 130 interrupted)."""
     p = argparse.ArgumentParser(prog="python -m export.onnx", description=__doc__.split("\n\n")[1],
+                                formatter_class=HelpFormatter,
                                 epilog="exit codes: 0 done, 1 parity failure, 2 bad input, 130 interrupted")
     p.add_argument("checkpoint", metavar="CKPT_OR_RUN",
                    help="a checkpoint step folder, a checkpoints/ folder or a run folder (its latest checkpoint)")

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from contract.chat_format import RESERVED_TOKENS
+from contract.cli import HelpFormatter
 from serve.chat import chat_prompt_ids, why_not_chat
 from serve.cli import (
-    HelpFormatter,
     add_model_args,
     add_sampling_args,
     describe_sampling,

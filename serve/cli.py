@@ -21,19 +21,6 @@ from serve.sampling import SamplingParams
 SETTINGS = SAMPLING_KEYS  # the options that override the bundle's sampling
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` stating each option's default once: argparse's ``(default: X)`` only where the help text does not
-    state one itself (``(default: all cores)``) and there is a value to state (not None, not a flag's False).
-    ``train.config.HelpFormatter`` follows the same rule for training's commands (serve does not import train)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "(default:" in text or action.default is None or action.default is False \
-                or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The bundle (positional) and how to load it: ``--backend``, ``--quantize``, ``--no-verify``,
     ``--allow-ungated``, ``--threads`` (:func:`serve.loader.load`'s arguments)."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from contract.cli import HelpFormatter
 from contract.text import distinct_word_share
 from serve.cli import (
-    HelpFormatter,
     add_model_args,
     add_sampling_args,
     describe_sampling,

@@ -41,6 +41,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from contract.atomic import atomic_write_json
+from contract.cli import HelpFormatter
 from contract.text import split_value
 from train.clean import stage as clean_stage
 from train.clean.decide import TRAIN, VAL
@@ -250,7 +251,8 @@ def format_table(floor: dict, model: dict[str, float] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.compression", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m train.compression", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--config", default=DEFAULT_PRESET, help="preset name or TOML path (its [data] section is used)")
     p.add_argument("--data", nargs="+", help="inputs instead of the config's data.paths")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")

@@ -10,7 +10,6 @@ choices.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -416,16 +415,6 @@ def resolve_path(p: str | Path) -> Path:
         return path
     alt = PROJECT_ROOT / path
     return alt if alt.exists() else path
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only when there is one and the help text does not already say it."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, [], False, argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action)
 
 
 def add_config_args(parser) -> None:

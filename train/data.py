@@ -50,12 +50,13 @@ import numpy as np
 from tqdm import tqdm
 
 from contract.atomic import atomic_dir, atomic_write_json, atomic_write_text
+from contract.cli import HelpFormatter
 from contract.text import letter_kinds
 from train.clean import stage as clean_stage
 from train.clean.decide import TRAIN, VAL, Cleaner
 from train.clean.scan import CleanPart, Settings, scan_documents
 from train.clean.split import codes_path, save_codes
-from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
+from train.config import Config, ConfigError, add_config_args, config_from_args, resolve_path
 from train.corpus import (
     Chunk,
     DataError,

@@ -57,7 +57,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from contract.atomic import atomic_write_json
-from train.config import ConfigError, HelpFormatter, add_config_args, config_from_args, resolve_path
+from contract.cli import HelpFormatter
+from train.config import ConfigError, add_config_args, config_from_args, resolve_path
 from train.device import PEAK_FLOPS, autocast_ctx, resolve_device, resolve_dtype
 from train.model import (
     CHUNK_TOKENS,

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from contract.cli import HelpFormatter
 from train import windows as W
 from train.components.checkpoint import (
     Checkpointer,
@@ -67,7 +68,7 @@ from train.components.run_log import RunLog, Throughput
 from train.components.signals import Interrupted, StopRequest, interrupts
 from train.components.state import TrainState
 from train.components.step_module import CompileInfo, StepModuleBuilder
-from train.config import Config, ConfigError, HelpFormatter, add_config_args, config_from_args
+from train.config import Config, ConfigError, add_config_args, config_from_args
 from train.device import peak_memory_bytes, reset_peak_memory
 from train.errors import NonFiniteStop, TrainError
 from train.loader import step_batches

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train.config import HelpFormatter, add_config_args
+from contract.cli import HelpFormatter
+from train.config import add_config_args
 from train.errors import TrainError
 from train.preflight import PreflightFailed
 from train.run import Trainer

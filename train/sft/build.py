@@ -52,6 +52,7 @@ from pathlib import Path
 
 from contract.atomic import atomic_write_bytes
 from contract.chat_format import reserved_token
+from contract.cli import HelpFormatter
 from contract.text import detect_language, lone_surrogate, nfc
 from train.corpus import DataError, unreadable_reason
 from train.sft.formats import SUFFIXES, jsonl_files
@@ -394,12 +395,13 @@ def write(rows: list[dict], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m train.sft.build``: exit 0 written (the summary line, then the path), 2 bad input
     (one ``error:`` line; nothing written)."""
-    p = argparse.ArgumentParser(prog="python -m train.sft.build", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m train.sft.build", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--data", nargs="+", default=["data/sample"],
                    help="the corpus: .jsonl[.gz] files or folders of them (JSON Lines with title/author)")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help="the file to write: .jsonl.gz (gzipped JSON Lines) or .jsonl (plain)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random draws that build each conversation")
     args = p.parse_args(argv)
     try:
         out = out_path(args.out, args.data)

@@ -15,7 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-from train.config import ConfigError, HelpFormatter, load_config
+from contract.cli import HelpFormatter
+from train.config import ConfigError, load_config
 from train.errors import TrainError
 from train.run import run_trainer
 from train.sft.data import base_checkpoint

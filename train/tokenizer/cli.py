@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from train.config import DEFAULT_PRESET, ConfigError, HelpFormatter, add_config_args, config_from_args, load_config
+from contract.cli import HelpFormatter
+from train.config import DEFAULT_PRESET, ConfigError, add_config_args, config_from_args, load_config
 from train.corpus import DataError, list_input_files
 from train.tokenizer import TokenizerError, save_tokenizer, tokenizer_sha256, train_tokenizer
 from train.tokenizer.fertility import fertility, load_any_tokenizer, print_table, split_docs
