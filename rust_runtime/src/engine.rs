@@ -76,11 +76,24 @@ impl Finish {
 /// and the top alternatives), or the end of that choice.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    Token { index: usize, id: u32, logprob: f32, top: Vec<(u32, f32)> },
-    Finished { index: usize, reason: Finish },
+    Token {
+        index: usize,
+        id: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    },
+    Finished {
+        index: usize,
+        reason: Finish,
+    },
     /// choice `index` ended at end-of-text or a stop id `id` (not part of the output), with its
     /// log-prob and top alternatives as for a token (vLLM reports this step too; lm-eval reads it)
-    Stopped { index: usize, id: u32, logprob: f32, top: Vec<(u32, f32)> },
+    Stopped {
+        index: usize,
+        id: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    },
 }
 
 /// Counters for /metrics, published after every pass of the scheduler.

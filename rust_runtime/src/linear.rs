@@ -6,8 +6,8 @@
 //! element is one fixed chain, so results do not depend on the batch.
 
 use crate::error::{Error, Result};
-use crate::kernels::{with_scratch, PackedF32, Par};
 use crate::kernels::int::{BlockKind, PackedQ, QuantRows};
+use crate::kernels::{with_scratch, PackedF32, Par};
 use std::cell::RefCell;
 
 pub use crate::quant::Quantize;

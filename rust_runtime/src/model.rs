@@ -14,8 +14,8 @@
 use crate::cache::{KvCache, CHUNK};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kernels::{self, Panels, Par, SyncPtr};
 use crate::kernels::int::{BlockKind, PackedQ};
+use crate::kernels::{self, Panels, Par, SyncPtr};
 use crate::linear::{Linear, Part};
 use crate::loader::{layer_tensor, Loader};
 pub use crate::quant::Quantize;

@@ -573,8 +573,14 @@ mod tests {
         assert!(SamplingParams::new(0.0, 0, 1.0, 0.0, 0.0, hi).is_ok());
         let (lo, hi) = PENALTY_RANGE;
         for v in [lo - 0.01, hi + 0.01, 1e39] {
-            assert!(SamplingParams::new(0.0, 0, 1.0, v, 0.0, 1.0).unwrap_err().to_string().contains("presence_penalty"));
-            assert!(SamplingParams::new(0.0, 0, 1.0, 0.0, v, 1.0).unwrap_err().to_string().contains("frequency_penalty"));
+            assert!(SamplingParams::new(0.0, 0, 1.0, v, 0.0, 1.0)
+                .unwrap_err()
+                .to_string()
+                .contains("presence_penalty"));
+            assert!(SamplingParams::new(0.0, 0, 1.0, 0.0, v, 1.0)
+                .unwrap_err()
+                .to_string()
+                .contains("frequency_penalty"));
         }
         assert!(SamplingParams::new(0.0, 0, 1.0, lo, hi, 1.0).is_ok());
     }

@@ -46,9 +46,16 @@ fn pinning(threads: usize) -> impl Fn(usize) + Send + Sync + 'static {
                 false
             }
         };
-        let all: Vec<usize> =
-            if ok && !off { (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect() } else { vec![] };
-        if all.len() >= threads { all } else { vec![] }
+        let all: Vec<usize> = if ok && !off {
+            (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+        } else {
+            vec![]
+        };
+        if all.len() >= threads {
+            all
+        } else {
+            vec![]
+        }
     };
     #[cfg(not(target_os = "linux"))]
     let cpus: Vec<usize> = {

@@ -215,4 +215,3 @@ unsafe fn epilogue<const SB: usize>(t: &Tile, n: usize, offset: i32, b0: usize, 
         _mm512_storeu_ps(y.add(16), a1);
     }
 }
-

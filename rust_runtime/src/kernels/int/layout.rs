@@ -85,7 +85,6 @@ pub(super) fn nibble(quants: &[u8], rr: usize, i: usize) -> u8 {
     }
 }
 
-
 /// One register tile's operands: n ≤ TILE token rows × one group (32 rows), over `blocks`
 /// 32-blocks (whole units) starting at the group's unit `w` (the next unit `stride` bytes on);
 /// token t's quants at `x + t·xs`, its block sums and scales at `sx + t·ds`, `dx + t·ds`;

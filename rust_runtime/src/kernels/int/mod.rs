@@ -56,13 +56,15 @@ use super::qblocks;
 #[cfg(test)]
 use super::qblocks::QK_K;
 pub use super::qblocks::{BlockKind, QK};
+use half::f16;
 pub use layout::bits_per_weight;
-use layout::{nibble, put_nibbles, quant_at, Layout, Tile, GROUP, K_DMIN, K_HEADER, K_M, K_SC, Q4_BYTES, Q8_BYTES, SCALES};
+use layout::{
+    nibble, put_nibbles, quant_at, Layout, Tile, GROUP, K_DMIN, K_HEADER, K_M, K_SC, Q4_BYTES, Q8_BYTES, SCALES,
+};
 pub use level::{gemv_groups, int_level, int_levels, IntLevel};
-pub use rows::{quantize_row, quantize_row_portable, QuantRows};
 use portable::tile_generic;
 use rows::Shared;
-use half::f16;
+pub use rows::{quantize_row, quantize_row_portable, QuantRows};
 use std::cell::RefCell;
 use std::ops::Range;
 
@@ -302,7 +304,8 @@ impl PackedQ {
                     for b0 in (0..nb).step_by(chunk) {
                         for t0 in (0..tn).step_by(TILE) {
                             let t = tb + t0;
-                            let (w, blocks, y) = (gw.add(b0 / ubl * ub), chunk.min(nb - b0), acc.as_mut_ptr().add(t0 * GROUP));
+                            let (w, blocks, y) =
+                                (gw.add(b0 / ubl * ub), chunk.min(nb - b0), acc.as_mut_ptr().add(t0 * GROUP));
                             let tile = Tile::of(x, w, ub, t, b0, blocks, y);
                             run_tile(level, kind, TILE.min(tn - t0), &tile);
                         }
@@ -484,7 +487,6 @@ unsafe fn run_tile(level: IntLevel, kind: BlockKind, n: usize, tile: &Tile) {
     }
 }
 
-
 /// Run `f` on this thread's scratch of at least `len` floats (`par::with_scratch`, grown here).
 fn with_acc<R>(
     key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>,
@@ -545,7 +547,11 @@ mod tests {
     fn reference(w: &[f32], rows: usize, x: &QuantRows, t: usize) -> Vec<f64> {
         let (k, nb) = (x.k, x.k / QK);
         (0..rows)
-            .map(|r| (0..k).map(|i| w[r * k + i] as f64 * x.q[x.qo + t * x.kp + i] as f64 * x.d[t * nb + i / QK] as f64).sum())
+            .map(|r| {
+                (0..k)
+                    .map(|i| w[r * k + i] as f64 * x.q[x.qo + t * x.kp + i] as f64 * x.d[t * nb + i / QK] as f64)
+                    .sum()
+            })
             .collect()
     }
 
@@ -648,7 +654,10 @@ mod tests {
         quantize_row_portable(&x, &mut q2, &mut s2, &mut d2);
         assert_eq!(q, q2);
         assert_eq!(s, s2);
-        assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), d2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            d2.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
         assert!(d[4].is_nan() && d[5].is_nan() && !d[6].is_nan() && q[64..96].iter().any(|&v| v != 0));
     }
 

@@ -1,6 +1,8 @@
 //! The integer register tile in portable code: the module's chain for any block kind.
 
-use super::layout::{nibble, quant_at, Layout, Tile, BlockKind, GROUP, K_DMIN, K_HEADER, K_M, K_SC, Q4_BYTES, Q8_BYTES, QK, SCALES};
+use super::layout::{
+    nibble, quant_at, BlockKind, Layout, Tile, GROUP, K_DMIN, K_HEADER, K_M, K_SC, Q4_BYTES, Q8_BYTES, QK, SCALES,
+};
 use half::f16;
 
 /// The chain in portable code: per block the exact integer dot product, then the fma(s).

@@ -44,7 +44,8 @@ impl QuantRows {
         self.qo = self.q.as_ptr().align_offset(64);
         self.s.resize(m * nb, 0);
         self.d.resize(m * nb, 0.0);
-        let (qp, sp, dp) = (Shared(self.q[self.qo..].as_mut_ptr()), Shared(self.s.as_mut_ptr()), Shared(self.d.as_mut_ptr()));
+        let (qp, sp, dp) =
+            (Shared(self.q[self.qo..].as_mut_ptr()), Shared(self.s.as_mut_ptr()), Shared(self.d.as_mut_ptr()));
         let body = |rows: Range<usize>| {
             let (qp, sp, dp) = (qp, sp, dp);
             for t in rows {
@@ -79,7 +80,12 @@ unsafe impl<T> Sync for Shared<T> {}
 /// bits (max is exact in any order, the scale is the same division, and both round half to even).
 pub fn quantize_row(x: &[f32], q: &mut [i8], s: &mut [i32], d: &mut [f32]) {
     let nb = x.len() / QK;
-    assert!(q.len() >= nb * QK && s.len() >= nb && d.len() >= nb, "quantize_row: {} values into {} quants", x.len(), q.len());
+    assert!(
+        q.len() >= nb * QK && s.len() >= nb && d.len() >= nb,
+        "quantize_row: {} values into {} quants",
+        x.len(),
+        q.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if matches!(int_level(), IntLevel::Amx | IntLevel::Avx512Vnni) {
         // SAFETY: the level implies AVX-512 F + BW; the slices were checked above
@@ -117,7 +123,7 @@ pub fn quantize_row_portable(x: &[f32], q: &mut [i8], s: &mut [i32], d: &mut [f3
         for i in 0..QK {
             // |xb·id| ≤ 127 (or NaN · 0 = NaN when not finite: then id is 0 and the lane is zeroed)
             let v = xb[i] * id;
-            let v = if v == v { v } else { 0.0 };
+            let v = if v.is_nan() { 0.0 } else { v };
             let rv = ((v + ROUND) - ROUND).clamp(-127.0, 127.0);
             // SAFETY: rv is an integer in [-127, 127] (finite: NaN was zeroed above)
             r[i] = unsafe { rv.to_int_unchecked::<i32>() };
@@ -132,14 +138,21 @@ pub fn quantize_row_portable(x: &[f32], q: &mut [i8], s: &mut [i32], d: &mut [f3
     }
 }
 
-
 impl Tile {
     /// The tile of tokens from `t` over blocks b0..b0 + blocks of `x`, against the group's units from
     /// `w` (`stride` bytes apart), its outputs at `y`, resumed when b0 > 0.
     ///
     /// Safety: as `Tile`'s pointers (t and the blocks within x; w and y covering them).
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn of(x: &QuantRows, w: *const u8, stride: usize, t: usize, b0: usize, blocks: usize, y: *mut f32) -> Tile {
+    pub(super) unsafe fn of(
+        x: &QuantRows,
+        w: *const u8,
+        stride: usize,
+        t: usize,
+        b0: usize,
+        blocks: usize,
+        y: *mut f32,
+    ) -> Tile {
         let nb = x.k / QK;
         Tile {
             w,
@@ -156,7 +169,6 @@ impl Tile {
     }
 }
 
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::QK;
@@ -170,7 +182,8 @@ mod x86 {
             let (x0, x1) = (_mm512_loadu_ps(x.add(b * QK)), _mm512_loadu_ps(x.add(b * QK + 16)));
             let (a0, a1) = (_mm512_abs_ps(x0), _mm512_abs_ps(x1));
             // |x| < inf is false for NaN and ±inf
-            let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a0, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a1, inf) == 0xFFFF;
+            let finite =
+                _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a0, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a1, inf) == 0xFFFF;
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
             if !finite || amax <= 0.0 {
                 std::ptr::write_bytes(q.add(b * QK), 0, QK);

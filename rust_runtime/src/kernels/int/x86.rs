@@ -253,8 +253,7 @@ pub unsafe fn gemv_vnni_k<const G: usize>(w: *const u8, gs: usize, x: &QuantRows
                 let ub = w.add(g * gs + u * stride);
                 for p in 0..2 {
                     let ds = _mm512_mul_ps(f16x16(ub.add(p * 32)), u8x16(ub.add(K_SC + j * GROUP + p * PANEL)));
-                    let dm =
-                        _mm512_mul_ps(f16x16(ub.add(K_DMIN + p * 32)), u8x16(ub.add(K_M + j * GROUP + p * PANEL)));
+                    let dm = _mm512_mul_ps(f16x16(ub.add(K_DMIN + p * 32)), u8x16(ub.add(K_M + j * GROUP + p * PANEL)));
                     let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g][p]), _mm512_mul_ps(ds, dx), accf[g][p]);
                     accf[g][p] = _mm512_fnmadd_ps(sx, _mm512_mul_ps(dm, dx), a);
                 }
