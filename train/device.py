@@ -136,8 +136,8 @@ def setup_cpu_allocator(threshold_bytes: int = 1 << 30) -> bool:
     are 8 × 512 × 32,000 × 4 B = 524 MB). Above glibc's mmap threshold each one is a fresh ``mmap`` whose pages the
     kernel faults in and zeroes again: here a third of a step's CPU time was system time. Raising the mmap and
     trim thresholds to ``threshold_bytes`` (1 GiB) makes malloc reuse the memory (PyTorch's CPU tuning guide gets
-    the same effect by switching to jemalloc or tcmalloc). Measured on ``small``, 2 cores: system time −40 %,
-    tokens/s +7–24 % over two interleaved pairs. The cost: the process keeps its peak memory until it exits.
+    the same effect by switching to jemalloc or tcmalloc); what it saves: benchmarks/README.md ("Training"). The
+    cost: the process keeps its peak memory until it exits.
 
     Returns True when applied; False (and does nothing) outside glibc (macOS, musl, Windows).
     """
