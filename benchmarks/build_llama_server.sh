@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's `llama-server` (continuous batching, `--parallel N`) for benchmarks/serve_batching.py.
-# Benchmark-only: never run in CI. Takes 15-25 minutes on 2 cores.
+# Benchmark-only: never run in CI. Build times: benchmarks/README.md, "Build and test times".
 #
 # Source: the llama-cpp-python sdist from the package index, which vendors llama.cpp (vendor/llama.cpp, tools/server).
 # The sdist URL comes from the JSON project page (PEP 691) of the index pip is configured with (no `pip download`:

@@ -92,7 +92,7 @@ HTTP_PREFIX = "http "  # engines served by `uvicorn serve.app:app` (Shalik's ser
 NOTES_BEGIN = "<!-- notes: written by hand, kept by --replot -->"
 NOTES_END = "<!-- /notes -->"
 
-BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (15-25 min on 2 cores), or pass "
+BUILD_HINT = ("build it with `bash benchmarks/build_llama_server.sh` (minutes: benchmarks/README.md, Build and test times), or pass "
               "`--llama-server PATH` for a binary elsewhere")
 
 

@@ -44,7 +44,7 @@ K_SUPER_BLOCK = 256                    # llama.cpp's K-quants (Q4_K, Q6_K): 256 
 # rule set (the output matrix kept at Q6_K), which the benchmarks compare against beside gguf-py's pure q4_0
 LLAMA_FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 INSTALL_HINT = ("pip install llama-cpp-python (the bench extra: pip install -e \".[bench]\"; a source build of "
-                "llama.cpp, 20-45 minutes)")
+                "llama.cpp, minutes: benchmarks/README.md, Build and test times)")
 
 
 def scheme_of(type: str) -> Scheme | None:

@@ -412,7 +412,7 @@ def _llama_cpp():
         import llama_cpp  # noqa: F401
     except ImportError as e:
         pytest.skip(f"llama-cpp-python is not installed ({e}); it is a benchmark dependency "
-                    "(pip install llama-cpp-python, ~20 min build), not a CI one")
+                    "(pip install -e '.[bench]', a source build), not a CI one")
 
 
 @pytest.mark.slow
