@@ -103,8 +103,9 @@ def cores() -> int:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (:func:`contract.cpu.cpu_name`, else ``platform.processor()``, else "unknown CPU")."""
-    return cpu.cpu_name() or platform.processor() or "unknown CPU"
+    """The CPU as a figure names it (:func:`contract.cpu.cpu_label`: model name, family, model and SIMD), else
+    ``platform.processor()``, else "unknown CPU"."""
+    return cpu.cpu_label() or platform.processor() or "unknown CPU"
 
 
 def git_commit() -> str:

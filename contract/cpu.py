@@ -1,7 +1,8 @@
 """What this CPU is, as Linux's ``/proc/cpuinfo`` states it: the model name, the instruction-set flags, the clock.
 
-One reader for every stage: preflight's dtype choice (``train.device.native_cpu_bf16``), the benchmarks' page headers
-and llama-server's build choice (``benchmarks.timing``), and the roofline's stated peak (``benchmarks.roofline``).
+One reader for every stage: preflight's dtype choice (``train.device.native_cpu_bf16``), the name a run's summary and
+the benchmarks' page headers give the CPU (:func:`cpu_label`), llama-server's build choice (``benchmarks.timing``), and
+the roofline's stated peak (``benchmarks.roofline``).
 Each function takes the file to read (default :data:`CPUINFO`, looked up at call time so that a test can point it at
 a file of its own) and returns None where that file cannot be read (not Linux); none of them raises.
 """
@@ -52,3 +53,19 @@ def cpu_mhz(cpuinfo: Path | None = None) -> float | None:
         except ValueError:
             continue
     return max(mhz) if mhz else None
+
+
+def cpu_label(cpuinfo: Path | None = None) -> str | None:
+    """The CPU as a speed figure should name it: the model name, family and model numbers, and the widest SIMD the
+    integer and float kernels use (AMX, AVX-512, AVX2, else "no AVX2"), e.g. ``"AMD EPYC (family 25 model 1; AVX2)"``.
+    Cloud machines often report a bare "AMD EPYC", which may be a Zen 3 (AVX2 only) or a Zen 4 (family 25, models 1
+    and 17), whose speeds differ widely. None where there is no model name or no file."""
+    name = cpu_name(cpuinfo)
+    if name is None:
+        return None
+    flags = cpu_flags(cpuinfo) or set()
+    simd = next((label for flag, label in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                 if flag in flags), "no AVX2")
+    family, model = _values("cpu family", cpuinfo) or [], _values("model", cpuinfo) or []
+    where = [f"family {family[0]} model {model[0]}"] if family and model else []
+    return f"{name} ({'; '.join([*where, simd])})"

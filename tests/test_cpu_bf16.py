@@ -42,11 +42,20 @@ def test_cpuinfo_is_read_for_name_flags_and_clock(tmp_path):
     assert contract.cpu.cpu_name(f) == "AMD EPYC 9B14"
     assert contract.cpu.cpu_flags(f) == {"fpu", "avx2", "avx512_bf16"}
     assert contract.cpu.cpu_mhz(f) == 3100.5
+    assert contract.cpu.cpu_label(f) == "AMD EPYC 9B14 (AVX2)"
+    zen3 = tmp_path / "zen3"
+    zen3.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n")
+    assert contract.cpu.cpu_label(zen3) == "AMD EPYC (family 25 model 1; AVX2)"
+    xeon = tmp_path / "xeon"
+    xeon.write_text("processor\t: 0\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel Xeon\n"
+                    "flags\t\t: avx2 avx512f amx_tile\n")
+    assert contract.cpu.cpu_label(xeon) == "Intel Xeon (family 6 model 143; AMX)"
     bare = tmp_path / "bare"
     bare.write_text("processor\t: 0\n")
     assert (contract.cpu.cpu_name(bare), contract.cpu.cpu_flags(bare), contract.cpu.cpu_mhz(bare)) == (None, set(), None)
     absent = tmp_path / "absent"
     assert (contract.cpu.cpu_name(absent), contract.cpu.cpu_flags(absent), contract.cpu.cpu_mhz(absent)) == (None,) * 3
+    assert contract.cpu.cpu_label(bare) is None and contract.cpu.cpu_label(absent) is None
 
 
 def test_the_environment_variable_masks_the_flag(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
+import contract.cpu
 from tests.conftest import MINI, ROOT, fast_config, fast_overrides
 from train.components.checkpoint import find_checkpoint, read_latest_name, verify_sums
 from train.run import NonFiniteStop, Trainer, TrainError
@@ -89,6 +90,7 @@ def test_run_folder_layout(tmp_path, session_cache):
     assert evals[0]["random_init"]["all"]["nll"] == pytest.approx(evals[0]["val"]["all"]["nll"])
     assert set(summary) >= {"name", "params", "device", "dtype", "steps", "tokens", "wall_s", "tokens_per_s", "mfu",
                             "val", "random_init", "checkpoint"}
+    assert summary["device_name"] == contract.cpu.cpu_label()  # the CPU its speed was measured on, by name
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert {s["lang"] for s in samples} == {"bn", "en"} and {"step", "prompt", "lang", "text"} <= set(samples[0])
     data = json.loads((ck / "data_summary.json").read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import resource
 import sys
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from contract.cpu import cpu_flags
+from contract.cpu import cpu_flags, cpu_label
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,6 +107,15 @@ def autocast_ctx(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def device_name(device: torch.device) -> str:
+    """What the run trains on, as its figures should name it: the GPU's name, or the CPU's
+    (:func:`contract.cpu.cpu_label`, e.g. ``"AMD EPYC (family 25 model 1; AVX2)"``; ``platform.processor()`` where
+    /proc/cpuinfo is missing)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_label() or platform.processor() or "unknown CPU"
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -69,7 +69,7 @@ from train.components.signals import Interrupted, StopRequest, interrupts
 from train.components.state import TrainState
 from train.components.step_module import CompileInfo, StepModuleBuilder
 from train.config import Config, ConfigError, add_config_args, config_from_args
-from train.device import peak_memory_bytes, reset_peak_memory
+from train.device import device_name, peak_memory_bytes, reset_peak_memory
 from train.errors import NonFiniteStop, TrainError
 from train.loader import step_batches
 from train.model import LlamaForCausalLM, ModelConfig
@@ -250,8 +250,8 @@ class Trainer:
         p.decide_auto(None, None, self.log)  # auto not settled by preflight: float32 (said in the log)
         self.state.dtype = p.dtype_name
         self.log(f"model: {self.model.num_params():,} parameters ({self.model.num_params(non_embedding=True):,} "
-                 f"without the embedding), vocab {self.data.vocab_size:,}; device {p.device}, {p.dtype_name}; "
-                 f"{p.micro}×{t.seq_len} tokens × {p.accum} accum × {p.dist.world_size} ranks per step")
+                 f"without the embedding), vocab {self.data.vocab_size:,}; device {p.device} ({device_name(p.device)}), "
+                 f"{p.dtype_name}; {p.micro}×{t.seq_len} tokens × {p.accum} accum × {p.dist.world_size} ranks per step")
         gc.collect()  # preflight's copies
         if p.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -424,7 +424,7 @@ class Trainer:
         p, last = self.placement, self.checkpointer.last
         summary = {
             "name": self.cfg.run.name, "params": self.model.num_params(), "device": str(p.device),
-            "dtype": p.dtype_name, "steps": self.state.step, "tokens": self.state.tokens,
+            "device_name": device_name(p.device), "dtype": p.dtype_name, "steps": self.state.step, "tokens": self.state.tokens,
             "wall_s": self.state.elapsed(),
             "tokens_per_s": (sum(r["tokens_per_s"] for r in trains) / len(trains)) if trains else meter.tokens_per_s,
             "mfu": meter.mfu, "val": evals[-1]["val"] if evals else None,
