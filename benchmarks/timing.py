@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import select
 import statistics
 import subprocess
@@ -103,9 +102,8 @@ def cores() -> int:
 
 
 def cpu_name() -> str:
-    """The CPU as a figure names it (:func:`contract.cpu.cpu_label`: model name, family, model and SIMD), else
-    ``platform.processor()``, else "unknown CPU"."""
-    return cpu.cpu_label() or platform.processor() or "unknown CPU"
+    """The CPU as a figure names it (:func:`contract.cpu.cpu_label`: model name, family, model and SIMD)."""
+    return cpu.cpu_label()
 
 
 def git_commit() -> str:

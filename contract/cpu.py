@@ -4,11 +4,13 @@ One reader for every stage: preflight's dtype choice (``train.device.native_cpu_
 the benchmarks' page headers give the CPU (:func:`cpu_label`), llama-server's build choice (``benchmarks.timing``), and
 the roofline's stated peak (``benchmarks.roofline``).
 Each function takes the file to read (default :data:`CPUINFO`, looked up at call time so that a test can point it at
-a file of its own) and returns None where that file cannot be read (not Linux); none of them raises.
+a file of its own) and returns None where that file cannot be read (not Linux; :func:`cpu_label` then falls back
+to ``platform.processor()``); none of them raises.
 """
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -55,14 +57,15 @@ def cpu_mhz(cpuinfo: Path | None = None) -> float | None:
     return max(mhz) if mhz else None
 
 
-def cpu_label(cpuinfo: Path | None = None) -> str | None:
+def cpu_label(cpuinfo: Path | None = None) -> str:
     """The CPU as a speed figure should name it: the model name, family and model numbers, and the widest SIMD the
     integer and float kernels use (AMX, AVX-512, AVX2, else "no AVX2"), e.g. ``"AMD EPYC (family 25 model 1; AVX2)"``.
     Cloud machines often report a bare "AMD EPYC", which may be a Zen 3 (AVX2 only) or a Zen 4 (family 25, models 1
-    and 17), whose speeds differ widely. None where there is no model name or no file."""
+    and 17), whose speeds differ widely. Where there is no model name or no file: ``platform.processor()``, else
+    "unknown CPU" (never None, unlike the readers above)."""
     name = cpu_name(cpuinfo)
     if name is None:
-        return None
+        return platform.processor() or "unknown CPU"
     flags = cpu_flags(cpuinfo) or set()
     simd = next((label for flag, label in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
                  if flag in flags), "no AVX2")

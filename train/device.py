@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import resource
 import sys
 from collections.abc import Callable
@@ -111,11 +110,10 @@ def autocast_ctx(device: torch.device, dtype: torch.dtype):
 
 def device_name(device: torch.device) -> str:
     """What the run trains on, as its figures should name it: the GPU's name, or the CPU's
-    (:func:`contract.cpu.cpu_label`, e.g. ``"AMD EPYC (family 25 model 1; AVX2)"``; ``platform.processor()`` where
-    /proc/cpuinfo is missing)."""
+    (:func:`contract.cpu.cpu_label`, e.g. ``"AMD EPYC (family 25 model 1; AVX2)"``)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return cpu_label() or platform.processor() or "unknown CPU"
+    return cpu_label()
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
