@@ -75,18 +75,13 @@ FOREIGN_RTOL = 1e-5  # relative, per step: another ISA moved losses by <= 4e-7 h
 
 def cpu_fingerprint() -> str:
     """The CPU as its kernels see it: ``platform.machine()``, torch's dispatch level
-    (``torch.backends.cpu.get_cpu_capability()``, e.g. ``AVX512``) and ``/proc/cpuinfo``'s model name."""
+    (``torch.backends.cpu.get_cpu_capability()``, e.g. ``AVX512``) and ``/proc/cpuinfo``'s model name
+    (:func:`contract.cpu.cpu_name`)."""
     import platform
 
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} {model}"
+    from contract.cpu import cpu_name
+
+    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} {cpu_name() or 'unknown'}"
 
 
 def environment(record: dict) -> tuple:

@@ -55,7 +55,7 @@ from contract.text import letter_kinds
 from train.clean import stage as clean_stage
 from train.clean.decide import TRAIN, VAL, Cleaner
 from train.clean.scan import CleanPart, Settings, scan_documents
-from train.clean.split import codes_path, save_codes
+from train.clean.split import codes_path, document_codes, save_codes
 from train.config import Config, ConfigError, add_config_args, config_from_args, resolve_path
 from train.corpus import (
     Chunk,
@@ -107,13 +107,15 @@ def _fingerprint(obj) -> str:
 
 
 def tokenizer_fingerprint(cfg: Config, inputs: list[InputFile]) -> str:
-    """Fingerprint of a tokenizer trained from these inputs with these settings (not the model's context)."""
+    """Fingerprint of a tokenizer trained from these inputs with these settings (not the model's context); the
+    cleaning stage's settings are part of it, as they decide which documents the sample may take."""
     t = cfg.tokenizer
     return _fingerprint({
         "format": FORMAT_VERSION, "kind": "tokenizer", "inputs": sorted(i.sha256 for i in inputs),
         "languages": sorted(cfg.data.languages), "val_fraction": cfg.data.val_fraction,
         "vocab_size": t.vocab_size, "sample_chars": t.sample_chars, "sample_weights": t.sample_weights,
         "min_frequency": t.min_frequency, "split": [PRETOKENIZER.name, *PRETOKENIZER.splits],
+        "clean": clean_stage.fingerprint(clean_stage.settings_from(cfg)),
     })
 
 
@@ -131,8 +133,10 @@ def shards_fingerprint(cfg: Config, inputs: list[InputFile], tok_sha: str, clean
 
 def ensure_tokenizer(cfg: Config, files: list[str], inputs: list[InputFile], log=print) -> Path:
     """The tokenizer folder: ``tokenizer.path`` if set, else the cached one for this fingerprint, trained on a
-    miss (on the train split, balanced by ``tokenizer.sample_weights``, sampled in one pass by
-    ``data.num_workers`` processes). Raises DataError when the inputs hold no documents to train on (saying
+    miss on the model's own training side — the documents the cleaning stage keeps for training
+    (``train.clean.split.document_codes``: not the validation works, not duplicates or contaminated documents),
+    so the tokenizer never sees validation text — balanced by ``tokenizer.sample_weights`` and sampled in one pass
+    by ``data.num_workers`` processes. Raises DataError when the inputs hold no documents to train on (saying
     what was skipped and why)."""
     if cfg.tokenizer.path:
         path = resolve_path(cfg.tokenizer.path)
@@ -145,9 +149,10 @@ def ensure_tokenizer(cfg: Config, files: list[str], inputs: list[InputFile], log
         log(f"tokenizer: cache hit, reusing {path}")
         return path
     t0 = time.time()
+    codes = document_codes(cfg, files, log)
     texts, stats = choose_sample(files, cfg.data.languages, cfg.tokenizer.sample_weights, cfg.tokenizer.sample_chars,
                                  cfg.data.val_fraction, cfg.data.strict, resolve_workers(cfg.data.num_workers),
-                                 {i.path: i.unreadable for i in inputs})
+                                 {i.path: i.unreadable for i in inputs}, codes=codes)
     for lang, s in stats.items():
         log(f"tokenizer: sampling {s['sampled']:,} of {s['available']:,} train characters of {lang} "
             f"({s['docs']} documents)")

@@ -1,8 +1,9 @@
 """Each document's side (train, val, or removed and why) for readers other than the shards' build.
 
 The compressor floor (``train.compression``) primes PPMd with the training side and measures the validation
-side; both must be the shards' own. :func:`document_codes` returns the cleaning stage's code per document of the
-configured languages, in reading order (:mod:`train.clean.decide`: ``TRAIN``, ``VAL`` or a removal reason), from
+side, and the tokenizer samples the training side (``train.data.ensure_tokenizer``); all must be the shards' own.
+:func:`document_codes` returns the cleaning stage's code per document of the configured languages, in reading
+order (:mod:`train.clean.decide`: ``TRAIN``, ``VAL`` or a removal reason), from
 ``<data.cache_dir>/clean/<fingerprint>.npy`` — written by ``prepare`` as it builds the shards, or computed here by
 the same scan without tokenizing (and cached). :func:`iter_split` pairs the documents with their codes.
 """
@@ -77,14 +78,16 @@ def scan_and_decide(cfg: Config, files: list[str], settings: Settings | None = N
 
 
 def document_codes(cfg: Config, files: list[str], log=print) -> np.ndarray:
-    """int8 code per document of ``cfg.data.languages`` in reading order (cached; see the module doc)."""
+    """int8 code per document of ``cfg.data.languages`` in reading order (cached; see the module doc). Raises
+    DataError when cleaning leaves a configured language without documents (:func:`stage.check_languages_left`)."""
     settings = stage.settings_from(cfg)
     inputs = scan_inputs(files, resolve_path(cfg.data.cache_dir), 1)
     path = codes_path(cfg, inputs, settings)
     if path.is_file():
         return np.load(path)
     log("cleaning: deciding the split and the removals (the shards' scan, without tokenizing; cached after)")
-    codes, _, _ = scan_and_decide(cfg, files, settings)
+    codes, report, _ = scan_and_decide(cfg, files, settings)
+    stage.check_languages_left(report, list(cfg.data.languages))
     save_codes(path, codes)
     return codes
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from contract.cli import HelpFormatter
+from train.clean.split import document_codes
 from train.config import DEFAULT_PRESET, ConfigError, add_config_args, config_from_args, load_config
 from train.corpus import DataError, list_input_files
 from train.tokenizer import TokenizerError, save_tokenizer, tokenizer_sha256, train_tokenizer
@@ -54,7 +55,8 @@ def _cmd_train(args) -> int:
     out = check_out(args.out, args.force)
     files = list_input_files(cfg.data.paths)
     texts, stats = choose_sample(files, cfg.data.languages, cfg.tokenizer.sample_weights, cfg.tokenizer.sample_chars,
-                                 cfg.data.val_fraction, cfg.data.strict, workers=cfg.data.num_workers)
+                                 cfg.data.val_fraction, cfg.data.strict, workers=cfg.data.num_workers,
+                                 codes=document_codes(cfg, files))
     for lang, s in stats.items():
         print(f"{lang}: sampling {s['sampled']:,} of {s['available']:,} train characters ({s['docs']} documents)")
     tok = train_tokenizer(texts, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)

@@ -1,8 +1,10 @@
 """The tokenizer's training sample: train-split text balanced by language, chosen in one streaming pass.
 
-Which documents: per language, the train documents (split hash ≥ ``val_fraction``) with the lowest split hashes
-(``contract.text.split_value``), up to the language's quota of characters (:func:`sample_quotas`), taken in
-reading order. One pass over the corpus, parsed in parallel (``train.parallel``), with bounded memory: a
+Which documents: per language, the train documents with the lowest split hashes (``contract.text.split_value``),
+up to the language's quota of characters (:func:`sample_quotas`), taken in reading order. The train documents are
+the model's own training side when the cleaning stage's codes are given (``codes``: the validation split of whole
+works, duplicates and contaminated documents excluded, :mod:`train.clean.decide`), so the tokenizer never sees
+the text its model is validated on; else those whose split hash is at least ``val_fraction``. One pass over the corpus, parsed in parallel (``train.parallel``), with bounded memory: a
 :class:`SampleSelector` keeps, per language, only the lowest-hash documents that can still be in the sample
 (their characters are bounded by the largest possible quota), and tells the workers the hash above which a
 document can no longer get in, so they send back ever fewer texts.
@@ -14,10 +16,12 @@ import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from contract.text import split_value
-from train.corpus import Chunk, ReadReport, Skip, check_languages_present, iter_chunks, parse_chunk
+from train.clean.decide import TRAIN
+from train.corpus import Chunk, DataError, ReadReport, Skip, check_languages_present, iter_chunks, parse_chunk
 from train.parallel import ordered_map
 
 
@@ -72,25 +76,38 @@ class _Kept:
 class SampleSelector:
     """Streams documents in and keeps what can still be in the sample (see the module doc)."""
 
-    def __init__(self, languages: list[str], weights: dict[str, float], sample_chars: int):
+    def __init__(self, languages: list[str], weights: dict[str, float], sample_chars: int,
+                 codes: np.ndarray | None = None):
         self.weights, self.sample_chars = weights, sample_chars
         self.kept = {lang: _Kept(w) for lang, w in _wanted(languages, weights, sample_chars).items()}
         self.seen = {lang: 0 for lang in languages}
         self.available = {lang: 0 for lang in languages}
+        self.codes = codes
         self._seq = 0
+        self.documents = 0  # documents of the configured languages taken in so far (the index into ``codes``)
 
     def thresholds(self) -> dict[str, float]:
         """Per language, the split hash above which a train document cannot get into the sample any more."""
         return {lang: k.threshold() for lang, k in self.kept.items()}
 
     def add(self, part: _SampledChunk) -> None:
-        """Take in one chunk's counts and candidates (in reading order)."""
-        for lang in self.seen:
-            self.seen[lang] += part.seen.get(lang, 0)
-            self.available[lang] += part.available.get(lang, 0)
-        for lang, key, text in part.candidates:
-            self.kept[lang].add(key, self._seq, text)
-            self._seq += 1
+        """Take in one chunk's documents and candidates (chunks in reading order). Raises DataError when the
+        chunk holds more documents than ``codes`` has (the corpus changed after the codes were decided)."""
+        n = len(part.langs)
+        if self.codes is not None and self.documents + n > len(self.codes):
+            raise DataError(f"the corpus holds more documents than the cleaning stage decided on ({len(self.codes)}):"
+                            " it changed while being read; run the command again")
+        train = [not hashed_val if self.codes is None else self.codes[self.documents + j] == TRAIN
+                 for j, hashed_val in enumerate(part.hashed_val)]
+        for j, lang in enumerate(part.langs):
+            self.seen[lang] += 1
+            if train[j]:
+                self.available[lang] += part.chars[j]
+        for j, key, text in part.candidates:
+            if train[j]:
+                self.kept[part.langs[j]].add(key, self._seq, text)
+                self._seq += 1
+        self.documents += n
 
     def result(self) -> tuple[list[str], dict]:
         """``(texts in reading order, {lang: {"available", "sampled", "docs"}})``: per language the lowest-hash
@@ -118,9 +135,10 @@ class _SampledChunk:
     file_index: int
     nbytes: int
     warnings: list[str]
-    seen: dict[str, int]
-    available: dict[str, int]
-    candidates: list[tuple[str, float, str]]  # (lang, split hash, text) of train documents under the threshold
+    langs: list[str]  # every document of the configured languages, in reading order
+    chars: list[int]  # its characters
+    hashed_val: list[bool]  # its split hash is below val_fraction
+    candidates: list[tuple[int, float, str]]  # (index in langs, split hash, text) of documents under the threshold
 
 
 _WORKER: dict = {}
@@ -135,34 +153,33 @@ def _sample_chunk(task: tuple[Chunk | Skip, dict[str, float]]) -> _SampledChunk 
     if isinstance(chunk, Skip):
         return chunk
     docs, warnings = parse_chunk(chunk)
-    seen: dict[str, int] = {}
-    available: dict[str, int] = {}
-    candidates = []
+    part = _SampledChunk(chunk.file_index, chunk.nbytes, warnings, [], [], [], [])
     for d in docs:
         if d.lang not in _WORKER["languages"]:
             continue
-        seen[d.lang] = seen.get(d.lang, 0) + 1
         key = split_value(d.text)
-        if key < _WORKER["val_fraction"]:
-            continue
-        available[d.lang] = available.get(d.lang, 0) + len(d.text)
         if key <= thresholds[d.lang]:
-            candidates.append((d.lang, key, d.text))
-    return _SampledChunk(chunk.file_index, chunk.nbytes, warnings, seen, available, candidates)
+            part.candidates.append((len(part.langs), key, d.text))
+        part.langs.append(d.lang)
+        part.chars.append(len(d.text))
+        part.hashed_val.append(key < _WORKER["val_fraction"])
+    return part
 
 
 def choose_sample(files: list[str], languages: list[str], weights: dict[str, float], sample_chars: int,
                   val_fraction: float, strict: bool = False, workers: int = 1,
                   unreadable: dict[str, str | None] | None = None,
-                  report: ReadReport | None = None) -> tuple[list[str], dict]:
+                  report: ReadReport | None = None, codes: np.ndarray | None = None) -> tuple[list[str], dict]:
     """Read ``files`` once with ``workers`` processes and return ``(sample texts, stats)`` — see the module doc;
-    ``stats`` = ``{lang: {"available": train chars, "sampled": chars, "docs": n}}``.
+    ``stats`` = ``{lang: {"available": train chars, "sampled": chars, "docs": n}}``. ``codes``: the cleaning
+    stage's code per document of ``languages`` in reading order (``train.clean.split.document_codes``); when given,
+    the train documents are those coded ``TRAIN`` and ``val_fraction`` is not used.
 
-    Raises DataError for a configured language without documents (naming what was skipped, and why), or, in
-    strict mode, for the first bad input.
+    Raises DataError for a configured language without documents (naming what was skipped, and why), when the
+    documents read are not the ones ``codes`` was decided on, or, in strict mode, for the first bad input.
     """
     report = report if report is not None else ReadReport()
-    selector = SampleSelector(languages, weights, sample_chars)
+    selector = SampleSelector(languages, weights, sample_chars, codes)
     tasks = ((c, selector.thresholds()) for c in iter_chunks(files, unreadable))  # thresholds as of submission
     bar = tqdm(desc="sampling for the tokenizer", unit="B", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
                leave=False)
@@ -175,6 +192,9 @@ def choose_sample(files: list[str], languages: list[str], weights: dict[str, flo
                 report.warn(w, strict)
             selector.add(part)
             bar.update(part.nbytes)
+    if codes is not None and selector.documents != len(codes):
+        raise DataError(f"the corpus holds {selector.documents} documents, the cleaning stage decided on {len(codes)}: "
+                        "it changed while being read; run the command again")
     check_languages_present(selector.seen, files, report.skipped)
     return selector.result()
 
