@@ -23,7 +23,16 @@ from train.clean import stage
 from train.clean.decide import Cleaner
 from train.clean.scan import Settings, scan_documents
 from train.config import Config, resolve_path
-from train.corpus import Chunk, Document, ReadReport, Skip, iter_chunks, iter_documents, parse_chunk
+from train.corpus import (
+    Chunk,
+    Document,
+    ReadReport,
+    Skip,
+    check_languages_present,
+    iter_chunks,
+    iter_documents,
+    parse_chunk,
+)
 from train.inputs import InputFile, scan_inputs
 from train.parallel import ordered_map, resolve_workers
 
@@ -53,26 +62,35 @@ def _init(languages: list[str], settings: Settings) -> None:
 def _scan(chunk: Chunk | Skip):
     if isinstance(chunk, Skip):
         return chunk
-    docs = [d for d in parse_chunk(chunk)[0] if d.lang in _W["languages"]]
+    parsed, warnings = parse_chunk(chunk)
+    docs = [d for d in parsed if d.lang in _W["languages"]]
     return chunk.file_index, [d.lang for d in docs], [d.source for d in docs], [len(d.text) for d in docs], \
-        scan_documents(docs, _W["settings"])
+        scan_documents(docs, _W["settings"]), warnings
 
 
 def scan_and_decide(cfg: Config, files: list[str], settings: Settings | None = None,
                     workers: int | None = None) -> tuple[np.ndarray, dict, Cleaner]:
     """The cleaning stage on ``files`` without tokenizing: ``(codes, report, cleaner)`` (the cleaner keeps its
-    clusters; its scratch folder is gone)."""
+    clusters; its scratch folder is gone). Raises DataError, as the tokenizer's sampling does, for a configured
+    language without a single document (naming what was skipped) or, in strict mode, for the first bad input."""
     settings = settings if settings is not None else stage.settings_from(cfg)
     inputs = scan_inputs(files, resolve_path(cfg.data.cache_dir), 1)
     with tempfile.TemporaryDirectory() as tmp:
         cleaner = Cleaner(settings, list(cfg.data.languages), cfg.data.val_fraction, Path(tmp))
         unreadable = {i.path: i.unreadable for i in inputs}
         n = resolve_workers(cfg.data.num_workers if workers is None else workers)
+        read, seen = ReadReport(), dict.fromkeys(cfg.data.languages, 0)
         for part in ordered_map(_scan, iter_chunks(files, unreadable), n, _init, (list(cfg.data.languages), settings)):
             if isinstance(part, Skip):
+                read.warn(part.message, cfg.data.strict)
                 continue
-            file_index, langs, sources, chars, clean = part
+            file_index, langs, sources, chars, clean, warnings = part
+            for w in warnings:
+                read.warn(w, cfg.data.strict)
+            for lang in langs:
+                seen[lang] += 1
             cleaner.add(clean, langs, sources, file_index, chars)
+        check_languages_present(seen, files, read.skipped)
         codes, report = cleaner.decide()
     return codes, report, cleaner
 
